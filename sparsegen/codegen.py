@@ -1,0 +1,47 @@
+"""Render a KernelSpec into CUDA C++ source. The only module that imports jinja2."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jinja2
+
+from .spec import KernelSpec
+
+_MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
+_ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float"}
+
+
+def templates_dir() -> Path:
+    """Templates ship inside the wheel as sparsegen/templates; a checkout has them at top level."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"sparsegen templates not found next to {here}")
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    # StrictUndefined: a template that names a variable we did not pass is an error,
+    # never an empty string in generated code.
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def template_context(spec: KernelSpec) -> dict:
+    """Everything a template may use: the spec's fields, flattened, plus derived names."""
+    t = spec.tile
+    return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch,
+                bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
+                tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages,
+                threads=t.threads)
+
+
+def render(spec: KernelSpec) -> str:
+    return _environment().get_template(f"{spec.op}.cu.j2").render(**template_context(spec))
+
+
+def headers() -> dict[str, str]:
+    """Device headers handed to NVRTC by name, so no include path is needed."""
+    return {p.name: p.read_text() for p in sorted(templates_dir().glob("*.cuh"))}

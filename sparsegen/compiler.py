@@ -1,0 +1,72 @@
+"""NVRTC: CUDA C++ source + arch -> CUBIN. Never PTX: a CUBIN from a newer NVRTC still
+loads on an older driver, PTX does not."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from . import env
+from .errors import CompileError, SparsegenError
+
+BASE_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
+
+
+def _nvrtc():
+    from cuda.bindings import nvrtc  # imported late: `import sparsegen` stays fast
+
+    return nvrtc
+
+
+def _check(result, what: str):
+    status, *values = result
+    if int(status) != 0:
+        raise SparsegenError(f"NVRTC {what} failed: {status!r}")
+    return values[0] if len(values) == 1 else values
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_version() -> str:
+    major, minor = _check(_nvrtc().nvrtcVersion(), "version query")
+    return f"{major}.{minor}"
+
+
+def options(arch: int) -> tuple[str, ...]:
+    return (f"--gpu-architecture=sm_{arch}",) + BASE_OPTIONS
+
+
+def compile_cubin(source: str, name: str, arch: int, headers: dict[str, str]) -> bytes:
+    """Compile to CUBIN or raise CompileError with NVRTC's log and the dumped source path."""
+    nvrtc = _nvrtc()
+    prog = _check(nvrtc.nvrtcCreateProgram(
+        source.encode(), f"{name}.cu".encode(), len(headers),
+        [h.encode() for h in headers.values()], [n.encode() for n in headers]), "create")
+    try:
+        opts = [o.encode() for o in options(arch)]
+        status, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if int(status) != 0:
+            raise CompileError(name, _log(prog), str(dump_source(name, source, headers)))
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "CUBIN size")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "CUBIN read")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _log(prog) -> str:
+    nvrtc = _nvrtc()
+    size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+    log = b" " * size
+    _check(nvrtc.nvrtcGetProgramLog(prog, log), "log read")
+    return log.rstrip(b"\x00 ").decode(errors="replace")
+
+
+def dump_source(name: str, source: str, headers: dict[str, str]) -> Path:
+    """Write the generated source (and the headers it includes) where a human can read it."""
+    folder = env.dump_dir() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for header, text in headers.items():
+        (folder / header).write_text(text)
+    path = folder / f"{name}.cu"
+    path.write_text(source)
+    return path

@@ -1,0 +1,91 @@
+"""Block-CSR layout: a boolean block mask and the index tensors the kernels walk.
+
+A weight W [N, K] with blocks [bm, bk] has a mask [N / bm, K / bk]. Its values are
+stored as [nnz, bm, bk] in row-major mask order; row_offsets [N / bm + 1] and
+col_indices [nnz] (int32) say where each block row's blocks are.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import InputError, expect
+
+
+def check_divisible(features: int, side: int, what: str) -> None:
+    expect(features % side == 0,
+           f"{what} ({features}) to be a multiple of the block's {side}; "
+           f"nearest valid sizes are {features // side * side} and {math.ceil(features / side) * side}",
+           f"{features} % {side} = {features % side}")
+
+
+def grid_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
+    check_divisible(out_features, block[0], "out_features")
+    check_divisible(in_features, block[1], "in_features")
+    return out_features // block[0], in_features // block[1]
+
+
+def random_mask(grid: tuple[int, int], density: float, generator=None) -> torch.Tensor:
+    """density rounded to whole blocks, spread evenly over block rows (no row left empty
+    unless density is 0), columns chosen at random within each row."""
+    expect(0.0 <= density <= 1.0, "density in [0, 1]", density)
+    rows, cols = grid
+    total = round(density * rows * cols)
+    if density > 0:
+        total = max(total, rows)
+    per_row = torch.full((rows,), total // rows, dtype=torch.long)
+    per_row[torch.randperm(rows, generator=generator)[: total % rows]] += 1
+    scores = torch.rand(rows, cols, generator=generator)
+    ranks = scores.argsort(dim=1).argsort(dim=1)
+    return ranks < per_row[:, None]
+
+
+def check_mask(mask: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    expect(isinstance(mask, torch.Tensor) and mask.dtype == torch.bool,
+           "layout to be a torch.bool tensor", getattr(mask, "dtype", type(mask)))
+    expect(tuple(mask.shape) == tuple(grid), f"layout of shape {tuple(grid)} (out/bm, in/bk)",
+           tuple(mask.shape))
+    return mask.cpu().contiguous()
+
+
+def indices(mask: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_offsets and col_indices (int32) of a block mask."""
+    counts = mask.sum(dim=1)
+    row_offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
+    row_offsets[1:] = counts.cumsum(0)
+    col_indices = mask.nonzero()[:, 1].to(torch.int32)
+    return row_offsets.to(device), col_indices.to(device)
+
+
+def blocks_of(dense: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[N, K] -> [N/bm, K/bk, bm, bk] view-like tensor of its blocks."""
+    n, k = dense.shape
+    bm, bk = block
+    return dense.reshape(n // bm, bm, k // bk, bk).transpose(1, 2)
+
+
+def dense_to_values(dense: torch.Tensor, mask: torch.Tensor, block) -> torch.Tensor:
+    return blocks_of(dense, block)[mask.to(dense.device)].contiguous()
+
+
+def values_to_dense(values: torch.Tensor, mask: torch.Tensor, block) -> torch.Tensor:
+    rows, cols = mask.shape
+    bm, bk = block
+    grid = values.new_zeros(rows, cols, bm, bk)
+    grid[mask.to(values.device)] = values
+    return grid.transpose(1, 2).reshape(rows * bm, cols * bk)
+
+
+def top_norm_mask(dense: torch.Tensor, block, density: float) -> torch.Tensor:
+    """Keep the round(density * blocks) blocks of largest Frobenius norm."""
+    expect(0.0 < density <= 1.0, "density in (0, 1]", density)
+    norms = blocks_of(dense.detach().float(), block).pow(2).sum(dim=(2, 3)).cpu()
+    keep = max(1, round(density * norms.numel()))
+    mask = torch.zeros(norms.numel(), dtype=torch.bool)
+    mask[norms.flatten().topk(keep).indices] = True
+    return mask.reshape(norms.shape)
+
+
+__all__ = ["InputError", "random_mask", "check_mask", "indices", "grid_shape",
+           "dense_to_values", "values_to_dense", "top_norm_mask", "blocks_of"]

@@ -1,0 +1,64 @@
+"""Ops over block-CSR weights: input checks, the CPU reference, and the GPU launch."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import runtime
+from .errors import expect
+from .layouts import bsr
+from .spec import forward_spec
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def check_inputs(x: torch.Tensor, values: torch.Tensor, bias, in_features: int) -> None:
+    """Every "Expected X. Got Y." check, before any kernel runs."""
+    expect(isinstance(x, torch.Tensor), "input to be a torch.Tensor", type(x).__name__)
+    expect(x.dim() >= 1 and x.shape[-1] == in_features,
+           f"input of shape (..., {in_features})", tuple(x.shape))
+    expect(x.dtype == values.dtype, f"input dtype {values.dtype} (the layer's dtype)", x.dtype)
+    expect(x.device == values.device, f"input on {values.device} (the layer's device)", x.device)
+    if values.is_cuda:
+        expect(x.dtype in DTYPE_NAMES, f"a dtype in {list(DTYPE_NAMES)} on the GPU", x.dtype)
+    if bias is not None:
+        expect(bias.dtype == values.dtype and bias.device == values.device,
+               f"bias of dtype {values.dtype} on {values.device}", f"{bias.dtype} on {bias.device}")
+
+
+def reference_linear(x, values, mask, block, bias):
+    """Pure PyTorch: rebuild the dense weight and call F.linear (CPU, and the test oracle)."""
+    return F.linear(x, bsr.values_to_dense(values, mask, block), bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    # The CUBIN is built for the device's own compute capability: sm_80 code won't load on sm_90.
+    return runtime.kernel(forward_spec(block, DTYPE_NAMES[dtype], arch), device_index)
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    return x2
+
+
+def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features):
+    """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims."""
+    x2 = _rows_2d(x)
+    m, k = x2.shape
+    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], out_features)
+    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0)
+    grid = (out_features // block[0], -(-m // kern.spec.tile.tile_m), 1)
+    ptr = ctypes.c_void_p
+    kern.launch(grid, [ptr(x2.data_ptr()), ptr(values.data_ptr()), ptr(row_offsets.data_ptr()),
+                       ptr(col_indices.data_ptr()), ptr(bias.data_ptr() if bias is not None else 0),
+                       ptr(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(out_features)])
+    return y.reshape(*x.shape[:-1], out_features)

@@ -1,0 +1,129 @@
+"""KernelSpec: the one frozen value that names a generated kernel.
+
+Every field that changes the generated code is a field here, so the name and the
+cache key change whenever the code does (a test checks each field in turn).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+
+from .errors import SpecError, expect
+
+DTYPES = ("fp16", "bf16", "fp32")
+BLOCK_SIDES = (16, 32, 64, 128)
+# Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
+OPS = ("bsr_dds",)
+TRANSPOSES = ("nt",)
+# Opt-in shared memory per block, by compute capability (CUDA programming guide).
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+              100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
+ARCHS = tuple(SMEM_LIMIT)
+STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64 halves / 32 floats
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How one threadblock splits its output tile: rows of X, warp grid, pipeline depth."""
+
+    tile_m: int = 128
+    warps_m: int = 2
+    warps_n: int = 2
+    stages: int = 3
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def tag(self) -> str:
+        return f"t{self.tile_m}w{self.warps_m}x{self.warps_n}s{self.stages}"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization: op, block shape, dtype, operand transposes, arch, tile."""
+
+    op: str = "bsr_dds"
+    block: tuple[int, int] = (32, 32)
+    dtype: str = "bf16"
+    trans: str = "nt"
+    arch: int = 90
+    tile: TileConfig = field(default_factory=TileConfig)
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+        self.validate()
+
+    @property
+    def name(self) -> str:
+        """Readable, symbol-safe: bsr_dds_b32x32_bf16_nt_sm90_t128w2x2s3."""
+        bm, bk = self.block
+        return f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_sm{self.arch}_{self.tile.tag}"
+
+    @property
+    def key(self) -> str:
+        """Short hash of every field (the disk cache adds source and compiler version)."""
+        return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
+
+    @property
+    def stage_k(self) -> int:
+        """Elements of K one pipeline stage covers (128 bytes' worth)."""
+        return STAGE_BYTES_PER_ROW // ELEMENT_BYTES[self.dtype]
+
+    def smem_bytes(self) -> int:
+        rows = self.tile.tile_m + self.block[0]
+        return self.tile.stages * rows * STAGE_BYTES_PER_ROW
+
+    def validate(self) -> None:
+        _check_choice("op", self.op, OPS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("trans", self.trans, TRANSPOSES)
+        _check_choice("arch", self.arch, ARCHS)
+        expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
+               f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
+        _validate_tile(self)
+
+
+def _check_choice(what: str, value, choices) -> None:
+    expect(value in choices, f"{what} one of {choices}", repr(value), SpecError)
+
+
+def _validate_tile(spec: KernelSpec) -> None:
+    t, (bm, _) = spec.tile, spec.block
+    expect(t.tile_m % (16 * t.warps_m) == 0,
+           f"tile_m a multiple of 16 x warps_m = {16 * t.warps_m}", t.tile_m, SpecError)
+    expect(bm % (16 * t.warps_n) == 0,
+           f"block rows ({bm}) a multiple of 16 x warps_n = {16 * t.warps_n}; use fewer warps_n",
+           t.warps_n, SpecError)
+    expect(t.stages >= 2, "at least 2 pipeline stages", t.stages, SpecError)
+    expect(t.threads <= 1024, "at most 1024 threads per block", t.threads, SpecError)
+    limit = SMEM_LIMIT[spec.arch]
+    expect(spec.smem_bytes() <= limit,
+           f"shared memory within sm_{spec.arch}'s {limit} bytes; reduce tile_m or stages",
+           f"{spec.smem_bytes()} bytes for {spec.tile.tag}", SpecError)
+
+
+def default_tile(block: tuple[int, int], arch: int = 90) -> TileConfig:
+    """Tile chosen per block-row height: wide M tiles reuse each weight block more."""
+    bm = block[0]
+    stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
+    if bm >= 128:
+        return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=stages)
+    if bm == 64:
+        return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
+    return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
+
+
+def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> KernelSpec:
+    block = tuple(block)
+    return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
+                      tile=tile or default_tile(block, arch))
+
+
+def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
+    """The set `sparsegen precompile` builds: every square block plus common rectangles."""
+    blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
+    return [forward_spec(b, d, arch) for d in dtypes for b in blocks]

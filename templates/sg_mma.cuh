@@ -1,0 +1,92 @@
+// Device-only building blocks shared by sparsegen's templates: async copies into
+// swizzled shared memory, ldmatrix, tensor-core mma. No host code (NVRTC JIT mode).
+#pragma once
+
+namespace sg {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// Shared-memory tiles are rows of 128 bytes (8 chunks of 16 bytes). Chunk c of row r
+// lives at chunk c ^ (r % 8), so the 8 rows an ldmatrix reads hit 8 distinct bank groups.
+__device__ __forceinline__ u32 swizzled(u32 base, int row, int chunk) {
+  return base + row * 128 + ((chunk ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ u32 smem_ptr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; when `valid` is false the destination is zero-filled instead,
+// which pads partial tiles without a branch around the copy.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Round fp32 bits to tf32 (round-to-nearest) so fp32 inputs lose as little as possible.
+__device__ __forceinline__ u32 to_tf32(u32 x) {
+  u32 y;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(__uint_as_float(x)));
+  return y;
+}
+
+// One m16n8 tile of C += A * B: k16 for 16-bit types, k8 for tf32 (32 bytes of K either way).
+#define SG_MMA(SHAPE, TYPES)                                                              \
+  asm volatile("mma.sync.aligned." SHAPE ".row.col.f32." TYPES ".f32 "                   \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+
+struct Bf16 {
+  __device__ static void mma(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    SG_MMA("m16n8k16", "bf16.bf16");
+  }
+  __device__ static u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  __device__ static float to_float(u16 v) { return __uint_as_float(static_cast<u32>(v) << 16); }
+  static constexpr bool kIsFloat = false;
+};
+
+struct Fp16 {
+  __device__ static void mma(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    SG_MMA("m16n8k16", "f16.f16");
+  }
+  __device__ static u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  __device__ static float to_float(u16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(v));
+    return f;
+  }
+  static constexpr bool kIsFloat = false;
+};
+
+struct Tf32 {
+  __device__ static void mma(float (&c)[4], const u32 (&a_raw)[4], const u32 (&b_raw)[2]) {
+    const u32 a[4] = {to_tf32(a_raw[0]), to_tf32(a_raw[1]), to_tf32(a_raw[2]), to_tf32(a_raw[3])};
+    const u32 b[2] = {to_tf32(b_raw[0]), to_tf32(b_raw[1])};
+    SG_MMA("m16n8k8", "tf32.tf32");
+  }
+  static constexpr bool kIsFloat = true;
+};
+
+#undef SG_MMA
+
+}  // namespace sg
