@@ -35,10 +35,10 @@ def reference_linear(x, values, mask, block, bias):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
+def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, tile=None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     # The CUBIN is built for the device's own compute capability: sm_80 code won't load on sm_90.
-    return runtime.kernel(forward_spec(block, DTYPE_NAMES[dtype], arch), device_index)
+    return runtime.kernel(forward_spec(block, DTYPE_NAMES[dtype], arch, tile), device_index)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -48,14 +48,25 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features):
-    """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims."""
+def _output(out, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    expect(out.is_contiguous() and out.numel() == m * n and out.dtype == x.dtype
+           and out.device == x.device, f"out: contiguous, {m * n} elements, {x.dtype} on {x.device}",
+           f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}")
+    return out.view(m, n)
+
+
+def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None):
+    """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
+    `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
+    default TileConfig (for tuning)."""
     x2 = _rows_2d(x)
     m, k = x2.shape
-    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    y = _output(out, m, out_features, x)
     if m == 0:
         return y.reshape(*x.shape[:-1], out_features)
-    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0)
+    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, tile)
     grid = (out_features // block[0], -(-m // kern.spec.tile.tile_m), 1)
     ptr = ctypes.c_void_p
     kern.launch(grid, [ptr(x2.data_ptr()), ptr(values.data_ptr()), ptr(row_offsets.data_ptr()),

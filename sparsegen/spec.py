@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 from .errors import SpecError, expect
@@ -22,6 +23,10 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 
 ARCHS = tuple(SMEM_LIMIT)
 STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64 halves / 32 floats
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+# The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds).
+_NAME_RE = re.compile(r"(?P<op>[a-z][a-z_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
+                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)"
+                      r"_t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,17 @@ class KernelSpec:
         """Readable, symbol-safe: bsr_dds_b32x32_bf16_nt_sm90_t128w2x2s3."""
         bm, bk = self.block
         return f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_sm{self.arch}_{self.tile.tag}"
+
+    @classmethod
+    def from_name(cls, name: str) -> "KernelSpec":
+        """The spec whose .name is name (for `sparsegen show NAME`); validates it too."""
+        match = _NAME_RE.fullmatch(name)
+        expect(match is not None, "a kernel name like bsr_dds_b32x32_bf16_nt_sm90_t128w4x1s4 "
+               "(OP_bROWSxCOLS_DTYPE_TRANS_smARCH_tTILEMwWARPSMxWARPSNsSTAGES)", repr(name), SpecError)
+        g = match.groupdict()
+        tile = TileConfig(**{k: int(g[k]) for k in ("tile_m", "warps_m", "warps_n", "stages")})
+        return cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
+                   trans=g["trans"], arch=int(g["arch"]), tile=tile)
 
     @property
     def key(self) -> str:

@@ -21,15 +21,23 @@ struct BsrDds {
   static_assert(WARP_N % 16 == 0 && WARP_M % 16 == 0, "warp tile must hold whole mma pairs");
   static_assert((TILE_M * 8) % THREADS == 0, "X copy loop must divide evenly among threads");
 
-  // Each thread always copies the same 16-byte chunk column (tid % 8) of a stage, so the
-  // block lookup for that chunk happens once per stage, not once per row.
-  __device__ static void load_stage(u32 smem, int stage, const Elem* x, const Elem* values,
-                                    const int* cols, int first, int nnz, int m0, int M, int K) {
+  // Each thread always copies the same 16-byte chunk column (tid % 8) of a stage, so one
+  // column index per stage and thread says where its chunks come from.
+  __device__ static int chunk_k(int stage) { return stage * STAGE_K + (threadIdx.x & 7) * CHUNK; }
+
+  // The column index a stage needs is fetched one stage early (see run()), so the copy
+  // never waits on a global load of the index.
+  __device__ static int lookup_col(int stage, const int* cols, int first, int nnz) {
+    const int blk = chunk_k(stage) / BK;
+    return blk < nnz ? __ldg(cols + first + blk) : 0;
+  }
+
+  __device__ static void load_stage(u32 smem, int stage, int col, const Elem* x, const Elem* values,
+                                    int first, int nnz, int m0, int M, int K) {
     const int tid = threadIdx.x, chunk = tid & 7;
-    const int k = stage * STAGE_K + chunk * CHUNK;   // position on the compressed K axis
+    const int k = chunk_k(stage);  // position on the compressed K axis
     const int blk = k / BK, koff = k % BK;
     const bool in_row = blk < nnz;
-    const int col = in_row ? cols[first + blk] : 0;
     const Elem* x_col = x + (long long)col * BK + koff;
     const Elem* w_blk = values + ((long long)(first + (in_row ? blk : 0)) * BM) * BK + koff;
 #pragma unroll
@@ -104,17 +112,21 @@ struct BsrDds {
     const int warp = threadIdx.x >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
     float acc[MT][NT][4] = {};
 
+    int col = lookup_col(0, cols, first, nnz);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < stages) load_stage(smem + s * STAGE_BYTES, s, x, values, cols, first, nnz, m0, M, K);
+      const int this_col = col;
+      col = lookup_col(s + 1, cols, first, nnz);
+      if (s < stages) load_stage(smem + s * STAGE_BYTES, s, this_col, x, values, first, nnz, m0, M, K);
       cp_async_commit();
     }
     for (int s = 0; s < stages; ++s) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // stage s landed for everyone; stage s-1's buffer is free to refill
-      const int next = s + STAGES - 1;
+      const int next = s + STAGES - 1, this_col = col;
+      col = lookup_col(next + 1, cols, first, nnz);  // used one iteration from now
       if (next < stages)
-        load_stage(smem + (next % STAGES) * STAGE_BYTES, next, x, values, cols, first, nnz, m0, M, K);
+        load_stage(smem + (next % STAGES) * STAGE_BYTES, next, this_col, x, values, first, nnz, m0, M, K);
       cp_async_commit();
       compute_stage(smem + (s % STAGES) * STAGE_BYTES, acc, wm, wn);
     }

@@ -1,0 +1,185 @@
+"""The `sparsegen` command: precompile kernels, inspect the disk cache, show generated source.
+
+Every bad input ends as one line on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from . import __version__, cache, codegen, env
+from . import spec as specs
+from .errors import SparsegenError, SpecError, expect
+
+USAGE_ERROR = 2  # what argparse itself returns for a bad command line
+_ARCH_RE = re.compile(r"(?:sm_?)?(\d+)", re.IGNORECASE)
+_BLOCK_RE = re.compile(r"(\d+)(?:x(\d+))?")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except SpecError as error:
+        return _fail(error, USAGE_ERROR)
+    except SparsegenError as error:  # e.g. NVRTC rejected a template: not the user's input
+        return _fail(error, 1)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(error: Exception, code: int) -> int:
+    print(f"sparsegen: error: {error}", file=sys.stderr)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsegen", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sparsegen {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_precompile(commands)
+    _add_cache(commands)
+    _add_show(commands)
+    return parser
+
+
+def _selection_options() -> argparse.ArgumentParser:
+    """--arch/--dtype/--block, shared by precompile and show --list."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--arch", help="sm_80, 80, sm_90, ... (default: this machine's GPU)")
+    options.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                         help=f"any of {' '.join(specs.DTYPES)} (default: all)")
+    options.add_argument("--block", nargs="+", metavar="BLOCK",
+                         help="block shapes: 32 (square) or 32x64 (default: the standard set)")
+    return options
+
+
+def _add_precompile(commands) -> None:
+    sub = commands.add_parser("precompile", parents=[_selection_options()],
+                              help="compile the default kernels into the disk cache")
+    sub.add_argument("--jobs", "-j", type=int, default=1, help="parallel compiles (default 1)")
+    sub.set_defaults(run=cmd_precompile)
+
+
+def _add_cache(commands) -> None:
+    sub = commands.add_parser("cache", help="inspect or empty the disk cache")
+    actions = sub.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("info", help="directory, entries, bytes").set_defaults(run=cmd_cache_info)
+    actions.add_parser("clear", help="remove every entry").set_defaults(run=cmd_cache_clear)
+
+
+def _add_show(commands) -> None:
+    sub = commands.add_parser("show", parents=[_selection_options()],
+                              help="print a kernel's generated CUDA source, or list kernel names")
+    which = sub.add_mutually_exclusive_group(required=True)
+    which.add_argument("name", nargs="?", metavar="NAME", help="a kernel name, as --list prints")
+    which.add_argument("--list", action="store_true", help="list the default kernel names")
+    sub.set_defaults(run=cmd_show)
+
+
+# --- parsing the selection -------------------------------------------------------------------
+
+def parse_arch(text: str) -> int:
+    """'sm_80', 'sm80' or '80' -> 80, if some template supports that arch."""
+    match = _ARCH_RE.fullmatch(text.strip())
+    arch = int(match.group(1)) if match else None
+    supported = ", ".join(f"sm_{a}" for a in specs.ARCHS)
+    expect(arch in specs.ARCHS, f"--arch one of {supported}", repr(text), SpecError)
+    return arch
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    """'32' -> (32, 32); '32x64' -> (32, 64). KernelSpec checks the sides themselves."""
+    match = _BLOCK_RE.fullmatch(text.strip().lower())
+    expect(match is not None, "--block like 32 or 32x64", repr(text), SpecError)
+    rows = int(match.group(1))
+    return rows, int(match.group(2) or rows)
+
+
+def local_arch() -> int:
+    import torch  # sparsegen imports it anyway; named here because only this needs a GPU
+
+    if not torch.cuda.is_available():
+        raise SpecError("no CUDA GPU here to detect the arch from; pass --arch, e.g. --arch sm_80")
+    major, minor = torch.cuda.get_device_capability()
+    return parse_arch(f"{major}{minor}")
+
+
+def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
+    arch = parse_arch(args.arch) if args.arch else local_arch()
+    dtypes = list(dict.fromkeys(args.dtype)) if args.dtype else specs.DTYPES
+    blocks = list(dict.fromkeys(map(parse_block, args.block))) if args.block else None
+    return arch, specs.default_specs(arch, dtypes, blocks)
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+def cmd_precompile(args) -> int:
+    expect(args.jobs >= 1, "--jobs at least 1", args.jobs, SpecError)
+    arch, todo = selected_specs(args)
+    start = time.perf_counter()
+    compiled = sum(_build_all(todo, args.jobs, f"precompile sm_{arch}"))
+    print(f"precompile sm_{arch}: {len(todo)} kernels, {compiled} compiled, "
+          f"{len(todo) - compiled} cached, {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _build_all(todo: list, jobs: int, label: str) -> list[bool]:
+    """Build every spec under a progress bar; one `compiled` flag per spec."""
+    from tqdm import tqdm
+
+    flags = []
+    with tqdm(total=len(todo), desc=label, unit="kernel", file=sys.stderr) as bar:
+        for compiled in _builds(todo, jobs):
+            flags.append(compiled)
+            bar.update()
+    return flags
+
+
+def _builds(todo: list, jobs: int):
+    """Yield `compiled` flags as builds finish, here or in a pool (the cache locks per key)."""
+    if jobs == 1 or len(todo) <= 1:
+        yield from (cache.build(spec).compiled for spec in todo)
+        return
+    # spawn, not fork: the parent may already hold a CUDA context (from local_arch).
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=context) as pool:
+        futures = [pool.submit(_build_in_worker, spec) for spec in todo]
+        try:
+            yield from (future.result() for future in as_completed(futures))
+        finally:
+            for future in futures:  # after a failure, start no more compiles
+                future.cancel()
+
+
+def _build_in_worker(spec: specs.KernelSpec) -> bool:
+    try:
+        return cache.build(spec).compiled
+    except SparsegenError as error:
+        # CompileError's __init__ takes three arguments, so it cannot be unpickled in the
+        # parent; its message (with NVRTC's log) is what the user needs.
+        raise SparsegenError(str(error)) from None
+
+
+def cmd_cache_info(args) -> int:
+    for field, value in cache.info().items():
+        print(f"{field}: {value}")
+    return 0
+
+
+def cmd_cache_clear(args) -> int:
+    removed = cache.clear()
+    print(f"removed {removed} entries from {env.cache_dir()}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    if args.list:
+        print("\n".join(spec.name for spec in selected_specs(args)[1]))
+    else:
+        print(codegen.render(specs.KernelSpec.from_name(args.name)), end="")
+    return 0

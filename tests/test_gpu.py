@@ -1,0 +1,74 @@
+"""GPU numerics of every generated kernel against a float64 reference (pytest -m gpu)."""
+import pytest
+import torch
+
+import sparsegen
+from sparsegen import ops
+
+pytestmark = pytest.mark.gpu
+
+BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (32, 64), (64, 32), (128, 64), (16, 128)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def reference(layer: sparsegen.BlockSparseLinear, x: torch.Tensor) -> torch.Tensor:
+    weight = layer.to_dense_weight().double()
+    bias = layer.bias.double() if layer.bias is not None else None
+    return torch.nn.functional.linear(x.double(), weight, bias)
+
+
+def run_poisoned(layer, x):
+    """Launch into an output filled with NaN, so any element the kernel skips shows up."""
+    out = torch.full((*x.shape[:-1], layer.out_features), float("nan"), dtype=x.dtype, device=x.device)
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                layer.out_features, out=out)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("m", [1, 7, 1000, 4133])
+def test_forward_matches_float64(block, dtype, m):
+    in_features, out_features = 6 * block[1] + 2 * 128, 5 * block[0] + 128
+    layer = sparsegen.linear(in_features, out_features, block=block, density=0.4,
+                             device="cuda", dtype=dtype)
+    x = torch.randn(m, in_features, device="cuda", dtype=dtype)
+    out = run_poisoned(layer, x)
+    assert not out.isnan().any()
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_batch_dims_no_bias_and_empty_rows(dtype):
+    layout = torch.rand(7, 9) < 0.3
+    layout[2] = False  # an empty block row must give exactly the (absent) bias: zeros
+    layer = sparsegen.linear(9 * 32, 7 * 64, block=(64, 32), layout=layout, bias=False,
+                             device="cuda", dtype=dtype)
+    x = torch.randn(3, 77, 9 * 32, device="cuda", dtype=dtype)
+    out = run_poisoned(layer, x)
+    assert not out.isnan().any()
+    assert (out[..., 128:192] == 0).all()
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+
+
+def test_noncontiguous_input_and_module_call():
+    layer = sparsegen.linear(512, 256, block=(32, 32), density=0.3, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 300, device="cuda", dtype=torch.bfloat16).t()  # a transposed view
+    out = layer(x)
+    assert out.shape == (300, 256)
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
+
+
+def test_module_on_gpu_matches_cpu_module():
+    torch.manual_seed(0)
+    layer = sparsegen.linear(256, 128, block=(16, 16), density=0.5, dtype=torch.float32)
+    x = torch.randn(33, 256)
+    cpu = layer(x)
+    gpu = layer.to("cuda")(x.cuda()).cpu()
+    assert relative_error(gpu, cpu.double()) < TOLERANCE[torch.float32]

@@ -1,0 +1,238 @@
+"""Side-by-side benchmark: sparsegen block-sparse forward vs dense cuBLAS vs PyTorch BSR.
+
+Run on a GPU:  PYTHONPATH=. python tools/bench.py [--quick] [--markdown BENCHMARKS.md]
+Every ratio is dense_time / method_time measured in the same process (above 1 = faster).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import sparsegen
+from sparsegen import ops
+from sparsegen.layouts import bsr
+
+SHAPES = [(4096, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (16384, 1024, 4096),
+          (2048, 8192, 8192)]
+BLOCKS = [16, 32, 64, 128]
+DENSITIES = [0.1, 0.25, 0.5]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=20, rep=80, return_mode="median")
+
+
+def target_speedup(block: int, density: float) -> float:
+    """Issue #2's bar: 0.6/d at blocks 64 and 128, 0.45/d at 32, 0.3/d at 16."""
+    return {16: 0.3, 32: 0.45}.get(block, 0.6) / density
+
+
+def torch_bsr_ms(weight: torch.Tensor, x: torch.Tensor, block: int) -> float | None:
+    from torch.sparse._triton_ops import bsr_dense_mm
+
+    w_bsr = weight.to_sparse_bsr((block, block))
+    xt = x.t().contiguous()  # bsr_dense_mm computes W X^T; X^T is prepared outside the timing
+    try:
+        return median_ms(lambda: bsr_dense_mm(w_bsr, xt))
+    except Exception as error:  # the peer refuses some configurations; record that, go on
+        print(f"  torch BSR failed: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        return None
+
+
+def bench_case(m, k, n, block, density, dtype, dense_ms, x):
+    layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False,
+                             device="cuda", dtype=dtype)
+    with torch.no_grad():
+        sg_ms = median_ms(lambda: layer(x))
+        peer_ms = torch_bsr_ms(layer.to_dense_weight(), x, block)
+    return dict(m=m, k=k, n=n, block=block, density=round(layer.density, 4),
+                dense_ms=dense_ms, sparsegen_ms=sg_ms, torch_bsr_ms=peer_ms,
+                speedup=dense_ms / sg_ms, bsr_speedup=dense_ms / peer_ms if peer_ms else None,
+                target=target_speedup(block, density) if m >= 4096 else None,
+                useful_tflops=2 * m * n * k * layer.density / sg_ms / 1e9)
+
+
+def bench_forward(dtype_names, shapes, blocks, densities) -> list[dict]:
+    rows = []
+    for name in dtype_names:
+        dtype = DTYPES[name]
+        for m, k, n in shapes:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            w = torch.randn(n, k, device="cuda", dtype=dtype)
+            dense_ms = median_ms(lambda: F.linear(x, w))
+            for block in blocks:
+                for density in densities:
+                    row = bench_case(m, k, n, block, density, dtype, dense_ms, x)
+                    rows.append(dict(dtype=name, **row))
+                    print(format_row(rows[-1]), flush=True)
+            del x, w
+    return rows
+
+
+def format_row(r: dict) -> str:
+    bsr_txt = f"{r['bsr_speedup']:.2f}" if r["bsr_speedup"] else "fail"
+    target = f"{r['target']:.2f}" if r["target"] else "-"
+    ok = "-" if r["target"] is None else ("yes" if r["speedup"] >= r["target"] else "NO")
+    return (f"| {r['dtype']} | {r['m']}, {r['k']}, {r['n']} | {r['block']} | {r['density']} | "
+            f"{r['dense_ms']:.3f} | {r['sparsegen_ms']:.3f} | {r['speedup']:.2f} | {bsr_txt} | "
+            f"{target} | {ok} | {r['useful_tflops']:.0f} |")
+
+
+HEADER = ("| dtype | M, K, N | block | density | dense ms | sparsegen ms | sparsegen x | "
+          "torch BSR x | target x | met | useful TFLOP/s |\n|" + "---|" * 11)
+
+
+def host_overhead_us() -> float:
+    """Per-call host time of a forward whose kernel is already loaded (GPU work is tiny)."""
+    layer = sparsegen.linear(256, 256, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(50):
+            layer(x)
+        torch.cuda.synchronize()
+        calls, start = 2000, time.perf_counter()
+        for _ in range(calls):
+            layer(x)
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+NEW_PROCESS_SNIPPET = """
+import time, torch
+torch.zeros(1, device='cuda'); torch.cuda.synchronize()
+from sparsegen import runtime, spec
+s = spec.forward_spec((64, 64), 'bf16', runtime.device_arch(torch.device('cuda')))
+t = time.perf_counter(); runtime.kernel(s, 0); print((time.perf_counter() - t) * 1e3)
+"""
+
+
+def cached_kernel_ready_ms() -> float:
+    """A new process, disk cache warm: time from asking for a kernel to a launchable function."""
+    run = lambda: subprocess.run([sys.executable, "-c", NEW_PROCESS_SNIPPET], check=True,
+                                 capture_output=True, text=True).stdout.strip()
+    run()  # makes sure the disk entry exists
+    return float(run())
+
+
+def weight_memory_ratio(density: float, block: int = 64, n: int = 11008, k: int = 4096) -> float:
+    layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False,
+                             device="cuda", dtype=torch.bfloat16)
+    sparse_bytes = sum(t.numel() * t.element_size() for t in
+                       (layer.values, layer.row_offsets, layer.col_indices, layer.layout))
+    return sparse_bytes / (n * k * 2)
+
+
+def tune(dtype_name: str, shape, block: int, density: float, tiles) -> None:
+    """Time tile configurations of one case (for choosing spec.default_tile)."""
+    m, k, n = shape
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    dense_ms = median_ms(lambda: F.linear(x, w))
+    layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False,
+                             device="cuda", dtype=dtype)
+    for tile in tiles:
+        try:
+            ms = median_ms(lambda: ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices,
+                                               None, layer.block, n, tile=tile))
+        except sparsegen.SparsegenError as error:
+            print(f"tune {dtype_name} {shape} b{block} d{density} {tile.tag}: {error}")
+            continue
+        print(f"tune {dtype_name} {shape} b{block} d{density} {tile.tag}: {ms:.3f} ms "
+              f"speedup {dense_ms / ms:.2f} (target {target_speedup(block, density):.2f})", flush=True)
+
+
+def write_markdown(path: Path, rows, extras: dict, command: str) -> None:
+    lines = [f"# Benchmarks\n", f"GPU: {torch.cuda.get_device_name()} - date: "
+             f"{datetime.date.today()} - torch {torch.__version__} - command: `{command}`\n",
+             "Speedups are dense `F.linear` (cuBLAS) time over the method's time, measured side by "
+             "side in one process (median of triton.testing.do_bench). Targets (issue #2) apply "
+             "to M >= 4096.\n", "## Block-sparse forward\n", HEADER]
+    lines += [format_row(r) for r in rows]
+    met = [r for r in rows if r["target"] is not None]
+    lines.append(f"\nTargets met: {sum(r['speedup'] >= r['target'] for r in met)}/{len(met)}; "
+                 f"faster than torch BSR: {sum(1 for r in rows if r['bsr_speedup'] and r['speedup'] > r['bsr_speedup'])}"
+                 f"/{sum(1 for r in rows if r['bsr_speedup'])} (torch BSR failed on "
+                 f"{sum(1 for r in rows if not r['bsr_speedup'])})\n")
+    lines.append("## Overheads and memory\n")
+    lines += [f"- {key}: {value}" for key, value in extras.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, dtype in zip(axes, DTYPES):
+        for block in BLOCKS:
+            sel = [r for r in rows if r["dtype"] == dtype and r["block"] == block
+                   and (r["m"], r["k"], r["n"]) == (8192, 4096, 11008)]
+            if sel:
+                ax.plot([r["density"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"block {block}")
+        d = [0.1, 0.25, 0.5]
+        ax.plot(d, [1 / v for v in d], "k:", label="ideal 1/d")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(title=f"{dtype}, M,K,N = 8192,4096,11008", xlabel="density", ylabel="speedup over dense")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape, bf16 only")
+    parser.add_argument("--markdown", type=Path, help="write the table to this file")
+    parser.add_argument("--plot", type=Path, help="write the speedup plot (PNG) here")
+    parser.add_argument("--json", type=Path, help="write raw rows here")
+    parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
+    args = parser.parse_args(argv)
+    if args.tune:
+        return run_tuning()
+    dtypes = ["bf16"] if args.quick else list(DTYPES)
+    shapes = SHAPES[1:2] if args.quick else SHAPES
+    print(HEADER)
+    rows = bench_forward(dtypes, shapes, BLOCKS, DENSITIES)
+    extras = {"host overhead per forward call (us)": f"{host_overhead_us():.1f}",
+              "cached kernel ready in a new process (ms)": f"{cached_kernel_ready_ms():.1f}",
+              **{f"weight memory / dense at density {d} (block 64, 11008x4096)":
+                 f"{weight_memory_ratio(d):.4f}" for d in DENSITIES}}
+    for key, value in extras.items():
+        print(f"{key}: {value}")
+    command = "PYTHONPATH=. python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.markdown:
+        write_markdown(args.markdown, rows, extras, command)
+    if args.plot:
+        plot(rows, args.plot)
+    if args.json:
+        args.json.write_text(json.dumps(dict(rows=rows, extras=extras), indent=1))
+
+
+def run_tuning() -> None:
+    from sparsegen.spec import TileConfig as T
+
+    cases = {128: [T(128, 2, 2, 4), T(128, 2, 2, 3), T(256, 4, 2, 3), T(128, 2, 4, 4), T(256, 2, 2, 3)],
+             64: [T(128, 4, 1, 4), T(128, 2, 2, 4), T(256, 4, 1, 4), T(256, 4, 2, 4), T(128, 2, 1, 4),
+                  T(256, 8, 1, 3)],
+             32: [T(128, 4, 1, 4), T(256, 4, 1, 4), T(256, 8, 1, 4), T(128, 2, 1, 4), T(64, 2, 1, 6)],
+             16: [T(128, 4, 1, 4), T(256, 4, 1, 4), T(256, 8, 1, 4), T(128, 2, 1, 6), T(64, 2, 1, 6)]}
+    for block, tiles in cases.items():
+        tune("bf16", (8192, 4096, 11008), block, 0.25, tiles)
+
+
+if __name__ == "__main__":
+    main()

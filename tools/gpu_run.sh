@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything the GPU is needed for, in one call of the device tool: GPU tests, then the
+# benchmark. Logs go to $OUT (or ./out). Usage: tools/gpu_run.sh [tests|tune|quick|bench]...
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (diskcache)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 SPARSEGEN_CACHE_DIR=${SPARSEGEN_CACHE_DIR:-/tmp/sgcache}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
+for step in "${steps[@]}"; do
+  case $step in
+    tests) python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
+    quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
+    bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
+             --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done
