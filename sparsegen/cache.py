@@ -27,9 +27,9 @@ class Built:
     compiled: bool  # False when it came from a cache
 
 
-def cache_key(source: str, headers: dict[str, str], arch: int) -> str:
+def cache_key(source: str, headers: dict[str, str], target: str) -> str:
     h = hashlib.sha256()
-    for part in (source, *headers.values(), compiler.nvrtc_version(), *compiler.options(arch)):
+    for part in (source, *headers.values(), compiler.nvrtc_version(), *compiler.options(target)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -83,11 +83,11 @@ def _build_lock(key: str):
 def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else disk, else NVRTC (then stored in both)."""
     source, headers = codegen.render(spec), codegen.headers()
-    key = cache_key(source, headers, spec.arch)
+    key = cache_key(source, headers, spec.target)
     if key in _memory:
         return Built(spec, key, _memory[key], compiled=False)
     if env.disable_disk_cache():
-        return _remember(Built(spec, key, compiler.compile_cubin(source, spec.name, spec.arch, headers), True))
+        return _remember(Built(spec, key, compiler.compile_cubin(source, spec.name, spec.target, headers), True))
     with _disk() as disk:
         cubin = _read_disk(disk, key, spec.name)
         if cubin is not None:
@@ -97,7 +97,7 @@ def build(spec: KernelSpec) -> Built:
             cubin = _read_disk(disk, key, spec.name)
             if cubin is not None:
                 return _remember(Built(spec, key, cubin, compiled=False))
-            cubin = compiler.compile_cubin(source, spec.name, spec.arch, headers)
+            cubin = compiler.compile_cubin(source, spec.name, spec.target, headers)
             disk.set(key, _seal(cubin))
     return _remember(Built(spec, key, cubin, compiled=True))
 

@@ -9,6 +9,7 @@ import jinja2
 from .spec import KernelSpec
 
 _MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
+_PTX_TYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32"}
 _ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float"}
 
 
@@ -35,7 +36,7 @@ def template_context(spec: KernelSpec) -> dict:
     return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch,
                 bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages,
-                threads=t.threads)
+                threads=t.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype])
 
 
 def render(spec: KernelSpec) -> str:

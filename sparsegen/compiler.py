@@ -30,18 +30,19 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def options(arch: int) -> tuple[str, ...]:
-    return (f"--gpu-architecture=sm_{arch}",) + BASE_OPTIONS
+def options(target: str) -> tuple[str, ...]:
+    """target: NVRTC's architecture name, e.g. sm_80 or sm_90a."""
+    return (f"--gpu-architecture={target}",) + BASE_OPTIONS
 
 
-def compile_cubin(source: str, name: str, arch: int, headers: dict[str, str]) -> bytes:
+def compile_cubin(source: str, name: str, target: str, headers: dict[str, str]) -> bytes:
     """Compile to CUBIN or raise CompileError with NVRTC's log and the dumped source path."""
     nvrtc = _nvrtc()
     prog = _check(nvrtc.nvrtcCreateProgram(
         source.encode(), f"{name}.cu".encode(), len(headers),
         [h.encode() for h in headers.values()], [n.encode() for n in headers]), "create")
     try:
-        opts = [o.encode() for o in options(arch)]
+        opts = [o.encode() for o in options(target)]
         status, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(status) != 0:
             raise CompileError(name, _log(prog), str(dump_source(name, source, headers)))

@@ -35,10 +35,12 @@ def reference_linear(x, values, mask, block, bias):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, tile=None):
+def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, tile=None,
+                    instr=None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     # The CUBIN is built for the device's own compute capability: sm_80 code won't load on sm_90.
-    return runtime.kernel(forward_spec(block, DTYPE_NAMES[dtype], arch, tile), device_index)
+    return runtime.kernel(forward_spec(block, DTYPE_NAMES[dtype], arch, tile, instr),
+                          device_index)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -57,16 +59,17 @@ def _output(out, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     return out.view(m, n)
 
 
-def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None):
+def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,
+            instr=None):
     """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
     `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
-    default TileConfig (for tuning)."""
+    default TileConfig and `instr` the tensor-core instruction ("mma" or "wgmma")."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     y = _output(out, m, out_features, x)
     if m == 0:
         return y.reshape(*x.shape[:-1], out_features)
-    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, tile)
+    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, tile, instr)
     grid = (out_features // block[0], -(-m // kern.spec.tile.tile_m), 1)
     ptr = ctypes.c_void_p
     kern.launch(grid, [ptr(x2.data_ptr()), ptr(values.data_ptr()), ptr(row_offsets.data_ptr()),

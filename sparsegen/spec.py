@@ -17,6 +17,8 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
 OPS = ("bsr_dds",)
 TRANSPOSES = ("nt",)
+# Tensor-core instruction family: mma.sync runs on sm_80 and later; wgmma needs sm_90a.
+INSTRS = ("mma", "wgmma")
 # Opt-in shared memory per block, by compute capability (CUDA programming guide).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
               100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
@@ -57,6 +59,7 @@ class KernelSpec:
     trans: str = "nt"
     arch: int = 90
     tile: TileConfig = field(default_factory=TileConfig)
+    instr: str = "mma"
 
     def __post_init__(self):
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
@@ -64,9 +67,15 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """Readable, symbol-safe: bsr_dds_b32x32_bf16_nt_sm90_t128w2x2s3."""
+        """Readable, symbol-safe: bsr_dds_b32x32_bf16_nt_sm90a_wgmma_t128w8x1s4."""
         bm, bk = self.block
-        return f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_sm{self.arch}_{self.tile.tag}"
+        return (f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_{self.target.replace('_', '')}"
+                f"_{self.instr}_{self.tile.tag}")
+
+    @property
+    def target(self) -> str:
+        """NVRTC's --gpu-architecture: wgmma only exists on the arch-specific sm_90a."""
+        return f"sm_{self.arch}a" if self.instr == "wgmma" else f"sm_{self.arch}"
 
     @classmethod
     def from_name(cls, name: str) -> "KernelSpec":
@@ -91,16 +100,33 @@ class KernelSpec:
 
     def smem_bytes(self) -> int:
         rows = self.tile.tile_m + self.block[0]
-        return self.tile.stages * rows * STAGE_BYTES_PER_ROW
+        align = 1024 if self.instr == "wgmma" else 0  # wgmma's swizzle atoms are 1024-aligned
+        return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align
 
     def validate(self) -> None:
         _check_choice("op", self.op, OPS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("trans", self.trans, TRANSPOSES)
         _check_choice("arch", self.arch, ARCHS)
+        _check_choice("instr", self.instr, INSTRS)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
         _validate_tile(self)
+        if self.instr == "wgmma":
+            _validate_wgmma(self)
+
+
+def _validate_wgmma(spec: KernelSpec) -> None:
+    t = spec.tile
+    expect(spec.arch == 90, "arch 90 for wgmma (Hopper only); use instr='mma' elsewhere",
+           spec.arch, SpecError)
+    expect(spec.dtype in ("bf16", "fp16"), "dtype bf16 or fp16 for wgmma", spec.dtype, SpecError)
+    expect(t.warps_n == 1 and t.warps_m % 4 == 0,
+           "warps_n = 1 and warps_m a multiple of 4 (whole warpgroups) for wgmma",
+           f"warps {t.warps_m}x{t.warps_n}", SpecError)
+    expect(t.tile_m % (16 * t.warps_m) == 0, "each warpgroup to own whole m64 tiles",
+           f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
+    expect(t.stages >= 3, "at least 3 stages for wgmma", t.stages, SpecError)
 
 
 def _check_choice(what: str, value, choices) -> None:
@@ -122,9 +148,15 @@ def _validate_tile(spec: KernelSpec) -> None:
            f"{spec.smem_bytes()} bytes for {spec.tile.tag}", SpecError)
 
 
-def default_tile(block: tuple[int, int], arch: int = 90) -> TileConfig:
+def default_instr(dtype: str, arch: int) -> str:
+    return "wgmma" if arch == 90 and dtype in ("bf16", "fp16") else "mma"
+
+
+def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma") -> TileConfig:
     """Tile chosen per block-row height: wide M tiles reuse each weight block more."""
     bm = block[0]
+    if instr == "wgmma":
+        return TileConfig(tile_m=128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
     if bm >= 128:
         return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=stages)
@@ -133,10 +165,12 @@ def default_tile(block: tuple[int, int], arch: int = 90) -> TileConfig:
     return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
 
 
-def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> KernelSpec:
+def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
+                 instr: str | None = None) -> KernelSpec:
     block = tuple(block)
+    instr = instr or default_instr(dtype, arch)
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
-                      tile=tile or default_tile(block, arch))
+                      tile=tile or default_tile(block, arch, instr), instr=instr)
 
 
 def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:

@@ -45,6 +45,18 @@ def test_forward_matches_float64(block, dtype, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block", [(16, 16), (64, 64), (128, 128), (32, 64)], ids=str)
+def test_mma_sync_path_on_any_arch(block, dtype):
+    """The sm_80 code path (mma.sync), forced even where wgmma is the default."""
+    layer = sparsegen.linear(4 * 128, 3 * 128, block=block, density=0.5, device="cuda", dtype=dtype)
+    x = torch.randn(517, 4 * 128, device="cuda", dtype=dtype)
+    out = torch.full((517, 3 * 128), float("nan"), device="cuda", dtype=dtype)
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                layer.out_features, out=out, instr="mma")
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_batch_dims_no_bias_and_empty_rows(dtype):
     layout = torch.rand(7, 9) < 0.3
     layout[2] = False  # an empty block row must give exactly the (absent) bias: zeros

@@ -133,7 +133,7 @@ def weight_memory_ratio(density: float, block: int = 64, n: int = 11008, k: int 
     return sparse_bytes / (n * k * 2)
 
 
-def tune(dtype_name: str, shape, block: int, density: float, tiles) -> None:
+def tune(dtype_name: str, shape, block: int, density: float, tiles, instr) -> None:
     """Time tile configurations of one case (for choosing spec.default_tile)."""
     m, k, n = shape
     dtype = DTYPES[dtype_name]
@@ -145,11 +145,11 @@ def tune(dtype_name: str, shape, block: int, density: float, tiles) -> None:
     for tile in tiles:
         try:
             ms = median_ms(lambda: ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices,
-                                               None, layer.block, n, tile=tile))
+                                               None, layer.block, n, tile=tile, instr=instr))
         except sparsegen.SparsegenError as error:
             print(f"tune {dtype_name} {shape} b{block} d{density} {tile.tag}: {error}")
             continue
-        print(f"tune {dtype_name} {shape} b{block} d{density} {tile.tag}: {ms:.3f} ms "
+        print(f"tune {dtype_name} {shape} b{block} d{density} {instr} {tile.tag}: {ms:.3f} ms "
               f"speedup {dense_ms / ms:.2f} (target {target_speedup(block, density):.2f})", flush=True)
 
 
@@ -225,13 +225,15 @@ def main(argv=None) -> None:
 def run_tuning() -> None:
     from sparsegen.spec import TileConfig as T
 
-    cases = {128: [T(128, 2, 2, 4), T(128, 2, 2, 3), T(256, 4, 2, 3), T(128, 2, 4, 4), T(256, 2, 2, 3)],
-             64: [T(128, 4, 1, 4), T(128, 2, 2, 4), T(256, 4, 1, 4), T(256, 4, 2, 4), T(128, 2, 1, 4),
-                  T(256, 8, 1, 3)],
-             32: [T(128, 4, 1, 4), T(256, 4, 1, 4), T(256, 8, 1, 4), T(128, 2, 1, 4), T(64, 2, 1, 6)],
-             16: [T(128, 4, 1, 4), T(256, 4, 1, 4), T(256, 8, 1, 4), T(128, 2, 1, 6), T(64, 2, 1, 6)]}
-    for block, tiles in cases.items():
-        tune("bf16", (8192, 4096, 11008), block, 0.25, tiles)
+    wgmma = {128: [T(128, 8, 1, 4), T(128, 8, 1, 5), T(256, 8, 1, 3), T(256, 8, 1, 4), T(128, 4, 1, 6)],
+             64: [T(128, 8, 1, 4), T(128, 8, 1, 6), T(256, 8, 1, 4), T(256, 8, 1, 5), T(128, 4, 1, 6)],
+             32: [T(128, 8, 1, 4), T(128, 8, 1, 6), T(256, 8, 1, 5), T(256, 8, 1, 6), T(256, 4, 1, 6)],
+             16: [T(128, 8, 1, 4), T(128, 8, 1, 6), T(256, 8, 1, 5), T(256, 8, 1, 6), T(256, 4, 1, 6)]}
+    for block, tiles in wgmma.items():
+        tune("bf16", (8192, 4096, 11008), block, 0.25, tiles, "wgmma")
+    mma = {128: [T(128, 2, 2, 3)], 64: [T(128, 2, 2, 4)], 32: [T(128, 4, 1, 4)], 16: [T(128, 4, 1, 4)]}
+    for block, tiles in mma.items():
+        tune("bf16", (8192, 4096, 11008), block, 0.25, tiles, "mma")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+// Block-sparse Y = X W^T (+ bias) on Hopper's warpgroup tensor cores (wgmma, sm_90a).
+// Same stage gather as the mma.sync kernel (bsr_tile.cuh): its shared-memory rows of
+// 128 bytes with chunk ^ (row % 8) swizzle are exactly wgmma's 128-byte-swizzle K-major
+// layout, so wgmma reads X and W straight from the stage buffers - no ldmatrix, no
+// register staging. Each warpgroup owns TILE_M / WARPGROUPS rows and all BM columns.
+#pragma once
+#include "bsr_tile.cuh"
+
+namespace sg {
+
+typedef unsigned long long u64;
+
+// Shared-memory matrix descriptor: start address, stride of 1024 bytes between groups of
+// 8 rows, 128-byte swizzle. The leading offset is unused for swizzled K-major operands.
+__device__ __forceinline__ u64 sw128_descriptor(u32 addr) {
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(1) << 16) |
+         (static_cast<u64>(1024 >> 4) << 32) | (static_cast<u64>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// cp.async writes through the generic proxy; wgmma reads through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving accumulator reads/writes across in-flight wgmmas.
+template <int N>
+__device__ __forceinline__ void pin(float (&acc)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// Wgmma: generated per (BM, dtype) by the template - mma(acc, desc_a, desc_b) for m64 x BM x k16.
+template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int WARPGROUPS, int STAGES>
+struct BsrDdsWgmma {
+  static constexpr int THREADS = 128 * WARPGROUPS;
+  using Loader = BsrStageLoader<Elem, TILE_M, BM, BK, THREADS>;
+  static constexpr int WG_M = TILE_M / WARPGROUPS, SUB = WG_M / 64, ACC = BM / 2;
+  static constexpr int AHEAD = STAGES - 2;  // stages loading while one computes, one drains
+  static_assert(WG_M % 64 == 0 && STAGES >= 3, "warpgroups own whole m64 tiles");
+
+  __device__ static void compute_stage(u32 smem, float (&acc)[SUB][ACC], int wg) {
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) pin(acc[sub]);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // 4 steps of k16: 32 bytes each, inside the swizzle atom
+      const u64 b = sw128_descriptor(smem + Loader::X_BYTES + 32 * k);
+#pragma unroll
+      for (int sub = 0; sub < SUB; ++sub)
+        Wgmma::mma(acc[sub], sw128_descriptor(smem + (wg * WG_M + sub * 64) * 128 + 32 * k), b);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) pin(acc[sub]);
+  }
+
+  __device__ static void run(const Elem* x, const Elem* values, const int* row_offsets,
+                             const int* cols, const Elem* bias, Elem* y, int M, int K, int N) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
+    const int block_row = blockIdx.x, m0 = blockIdx.y * TILE_M, wg = threadIdx.x / 128;
+    const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
+    const int stages = Loader::num_stages(nnz);
+    float acc[SUB][ACC] = {};
+
+    int col = Loader::lookup_col(0, cols, first, nnz);
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+      const int this_col = col;
+      col = Loader::lookup_col(s + 1, cols, first, nnz);
+      if (s < stages) Loader::load(smem + s * Loader::STAGE_BYTES, s, this_col, x, values, first, nnz, m0, M, K);
+      cp_async_commit();
+    }
+    for (int s = 0; s < stages; ++s) {
+      cp_async_wait<AHEAD - 1>();
+      fence_proxy_async();
+      __syncthreads();  // stage s visible to all; stage s-2's wgmmas finished everywhere
+      const int next = s + AHEAD, this_col = col;
+      col = Loader::lookup_col(next + 1, cols, first, nnz);
+      if (next < stages)
+        Loader::load(smem + (next % STAGES) * Loader::STAGE_BYTES, next, this_col, x, values,
+                     first, nnz, m0, M, K);
+      cp_async_commit();
+      compute_stage(smem + (s % STAGES) * Loader::STAGE_BYTES, acc, wg);
+      wgmma_wait<1>();  // stage s-1's wgmmas are done: its buffer may be refilled next time
+    }
+    wgmma_wait<0>();
+    store(acc, bias, y, m0, block_row * BM, M, N, wg);
+  }
+
+  // wgmma's accumulators: per m64 tile, warp w of the group holds rows 16w..16w+15, laid
+  // out per n8 column tile exactly like mma.sync's m16n8 accumulators.
+  __device__ static void store(float (&acc)[SUB][ACC], const Elem* bias, Elem* y, int m0, int n0,
+                               int M, int N, int wg) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub)
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j)
+        TileStore<Mma, Elem>::m16n8(&acc[sub][4 * j], bias, y,
+                                    m0 + wg * WG_M + sub * 64 + warp * 16 + (lane >> 2),
+                                    n0 + 8 * j + 2 * (lane & 3), M, N);
+  }
+};
+
+}  // namespace sg
