@@ -35,12 +35,12 @@ def reference_linear(x, values, mask, block, bias):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, tile=None,
-                    instr=None):
+def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, small: bool,
+                    tile=None, instr=None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     # The CUBIN is built for the device's own compute capability: sm_80 code won't load on sm_90.
-    return runtime.kernel(forward_spec(block, DTYPE_NAMES[dtype], arch, tile, instr),
-                          device_index)
+    spec = forward_spec(block, DTYPE_NAMES[dtype], arch, tile, instr, rows=1 if small else None)
+    return runtime.kernel(spec, device_index)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     y = _output(out, m, out_features, x)
     if m == 0:
         return y.reshape(*x.shape[:-1], out_features)
-    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, tile, instr)
+    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
     grid = (out_features // block[0], -(-m // kern.spec.tile.tile_m), 1)
     ptr = ctypes.c_void_p
     kern.launch(grid, [ptr(x2.data_ptr()), ptr(values.data_ptr()), ptr(row_offsets.data_ptr()),

@@ -25,10 +25,12 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 
 ARCHS = tuple(SMEM_LIMIT)
 STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64 halves / 32 floats
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-# The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds).
+# The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds). The arch's
+# "a" suffix follows from instr, so from_name checks it by rebuilding the name.
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
-                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)"
+                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)"
                       r"_t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)")
+_NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES"
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,14 @@ class KernelSpec:
     def from_name(cls, name: str) -> "KernelSpec":
         """The spec whose .name is name (for `sparsegen show NAME`); validates it too."""
         match = _NAME_RE.fullmatch(name)
-        expect(match is not None, "a kernel name like bsr_dds_b32x32_bf16_nt_sm90_t128w4x1s4 "
-               "(OP_bROWSxCOLS_DTYPE_TRANS_smARCH_tTILEMwWARPSMxWARPSNsSTAGES)", repr(name), SpecError)
+        expect(match is not None, "a kernel name like bsr_dds_b32x32_bf16_nt_sm80_mma_t128w4x1s4 "
+               f"({_NAME_FORM})", repr(name), SpecError)
         g = match.groupdict()
         tile = TileConfig(**{k: int(g[k]) for k in ("tile_m", "warps_m", "warps_n", "stages")})
-        return cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
-                   trans=g["trans"], arch=int(g["arch"]), tile=tile)
+        spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
+                   trans=g["trans"], arch=int(g["arch"]), tile=tile, instr=g["instr"])
+        expect(spec.name == name, f"the name {spec.name} for these fields", repr(name), SpecError)
+        return spec
 
     @property
     def key(self) -> str:
@@ -152,28 +156,38 @@ def default_instr(dtype: str, arch: int) -> str:
     return "wgmma" if arch == 90 and dtype in ("bf16", "fp16") else "mma"
 
 
-def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma") -> TileConfig:
-    """Tile chosen per block-row height: wide M tiles reuse each weight block more."""
-    bm = block[0]
+def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
+                 rows: int | None = None) -> TileConfig:
+    """Tile per block-row height, from tools/bench.py --tune on an H200 (BENCHMARKS.md).
+
+    Taller tiles reuse each weight block over more rows of X; `rows` (M) below 128 takes
+    a 64-row tile so small batches do not compute on zero padding.
+    """
+    bm, small = block[0], rows is not None and rows <= 64
     if instr == "wgmma":
-        return TileConfig(tile_m=128, warps_m=8, warps_n=1, stages=4)
+        if small:
+            return TileConfig(tile_m=64, warps_m=4, warps_n=1, stages=4)
+        return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
+    if small:
+        return TileConfig(tile_m=64, warps_m=4, warps_n=1, stages=stages)
     if bm >= 128:
-        return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=stages)
+        return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=3)
     if bm == 64:
-        return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
+        return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=stages)
     return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
 
 
 def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
-                 instr: str | None = None) -> KernelSpec:
+                 instr: str | None = None, rows: int | None = None) -> KernelSpec:
     block = tuple(block)
     instr = instr or default_instr(dtype, arch)
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
-                      tile=tile or default_tile(block, arch, instr), instr=instr)
+                      tile=tile or default_tile(block, arch, instr, rows), instr=instr)
 
 
 def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     """The set `sparsegen precompile` builds: every square block plus common rectangles."""
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
-    return [forward_spec(b, d, arch) for d in dtypes for b in blocks]
+    return [forward_spec(b, d, arch, rows=rows) for d in dtypes for b in blocks
+            for rows in (None, 1)]

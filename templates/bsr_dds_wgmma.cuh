@@ -77,13 +77,15 @@ struct BsrDdsWgmma {
       cp_async_wait<AHEAD - 1>();
       fence_proxy_async();
       __syncthreads();  // stage s visible to all; stage s-2's wgmmas finished everywhere
+      // wgmma runs asynchronously: start the tensor cores first, then issue the copies for
+      // a later stage into the buffer stage s-2 used, while they work.
+      compute_stage(smem + (s % STAGES) * Loader::STAGE_BYTES, acc, wg);
       const int next = s + AHEAD, this_col = col;
       col = Loader::lookup_col(next + 1, cols, first, nnz);
       if (next < stages)
         Loader::load(smem + (next % STAGES) * Loader::STAGE_BYTES, next, this_col, x, values,
                      first, nnz, m0, M, K);
       cp_async_commit();
-      compute_stage(smem + (s % STAGES) * Loader::STAGE_BYTES, acc, wg);
       wgmma_wait<1>();  // stage s-1's wgmmas are done: its buffer may be refilled next time
     }
     wgmma_wait<0>();
