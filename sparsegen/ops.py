@@ -71,8 +71,31 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
         return y.reshape(*x.shape[:-1], out_features)
     kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
     grid = (out_features // block[0], -(-m // kern.spec.tile.tile_m), 1)
-    ptr = ctypes.c_void_p
-    kern.launch(grid, [ptr(x2.data_ptr()), ptr(values.data_ptr()), ptr(row_offsets.data_ptr()),
-                       ptr(col_indices.data_ptr()), ptr(bias.data_ptr() if bias is not None else 0),
-                       ptr(y.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(out_features)])
+    if values.shape[0] == 0:  # no block at all: TMA cannot describe an empty tensor
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+    else:
+        kern.launch(grid, _operands(kern.spec, x2, values, block) + _indices_and_output(
+            row_offsets, col_indices, bias, y, m, k, out_features) + _tma_tail(kern.spec, values))
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> list:
+    """X and W as the kernel reads them: raw pointers, or TMA descriptors for instr='tma'."""
+    if spec.instr != "tma":
+        return [ctypes.c_void_p(x2.data_ptr()), ctypes.c_void_p(values.data_ptr())]
+    sub_k = min(block[1], 64)  # one TMA box per block width, at most 128 bytes
+    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
+    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[0], block[1],
+                               block[0], sub_k)
+    return [x_map, w_map]
+
+
+def _indices_and_output(row_offsets, col_indices, bias, y, m: int, k: int, n: int) -> list:
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    return [ptr(row_offsets.data_ptr()), ptr(col_indices.data_ptr()),
+            ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i32(m), i32(k), i32(n)]
+
+
+def _tma_tail(spec, values: torch.Tensor) -> list:
+    # Rows of W's value tensor: reading from there on yields zeros (past a row's last block).
+    return [ctypes.c_int(values.shape[0] * spec.block[0])] if spec.instr == "tma" else []

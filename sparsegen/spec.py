@@ -17,8 +17,10 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
 OPS = ("bsr_dds",)
 TRANSPOSES = ("nt",)
-# Tensor-core instruction family: mma.sync runs on sm_80 and later; wgmma needs sm_90a.
-INSTRS = ("mma", "wgmma")
+# Tensor-core path: "mma" (mma.sync, sm_80 and later), "wgmma" (Hopper warpgroup MMA fed by
+# cp.async) and "tma" (wgmma fed by TMA copies from a producer warpgroup); both need sm_90a.
+INSTRS = ("mma", "wgmma", "tma")
+HOPPER_INSTRS = ("wgmma", "tma")
 # Opt-in shared memory per block, by compute capability (CUDA programming guide).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
               100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
@@ -77,7 +79,12 @@ class KernelSpec:
     @property
     def target(self) -> str:
         """NVRTC's --gpu-architecture: wgmma only exists on the arch-specific sm_90a."""
-        return f"sm_{self.arch}a" if self.instr == "wgmma" else f"sm_{self.arch}"
+        return f"sm_{self.arch}a" if self.instr in HOPPER_INSTRS else f"sm_{self.arch}"
+
+    @property
+    def threads(self) -> int:
+        """Threads per block: the tile's warps, plus the producer warpgroup for tma."""
+        return self.tile.threads + (128 if self.instr == "tma" else 0)
 
     @classmethod
     def from_name(cls, name: str) -> "KernelSpec":
@@ -104,8 +111,9 @@ class KernelSpec:
 
     def smem_bytes(self) -> int:
         rows = self.tile.tile_m + self.block[0]
-        align = 1024 if self.instr == "wgmma" else 0  # wgmma's swizzle atoms are 1024-aligned
-        return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align
+        align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
+        barriers = 16 * self.tile.stages if self.instr == "tma" else 0  # full + empty mbarriers
+        return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align + barriers
 
     def validate(self) -> None:
         _check_choice("op", self.op, OPS)
@@ -116,21 +124,23 @@ class KernelSpec:
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
         _validate_tile(self)
-        if self.instr == "wgmma":
+        if self.instr in HOPPER_INSTRS:
             _validate_wgmma(self)
 
 
 def _validate_wgmma(spec: KernelSpec) -> None:
     t = spec.tile
-    expect(spec.arch == 90, "arch 90 for wgmma (Hopper only); use instr='mma' elsewhere",
-           spec.arch, SpecError)
+    expect(spec.arch == 90, f"arch 90 for instr={spec.instr!r} (Hopper only); use instr='mma' "
+           "elsewhere", spec.arch, SpecError)
     expect(spec.dtype in ("bf16", "fp16"), "dtype bf16 or fp16 for wgmma", spec.dtype, SpecError)
+    expect(spec.block[0] <= 256, "block rows at most 256 (wgmma's largest N)", spec.block[0], SpecError)
     expect(t.warps_n == 1 and t.warps_m % 4 == 0,
            "warps_n = 1 and warps_m a multiple of 4 (whole warpgroups) for wgmma",
            f"warps {t.warps_m}x{t.warps_n}", SpecError)
     expect(t.tile_m % (16 * t.warps_m) == 0, "each warpgroup to own whole m64 tiles",
            f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
-    expect(t.stages >= 3, "at least 3 stages for wgmma", t.stages, SpecError)
+    least = 2 if spec.instr == "tma" else 3
+    expect(t.stages >= least, f"at least {least} stages for {spec.instr}", t.stages, SpecError)
 
 
 def _check_choice(what: str, value, choices) -> None:
@@ -145,15 +155,18 @@ def _validate_tile(spec: KernelSpec) -> None:
            f"block rows ({bm}) a multiple of 16 x warps_n = {16 * t.warps_n}; use fewer warps_n",
            t.warps_n, SpecError)
     expect(t.stages >= 2, "at least 2 pipeline stages", t.stages, SpecError)
-    expect(t.threads <= 1024, "at most 1024 threads per block", t.threads, SpecError)
+    expect(spec.threads <= 1024, "at most 1024 threads per block", spec.threads, SpecError)
     limit = SMEM_LIMIT[spec.arch]
     expect(spec.smem_bytes() <= limit,
            f"shared memory within sm_{spec.arch}'s {limit} bytes; reduce tile_m or stages",
            f"{spec.smem_bytes()} bytes for {spec.tile.tag}", SpecError)
 
 
-def default_instr(dtype: str, arch: int) -> str:
-    return "wgmma" if arch == 90 and dtype in ("bf16", "fp16") else "mma"
+def default_instr(dtype: str, arch: int, block=(64, 64)) -> str:
+    """TMA-fed wgmma on Hopper; for 16-row blocks cp.async copies beat TMA's narrow boxes."""
+    if arch != 90 or dtype not in ("bf16", "fp16"):
+        return "mma"
+    return "wgmma" if block[1] < 32 else "tma"
 
 
 def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
@@ -164,9 +177,11 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
     a 64-row tile so small batches do not compute on zero padding.
     """
     bm, small = block[0], rows is not None and rows <= 64
-    if instr == "wgmma":
+    if instr in HOPPER_INSTRS:
         if small:
             return TileConfig(tile_m=64, warps_m=4, warps_n=1, stages=4)
+        if instr == "tma":
+            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=5 if bm <= 64 else 4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
     if small:
@@ -181,7 +196,7 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
 def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
                  instr: str | None = None, rows: int | None = None) -> KernelSpec:
     block = tuple(block)
-    instr = instr or default_instr(dtype, arch)
+    instr = instr or default_instr(dtype, arch, block)
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
                       tile=tile or default_tile(block, arch, instr, rows), instr=instr)
 

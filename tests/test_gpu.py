@@ -56,6 +56,37 @@ def test_mma_sync_path_on_any_arch(block, dtype):
     assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
 
 
+def is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
+@pytest.mark.parametrize("instr", ["wgmma", "tma"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block", [(16, 16), (32, 32), (64, 64), (128, 128), (32, 64), (64, 32),
+                                   (128, 16), (16, 128)], ids=str)
+@pytest.mark.parametrize("m", [1, 300, 2049])
+def test_hopper_paths(block, dtype, instr, m):
+    """Both Hopper kernels, whatever the default is, with partial stages and empty rows."""
+    layout = torch.rand(5, 7) < 0.45
+    layout[1] = False
+    layer = sparsegen.linear(7 * block[1], 5 * block[0], block=block, layout=layout,
+                             device="cuda", dtype=dtype)
+    x = torch.randn(m, 7 * block[1], device="cuda", dtype=dtype)
+    out = torch.full((m, 5 * block[0]), float("nan"), device="cuda", dtype=dtype)
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                layer.out_features, out=out, instr=instr)
+    assert not out.isnan().any()
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+
+
+def test_layout_without_any_block():
+    layer = sparsegen.linear(128, 64, block=(32, 32), layout=torch.zeros(2, 4, dtype=torch.bool),
+                             device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(10, 128, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(layer(x), layer.bias.expand(10, 64))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_batch_dims_no_bias_and_empty_rows(dtype):
     layout = torch.rand(7, 9) < 0.3

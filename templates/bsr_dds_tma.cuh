@@ -1,0 +1,114 @@
+// Block-sparse Y = X W^T (+ bias) on Hopper: TMA copies feed wgmma, warp-specialized.
+//
+// Warpgroup 0 is the producer: one thread walks the block row's nonzero blocks and issues
+// TMA tile copies of X's matching columns and of W's blocks into a ring of STAGES buffers,
+// each guarded by a "full" mbarrier (bytes landed) and an "empty" one (consumers done).
+// The other CONSUMERS warpgroups only wait, multiply (wgmma straight from shared memory)
+// and finally store. A stage is 64 elements of K; it holds SUBS sub-tiles of SUB_K
+// elements (one block's width when BK < 64), each in the swizzle that matches its width.
+#pragma once
+#include "bsr_dds_wgmma.cuh"
+#include "sg_tma.cuh"
+
+namespace sg {
+
+template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int CONSUMERS, int STAGES>
+struct BsrDdsTma {
+  static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int STAGE_K = 64, SUB_K = BK < 64 ? BK : 64, SUBS = STAGE_K / SUB_K;
+  static constexpr int SUB_BYTES = SUB_K * 2;                   // 32, 64 or 128: the swizzle
+  static constexpr int X_BYTES = TILE_M * 128, STAGE_BYTES = (TILE_M + BM) * 128;
+  static constexpr int WG_M = TILE_M / CONSUMERS, MSUB = WG_M / 64, ACC = BM / 2;
+  static_assert(sizeof(Elem) == 2 && WG_M % 64 == 0, "16-bit types, whole m64 tiles per warpgroup");
+
+  // K-major operand in a sub-tile of SUB_BYTES-wide rows: 8-row groups are 8 * SUB_BYTES
+  // apart; the layout code names the swizzle (1: 128 B, 2: 64 B, 3: 32 B).
+  __device__ static u64 descriptor(u32 addr) {
+    constexpr u64 layout = SUB_BYTES == 128 ? 1 : SUB_BYTES == 64 ? 2 : 3;
+    return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(1) << 16) |
+           (static_cast<u64>(8 * SUB_BYTES >> 4) << 32) | (layout << 62);
+  }
+
+  // Shared address of k16 step `k` (0..3) of rows starting at `row` in a region of `rows`.
+  __device__ static u32 operand(u32 region, int rows, int row, int k) {
+    const int sub = (16 * k) / SUB_K, within = (16 * k) % SUB_K;
+    return region + sub * rows * SUB_BYTES + row * SUB_BYTES + within * 2;
+  }
+
+  __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
+                                 const int* cols, int first, int nnz, int stages, int m0, int K, int w_rows) {
+    for (int s = 0; s < stages; ++s) {
+      const int buf = s % STAGES;
+      const u32 full = bars + 8 * buf, empty = bars + 8 * (STAGES + buf);
+      mbar_wait(empty, ((s / STAGES) & 1) ^ 1);  // a fresh barrier counts as already emptied
+      mbar_expect_bytes(full, STAGE_BYTES);
+      const u32 stage = smem + buf * STAGE_BYTES;
+#pragma unroll
+      for (int j = 0; j < SUBS; ++j) {
+        const int k = s * STAGE_K + j * SUB_K, blk = k / BK, koff = k % BK;
+        const bool in_row = blk < nnz;  // past the row's end: read outside both tensors -> zeros
+        const int x_k = in_row ? __ldg(cols + first + blk) * BK + koff : K;
+        const int w_row = in_row ? (first + blk) * BM : w_rows;
+        tma_load_2d(stage + j * TILE_M * SUB_BYTES, x_map, x_k, m0, full);
+        tma_load_2d(stage + X_BYTES + j * BM * SUB_BYTES, w_map, koff, w_row, full);
+      }
+    }
+  }
+
+  __device__ static void consume(u32 smem, u32 bars, int stages, int wg, float (&acc)[MSUB][ACC]) {
+    for (int s = 0; s < stages; ++s) {
+      const int buf = s % STAGES;
+      mbar_wait(bars + 8 * buf, (s / STAGES) & 1);
+      const u32 stage = smem + buf * STAGE_BYTES;
+#pragma unroll
+      for (int i = 0; i < MSUB; ++i) pin(acc[i]);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const u64 b = descriptor(operand(stage + X_BYTES, BM, 0, k));
+#pragma unroll
+        for (int i = 0; i < MSUB; ++i)
+          Wgmma::mma(acc[i], descriptor(operand(stage, TILE_M, wg * WG_M + i * 64, k)), b);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int i = 0; i < MSUB; ++i) pin(acc[i]);
+      wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
+      if (s > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (s - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+  }
+
+  __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
+                             const int* cols, const Elem* bias, Elem* y, int M, int K, int N, int w_rows) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
+    const u32 bars = smem + STAGES * STAGE_BYTES;            // full[STAGES], then empty[STAGES]
+    const int block_row = blockIdx.x, m0 = blockIdx.y * TILE_M, wg = threadIdx.x / 128;
+    const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
+    const int stages = (nnz * BK + STAGE_K - 1) / STAGE_K;
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < STAGES; ++i) { mbar_init(bars + 8 * i, 1); mbar_init(bars + 8 * (STAGES + i), CONSUMERS); }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      tma_prefetch_map(x_map);
+      tma_prefetch_map(w_map);
+    }
+    __syncthreads();
+    if (wg == 0) {
+      if (threadIdx.x == 0) produce(x_map, w_map, smem, bars, cols, first, nnz, stages, m0, K, w_rows);
+      return;
+    }
+    float acc[MSUB][ACC] = {};
+    consume(smem, bars, stages, wg - 1, acc);
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+#pragma unroll
+    for (int i = 0; i < MSUB; ++i)
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j)
+        TileStore<Mma, Elem>::m16n8(&acc[i][4 * j], bias, y,
+                                    m0 + (wg - 1) * WG_M + i * 64 + warp * 16 + (lane >> 2),
+                                    block_row * BM + 8 * j + 2 * (lane & 3), M, N);
+  }
+};
+
+}  // namespace sg
