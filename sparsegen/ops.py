@@ -70,13 +70,20 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if m == 0:
         return y.reshape(*x.shape[:-1], out_features)
     kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
-    grid = (out_features // block[0], -(-m // kern.spec.tile.tile_m), 1)
+    grid = _grid(kern.spec, m, out_features, x.device)
     if values.shape[0] == 0:  # no block at all: TMA cannot describe an empty tensor
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
     else:
         kern.launch(grid, _operands(kern.spec, x2, values, block) + _indices_and_output(
             row_offsets, col_indices, bias, y, m, k, out_features) + _tma_tail(kern.spec, values))
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:
+    tiles = (n // spec.block[0], -(-m // spec.tile.tile_m))
+    if spec.instr == "tma":  # persistent: one block per SM walks the tiles
+        return (min(tiles[0] * tiles[1], runtime.sm_count(device.index or 0)), 1, 1)
+    return (*tiles, 1)
 
 
 def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> list:

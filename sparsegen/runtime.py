@@ -29,6 +29,11 @@ def device_arch(device: torch.device) -> int:
     return 10 * major + minor
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _ensure_context(device_index: int) -> None:
     """Make torch's primary context current on this thread, as the driver API needs."""
     torch.cuda.init()  # torch creates the primary context; we share it

@@ -181,7 +181,7 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
         if small:
             return TileConfig(tile_m=64, warps_m=4, warps_n=1, stages=4)
         if instr == "tma":
-            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=5 if bm <= 64 else 4)
+            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
     if small:

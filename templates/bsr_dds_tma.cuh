@@ -35,12 +35,15 @@ struct BsrDdsTma {
     return region + sub * rows * SUB_BYTES + row * SUB_BYTES + within * 2;
   }
 
+  // Stages are counted across all the tiles a block handles (`g`), so the ring's buffer
+  // and phase carry over from one tile to the next.
   __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
-                                 const int* cols, int first, int nnz, int stages, int m0, int K, int w_rows) {
+                                 const int* cols, int first, int nnz, int g0, int stages, int m0,
+                                 int K, int w_rows) {
     for (int s = 0; s < stages; ++s) {
-      const int buf = s % STAGES;
+      const int g = g0 + s, buf = g % STAGES;
       const u32 full = bars + 8 * buf, empty = bars + 8 * (STAGES + buf);
-      mbar_wait(empty, ((s / STAGES) & 1) ^ 1);  // a fresh barrier counts as already emptied
+      mbar_wait(empty, ((g / STAGES) & 1) ^ 1);  // a fresh barrier counts as already emptied
       mbar_expect_bytes(full, STAGE_BYTES);
       const u32 stage = smem + buf * STAGE_BYTES;
 #pragma unroll
@@ -55,10 +58,14 @@ struct BsrDdsTma {
     }
   }
 
-  __device__ static void consume(u32 smem, u32 bars, int stages, int wg, float (&acc)[MSUB][ACC]) {
+  __device__ static void release(u32 bars, int g) {
+    if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + g % STAGES));
+  }
+
+  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int wg, float (&acc)[MSUB][ACC]) {
     for (int s = 0; s < stages; ++s) {
-      const int buf = s % STAGES;
-      mbar_wait(bars + 8 * buf, (s / STAGES) & 1);
+      const int g = g0 + s, buf = g % STAGES;
+      mbar_wait(bars + 8 * buf, (g / STAGES) & 1);
       const u32 stage = smem + buf * STAGE_BYTES;
 #pragma unroll
       for (int i = 0; i < MSUB; ++i) pin(acc[i]);
@@ -74,19 +81,35 @@ struct BsrDdsTma {
 #pragma unroll
       for (int i = 0; i < MSUB; ++i) pin(acc[i]);
       wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
-      if (s > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (s - 1) % STAGES));
+      if (s > 0) release(bars, g - 1);
     }
     wgmma_wait<0>();
+    if (stages > 0) release(bars, g0 + stages - 1);
   }
 
+  __device__ static void store(float (&acc)[MSUB][ACC], const Elem* bias, Elem* y, int m0, int n0,
+                               int wg, int M, int N) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+#pragma unroll
+    for (int i = 0; i < MSUB; ++i)
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        TileStore<Mma, Elem>::m16n8(&acc[i][4 * j], bias, y, m0 + wg * WG_M + i * 64 + warp * 16 + (lane >> 2),
+                                    n0 + 8 * j + 2 * (lane & 3), M, N);
+        acc[i][4 * j] = acc[i][4 * j + 1] = acc[i][4 * j + 2] = acc[i][4 * j + 3] = 0.f;
+      }
+  }
+
+  // Persistent: each block walks tiles blockIdx.x, +gridDim.x, ... (block rows fastest, so
+  // blocks running together share X's rows in L2). While the consumers store one tile, the
+  // producer is already filling the ring with the next.
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
                              const int* cols, const Elem* bias, Elem* y, int M, int K, int N, int w_rows) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
     const u32 bars = smem + STAGES * STAGE_BYTES;            // full[STAGES], then empty[STAGES]
-    const int block_row = blockIdx.x, m0 = blockIdx.y * TILE_M, wg = threadIdx.x / 128;
-    const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
-    const int stages = (nnz * BK + STAGE_K - 1) / STAGE_K;
+    const int wg = threadIdx.x / 128, block_rows = N / BM;
+    const int tiles = block_rows * ((M + TILE_M - 1) / TILE_M);
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) { mbar_init(bars + 8 * i, 1); mbar_init(bars + 8 * (STAGES + i), CONSUMERS); }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -94,20 +117,20 @@ struct BsrDdsTma {
       tma_prefetch_map(w_map);
     }
     __syncthreads();
-    if (wg == 0) {
-      if (threadIdx.x == 0) produce(x_map, w_map, smem, bars, cols, first, nnz, stages, m0, K, w_rows);
-      return;
-    }
+    if (wg == 0 && threadIdx.x != 0) return;
     float acc[MSUB][ACC] = {};
-    consume(smem, bars, stages, wg - 1, acc);
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-#pragma unroll
-    for (int i = 0; i < MSUB; ++i)
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j)
-        TileStore<Mma, Elem>::m16n8(&acc[i][4 * j], bias, y,
-                                    m0 + (wg - 1) * WG_M + i * 64 + warp * 16 + (lane >> 2),
-                                    block_row * BM + 8 * j + 2 * (lane & 3), M, N);
+    for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
+      const int block_row = t % block_rows, m0 = (t / block_rows) * TILE_M;
+      const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
+      const int stages = (nnz * BK + STAGE_K - 1) / STAGE_K;
+      if (wg == 0) {
+        produce(x_map, w_map, smem, bars, cols, first, nnz, g, stages, m0, K, w_rows);
+      } else {
+        consume(smem, bars, g, stages, wg - 1, acc);
+        store(acc, bias, y, m0, block_row * BM, wg - 1, M, N);
+      }
+      g += stages;
+    }
   }
 };
 

@@ -14,6 +14,7 @@ for step in "${steps[@]}"; do
   case $step in
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
+    demo) python3 tools/demo.py 2>&1 | tee "$OUT/demo.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
              --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
