@@ -1,4 +1,5 @@
 """`python -m sparsegen` runs the same command line as the `sparsegen` script."""
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,12 +11,15 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
+import torch
+from tqdm import tqdm
+
 from . import __version__, cache, codegen, env
 from . import spec as specs
 from .errors import SparsegenError, SpecError, expect
 
 USAGE_ERROR = 2  # what argparse itself returns for a bad command line
-_ARCH_RE = re.compile(r"(?:sm_?)?(\d+)", re.IGNORECASE)
+_ARCH_RE = re.compile(r"(?:sm_?)?(\d+)a?", re.IGNORECASE)  # sm_90a: same specs as sm_90
 _BLOCK_RE = re.compile(r"(\d+)(?:x(\d+))?")
 
 
@@ -101,8 +104,7 @@ def parse_block(text: str) -> tuple[int, int]:
 
 
 def local_arch() -> int:
-    import torch  # sparsegen imports it anyway; named here because only this needs a GPU
-
+    """The arch of this machine's GPU (the only step that needs one)."""
     if not torch.cuda.is_available():
         raise SpecError("no CUDA GPU here to detect the arch from; pass --arch, e.g. --arch sm_80")
     major, minor = torch.cuda.get_device_capability()
@@ -113,7 +115,7 @@ def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
     arch = parse_arch(args.arch) if args.arch else local_arch()
     dtypes = list(dict.fromkeys(args.dtype)) if args.dtype else specs.DTYPES
     blocks = list(dict.fromkeys(map(parse_block, args.block))) if args.block else None
-    return arch, specs.default_specs(arch, dtypes, blocks)
+    return arch, list(dict.fromkeys(specs.default_specs(arch, dtypes, blocks)))  # no repeats
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -130,8 +132,6 @@ def cmd_precompile(args) -> int:
 
 def _build_all(todo: list, jobs: int, label: str) -> list[bool]:
     """Build every spec under a progress bar; one `compiled` flag per spec."""
-    from tqdm import tqdm
-
     flags = []
     with tqdm(total=len(todo), desc=label, unit="kernel", file=sys.stderr) as bar:
         for compiled in _builds(todo, jobs):
@@ -145,15 +145,23 @@ def _builds(todo: list, jobs: int):
     if jobs == 1 or len(todo) <= 1:
         yield from (cache.build(spec).compiled for spec in todo)
         return
-    # spawn, not fork: the parent may already hold a CUDA context (from local_arch).
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=context) as pool:
+    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=_pool_context()) as pool:
         futures = [pool.submit(_build_in_worker, spec) for spec in todo]
         try:
             yield from (future.result() for future in as_completed(futures))
         finally:
             for future in futures:  # after a failure, start no more compiles
                 future.cancel()
+
+
+def _pool_context():
+    """forkserver: workers fork from a clean process that imported sparsegen (and so torch)
+    once; plain fork could copy a CUDA context (local_arch) or tqdm's thread into them."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["sparsegen.cli"])
+    return context
 
 
 def _build_in_worker(spec: specs.KernelSpec) -> bool:

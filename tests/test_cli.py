@@ -1,0 +1,133 @@
+"""The `sparsegen` command line, in this process through main() and as `python -m sparsegen`."""
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsegen import cache, cli
+from sparsegen.errors import CompileError, SparsegenError, SpecError
+from sparsegen.spec import KernelSpec, default_specs, forward_spec
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--arch", "sm_80", "--dtype", "bf16", "--block", "32", "64"]
+# However many tiles default_specs picks per block, counted the way the CLI counts them.
+N = len(set(default_specs(80, ["bf16"], [(32, 32), (64, 64)])))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """An empty disk cache and memory cache, so counts of compiled kernels are exact."""
+    folder = tmp_path / "cli-cache"
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(folder))
+    cache.clear_memory()
+    yield folder
+    cache.clear_memory()
+
+
+def run_main(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_module(*argv):
+    """`python -m sparsegen` from the checkout, with this test's cache directory."""
+    return subprocess.run([sys.executable, "-m", "sparsegen", *argv], cwd=REPO, env=os.environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_precompile_compiles_once_then_finds_all_cached(capsys):
+    code, out, _ = run_main(capsys, "precompile", *SMALL)
+    assert code == 0
+    assert f"precompile sm_80: {N} kernels, {N} compiled, 0 cached" in out
+    cache.clear_memory()  # a new process would start with an empty memory cache
+    code, out, _ = run_main(capsys, "precompile", *SMALL)
+    assert code == 0
+    assert f"precompile sm_80: {N} kernels, 0 compiled, {N} cached" in out
+
+
+def test_module_precompile_with_jobs_fills_the_disk_cache(capsys):
+    result = run_module("precompile", *SMALL, "--jobs", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"{N} kernels, {N} compiled, 0 cached" in result.stdout
+    assert "precompile sm_80" in result.stderr  # the progress bar goes to stderr
+    _, out, _ = run_main(capsys, "precompile", *SMALL)
+    assert f"{N} kernels, 0 compiled, {N} cached" in out
+
+
+def test_cache_info_then_clear(capsys, cache_dir):
+    run_main(capsys, "precompile", *SMALL)
+    code, out, _ = run_main(capsys, "cache", "info")
+    assert code == 0
+    assert f"directory: {cache_dir}" in out and f"entries: {N}" in out
+    assert int(out.split("bytes: ")[1].split()[0]) > 0
+    code, out, _ = run_main(capsys, "cache", "clear")
+    assert code == 0 and f"removed {N} entries" in out
+    assert "entries: 0" in run_main(capsys, "cache", "info")[1]
+
+
+def test_show_prints_generated_source(capsys):
+    name = forward_spec((32, 32), "bf16", 80).name
+    code, out, _ = run_main(capsys, "show", name)
+    assert code == 0
+    assert name in out and "mma" in out and "__global__" in out
+
+
+def test_show_list_prints_default_names(capsys):
+    code, out, _ = run_main(capsys, "show", "--list", "--arch", "sm_90", "--dtype", "bf16")
+    assert code == 0
+    assert out.split() == list(dict.fromkeys(spec.name for spec in default_specs(90, ["bf16"])))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_from_name_inverts_name(arch):
+    for spec in default_specs(arch):
+        assert KernelSpec.from_name(spec.name) == spec
+
+
+@pytest.mark.parametrize("name", ["nope", "bsr_dds_b32x32_bf16_nt_sm80_t128w4x1s4",
+                                  "bsr_dds_b32x32_bf16_nt_sm90_wgmma_t128w8x1s4"])
+def test_from_name_rejects_malformed_names(name):
+    with pytest.raises(SpecError, match=r"Expected .*Got"):
+        KernelSpec.from_name(name)
+
+
+@pytest.mark.parametrize("argv", [
+    ["precompile", "--arch", "sm_70"],
+    ["precompile", "--arch", "sm_xx"],
+    ["precompile", "--arch", "80", "--block", "32y"],
+    ["precompile", "--arch", "80", "--block", "48"],
+    ["precompile", "--arch", "80", "--dtype", "int8"],
+    ["precompile", "--arch", "80", "--jobs", "0"],
+    ["show", "bsr_dds_nonsense"],
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("sparsegen: error: Expected") and err.count("\n") == 1
+
+
+def test_missing_arch_without_gpu_asks_for_arch(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run_main(capsys, "precompile")
+    assert code == 2 and "--arch" in err
+
+
+def test_module_bad_arch_exits_2_without_traceback():
+    result = run_module("precompile", "--arch", "sm_70")
+    assert result.returncode == 2
+    assert result.stderr.startswith("sparsegen: error:") and "Traceback" not in result.stderr
+
+
+def test_worker_errors_survive_the_trip_back_from_the_pool(monkeypatch):
+    def failing_build(spec):
+        raise CompileError(spec.name, "error: boom", "/tmp/x.cu")
+
+    monkeypatch.setattr(cache, "build", failing_build)
+    with pytest.raises(SparsegenError) as caught:
+        cli._build_in_worker(forward_spec((32, 32), "bf16", 80))
+    assert "boom" in str(pickle.loads(pickle.dumps(caught.value)))

@@ -1,0 +1,95 @@
+"""The wheel works on its own: built offline, installed into a fresh venv, run outside the repo.
+
+It catches what tests of the checkout cannot: templates missing from the wheel, or
+templates_dir() finding the checkout's instead of the installed ones.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+# Never copied into the build: caches, build outputs and environments.
+JUNK = (".git", ".venv", ".whl", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
+
+CHECK = """
+import json, sysconfig
+from pathlib import Path
+import sparsegen
+from sparsegen import cache, codegen, spec
+
+site = Path(sysconfig.get_paths()["purelib"]).resolve()
+templates = codegen.templates_dir().resolve()
+assert templates.is_relative_to(site), (templates, site)
+assert Path(sparsegen.__file__).resolve().is_relative_to(site), sparsegen.__file__
+built = cache.build(spec.forward_spec((32, 32), "bf16", 80))
+assert built.compiled and built.cubin[:4] == b"\\x7fELF", built.cubin[:4]
+print(json.dumps({"templates": str(templates), "version": sparsegen.__version__}))
+"""
+
+
+def run(*argv, **kwargs):
+    result = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
+                            timeout=300, **kwargs)
+    assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def build_wheel(tmp: Path) -> Path:
+    """pip wheel on a copy of the checkout, so no build/ or egg-info lands in the repo.
+    --no-build-isolation and --no-index: this environment's setuptools, no downloads."""
+    source = tmp / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*JUNK))
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+        "-w", tmp / "dist", source)
+    (wheel,) = (tmp / "dist").glob("sparsegen-*.whl")
+    return wheel
+
+
+def make_venv(folder: Path) -> Path:
+    """A fresh venv that also sees this environment's packages (torch, NVRTC, ...).
+
+    --system-site-packages only reaches the base interpreter's site-packages; when the
+    tests run inside a venv (as in CI), a .pth file adds that venv's too: plain path lines
+    for sys.path (they do not run the .pth files in that folder, so an editable install of
+    the checkout stays inactive), and site.PREFIXES, where cuda-pathfinder looks for NVRTC.
+    """
+    run(sys.executable, "-m", "venv", "--system-site-packages", folder)
+    python = folder / "bin" / "python"
+    site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
+    paths = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    lines = [*paths, f"import site; site.PREFIXES.append({sys.prefix!r})"]
+    (Path(site) / "outer_environment.pth").write_text("\n".join(lines) + "\n")
+    return python
+
+
+def clean_env(cache_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return env | {"SPARSEGEN_CACHE_DIR": str(cache_dir)}
+
+
+def test_wheel_ships_templates_and_compiles_outside_the_repo(tmp_path):
+    wheel = build_wheel(tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    for template in sorted((REPO / "templates").glob("*.*")):
+        assert f"sparsegen/templates/{template.name}" in names
+    python = make_venv(tmp_path / "venv")
+    run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel)
+    elsewhere, env = tmp_path / "elsewhere", clean_env(tmp_path / "cache")
+    elsewhere.mkdir()
+    # -I: neither the cwd nor PYTHONPATH nor user site-packages go on sys.path.
+    report = json.loads(run(python, "-I", "-c", CHECK, cwd=elsewhere, env=env))
+    assert not Path(report["templates"]).is_relative_to(REPO)
+    out = run(tmp_path / "venv" / "bin" / "sparsegen", "precompile", "--arch", "sm_80",
+              "--dtype", "bf16", "--block", "32", cwd=elsewhere, env=env)
+    # The console script works and finds, among others, the kernel the snippet compiled.
+    assert int(re.search(r"(\d+) cached", out).group(1)) >= 1, out
