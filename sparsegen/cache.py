@@ -7,6 +7,7 @@ Entries carry a checksum: a damaged one is recompiled with a warning, never load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import warnings
@@ -16,7 +17,8 @@ from . import codegen, compiler, env
 from .spec import KernelSpec
 
 _MAGIC = b"SGCUBIN1"
-_memory: dict[str, bytes] = {}
+_ALIAS = "alias:"  # disk entries mapping a spec's alias_key to the rendered source's key
+_memory: dict[str, tuple[str, bytes]] = {}
 
 
 @dataclass(frozen=True)
@@ -80,30 +82,61 @@ def _build_lock(key: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def alias_key(spec: KernelSpec) -> str:
+    """Everything the rendered source and the CUBIN follow from, without rendering or loading
+    NVRTC (together ~100 ms in a new process): the spec, the template files, and the
+    installed versions of jinja2 and the compiler packages."""
+    h = hashlib.sha256()
+    parts = (repr(dataclasses.astuple(spec)), *codegen.template_texts(), *compiler.identity(),
+             *compiler.options(spec.target))
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else disk, else NVRTC (then stored in both)."""
-    source, headers = codegen.render(spec), codegen.headers()
-    key = cache_key(source, headers, spec.target)
-    if key in _memory:
-        return Built(spec, key, _memory[key], compiled=False)
+    alias = alias_key(spec)
+    if alias in _memory:
+        return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
-        return _remember(Built(spec, key, compiler.compile_cubin(source, spec.name, spec.target, headers), True))
+        return _remember(alias, _compile(spec, *_source(spec)))
     with _disk() as disk:
+        key = disk.get(_ALIAS + alias)
+        cubin = _read_disk(disk, key, spec.name) if key else None
+        built = Built(spec, key, cubin, False) if cubin is not None else _build_on_disk(disk, spec)
+        disk.set(_ALIAS + alias, built.key)
+    return _remember(alias, built)
+
+
+def _source(spec: KernelSpec) -> tuple[str, dict[str, str], str]:
+    source, headers = codegen.render(spec), codegen.headers()
+    return source, headers, cache_key(source, headers, spec.target)
+
+
+def _compile(spec: KernelSpec, source: str, headers: dict[str, str], key: str) -> Built:
+    return Built(spec, key, compiler.compile_cubin(source, spec.name, spec.target, headers), True)
+
+
+def _build_on_disk(disk, spec: KernelSpec) -> Built:
+    """Look the rendered source's key up; compile under a lock only if it is missing."""
+    source, headers, key = _source(spec)
+    cubin = _read_disk(disk, key, spec.name)
+    if cubin is not None:
+        return Built(spec, key, cubin, compiled=False)
+    with _build_lock(key):
+        # Another process may have built it while we waited for the lock.
         cubin = _read_disk(disk, key, spec.name)
         if cubin is not None:
-            return _remember(Built(spec, key, cubin, compiled=False))
-        with _build_lock(key):
-            # Another process may have built it while we waited for the lock.
-            cubin = _read_disk(disk, key, spec.name)
-            if cubin is not None:
-                return _remember(Built(spec, key, cubin, compiled=False))
-            cubin = compiler.compile_cubin(source, spec.name, spec.target, headers)
-            disk.set(key, _seal(cubin))
-    return _remember(Built(spec, key, cubin, compiled=True))
+            return Built(spec, key, cubin, compiled=False)
+        built = _compile(spec, source, headers, key)
+        disk.set(key, _seal(built.cubin))
+    return built
 
 
-def _remember(built: Built) -> Built:
-    _memory[built.key] = built.cubin
+def _remember(alias: str, built: Built) -> Built:
+    _memory[alias] = (built.key, built.cubin)
     return built
 
 
@@ -112,15 +145,17 @@ def clear_memory() -> None:
 
 
 def info() -> dict:
+    """entries: compiled kernels on disk (the alias records that point at them not counted)."""
     folder = env.cache_dir()
     with _disk() as disk:
-        return {"directory": str(folder), "entries": len(disk), "bytes": disk.volume()}
+        kernels = sum(1 for key in disk.iterkeys() if not str(key).startswith(_ALIAS))
+        return {"directory": str(folder), "entries": kernels, "bytes": disk.volume()}
 
 
 def clear() -> int:
     """Empty the disk and memory caches; returns how many disk entries were removed."""
     clear_memory()
+    count = info()["entries"]
     with _disk() as disk:
-        count = len(disk)
         disk.clear()
     return count

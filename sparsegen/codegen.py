@@ -4,8 +4,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import jinja2
-
+from . import env
 from .spec import KernelSpec
 
 _MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
@@ -22,12 +21,17 @@ def templates_dir() -> Path:
     raise FileNotFoundError(f"sparsegen templates not found next to {here}")
 
 
-@functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+@functools.lru_cache(maxsize=4)
+def _environment(bytecode_dir: str):
+    import jinja2  # late: a process whose kernels are all cached never needs it
+
     # StrictUndefined: a template that names a variable we did not pass is an error,
-    # never an empty string in generated code.
+    # never an empty string in generated code. The bytecode cache spares a new process
+    # the template compile (~30 ms), most of the time it takes to find a cached kernel.
+    Path(bytecode_dir).mkdir(parents=True, exist_ok=True)
     return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              bytecode_cache=jinja2.FileSystemBytecodeCache(bytecode_dir))
 
 
 def template_context(spec: KernelSpec) -> dict:
@@ -39,8 +43,18 @@ def template_context(spec: KernelSpec) -> dict:
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype])
 
 
+def environment():
+    return _environment(str(env.cache_dir() / "jinja"))
+
+
 def render(spec: KernelSpec) -> str:
-    return _environment().get_template(f"{spec.op}.cu.j2").render(**template_context(spec))
+    return environment().get_template(f"{spec.op}.cu.j2").render(**template_context(spec))
+
+
+def template_texts() -> list[str]:
+    """Every template and header, in a fixed order: what a rendered kernel can depend on."""
+    folder = templates_dir()
+    return [p.read_text() for p in sorted(folder.glob("*.j2")) + sorted(folder.glob("*.cuh"))]
 
 
 def headers() -> dict[str, str]:

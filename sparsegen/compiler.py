@@ -3,6 +3,7 @@ loads on an older driver, PTX does not."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 
 from . import env
@@ -28,6 +29,26 @@ def _check(result, what: str):
 def nvrtc_version() -> str:
     major, minor = _check(_nvrtc().nvrtcVersion(), "version query")
     return f"{major}.{minor}"
+
+
+@functools.lru_cache(maxsize=1)
+def identity() -> tuple[str, ...]:
+    """What identifies the installed compiler stack, read from file metadata without loading
+    NVRTC or scanning every installed distribution (each costs tens of ms in a new process):
+    the cuda.bindings and jinja2 modules, and the NVRTC libraries of the nvidia wheels."""
+    marks = [_file_mark(module) for module in ("cuda.bindings", "jinja2")]
+    nvidia = importlib.util.find_spec("nvidia")
+    for folder in (nvidia.submodule_search_locations if nvidia else []):
+        marks += sorted(f"{p.name}:{p.stat().st_size}" for p in Path(folder).glob("*/lib/libnvrtc.so*"))
+    return tuple(marks)
+
+
+def _file_mark(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return f"{module}:absent"
+    stat = Path(spec.origin).stat()
+    return f"{module}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def options(target: str) -> tuple[str, ...]:

@@ -16,7 +16,16 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 
 
 def check_inputs(x: torch.Tensor, values: torch.Tensor, bias, in_features: int) -> None:
-    """Every "Expected X. Got Y." check, before any kernel runs."""
+    """Every "Expected X. Got Y." check, before any kernel runs. The common, valid case is
+    decided by one cheap test; the messages are only built when something is wrong."""
+    if (isinstance(x, torch.Tensor) and x.dtype is values.dtype and x.device == values.device
+            and x.dim() >= 1 and x.shape[-1] == in_features and x.dtype in DTYPE_NAMES
+            and (bias is None or (bias.dtype is values.dtype and bias.device == values.device))):
+        return
+    _explain_bad_inputs(x, values, bias, in_features)
+
+
+def _explain_bad_inputs(x, values, bias, in_features: int) -> None:
     expect(isinstance(x, torch.Tensor), "input to be a torch.Tensor", type(x).__name__)
     expect(x.dim() >= 1 and x.shape[-1] == in_features,
            f"input of shape (..., {in_features})", tuple(x.shape))
@@ -44,7 +53,7 @@ def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: in
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
     return x2
@@ -73,10 +82,13 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     grid = _grid(kern.spec, m, out_features, x.device)
     if values.shape[0] == 0:  # no block at all: TMA cannot describe an empty tensor
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-    else:
-        kern.launch(grid, _operands(kern.spec, x2, values, block) + _indices_and_output(
-            row_offsets, col_indices, bias, y, m, k, out_features) + _tma_tail(kern.spec, values))
-    return y.reshape(*x.shape[:-1], out_features)
+        return y.reshape(*x.shape[:-1], out_features)
+    maps, operands = _operands(kern.spec, x2, values, block)
+    bias_ptr = bias.data_ptr() if bias is not None else 0
+    pointers = (*operands, row_offsets.data_ptr(), col_indices.data_ptr(), bias_ptr, y.data_ptr())
+    ints = (m, k, out_features) + _tma_tail(kern.spec, values)
+    kern.launch(grid, maps, pointers, ints)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
 
 
 def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:
@@ -86,23 +98,17 @@ def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:
     return (*tiles, 1)
 
 
-def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> list:
-    """X and W as the kernel reads them: raw pointers, or TMA descriptors for instr='tma'."""
+def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tuple, tuple]:
+    """X and W as the kernel reads them: TMA descriptors for instr='tma', else pointers."""
     if spec.instr != "tma":
-        return [ctypes.c_void_p(x2.data_ptr()), ctypes.c_void_p(values.data_ptr())]
+        return (), (x2.data_ptr(), values.data_ptr())
     sub_k = min(block[1], 64)  # one TMA box per block width, at most 128 bytes
     x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
     w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[0], block[1],
                                block[0], sub_k)
-    return [x_map, w_map]
+    return (x_map, w_map), ()
 
 
-def _indices_and_output(row_offsets, col_indices, bias, y, m: int, k: int, n: int) -> list:
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    return [ptr(row_offsets.data_ptr()), ptr(col_indices.data_ptr()),
-            ptr(bias.data_ptr() if bias is not None else 0), ptr(y.data_ptr()), i32(m), i32(k), i32(n)]
-
-
-def _tma_tail(spec, values: torch.Tensor) -> list:
+def _tma_tail(spec, values: torch.Tensor) -> tuple:
     # Rows of W's value tensor: reading from there on yields zeros (past a row's last block).
-    return [ctypes.c_int(values.shape[0] * spec.block[0])] if spec.instr == "tma" else []
+    return (values.shape[0] * spec.block[0],) if spec.instr == "tma" else ()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 
 import torch
 
@@ -43,8 +44,28 @@ def _ensure_context(device_index: int) -> None:
     _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    """The driver library itself: the launch path calls it through ctypes, which costs a
+    few microseconds where the cuda.bindings wrappers cost tens."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    u32, ptr = ctypes.c_uint, ctypes.c_void_p
+    lib.cuLaunchKernel.argtypes = [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr]
+    lib.cuTensorMapEncodeTiled.argtypes = [ptr, ctypes.c_int, u32, ptr, ptr, ptr, ptr, ptr,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def _slow_current_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# The raw-handle query inductor uses costs ~1 us; building a torch Stream object, ~10.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
+
+
 class Kernel:
-    """A loaded kernel: launch(grid, args) on the current stream of its device."""
+    """A loaded kernel: launch(grid, ...) on the current stream of its device."""
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.spec, self.device_index = spec, device_index
@@ -57,26 +78,38 @@ class Kernel:
                                 "cuModuleGetFunction")
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(self._function, attr, self.smem), "cuFuncSetAttribute")
+        self._handle = int(self._function)
+        self._cu_launch = _libcuda().cuLaunchKernel
 
-    def launch(self, grid: tuple[int, int, int], args: list) -> None:
-        """args in kernel order: ctypes scalars (c_void_p for pointers, c_int for ints) or
-        TensorMap objects (passed by value)."""
-        params = (ctypes.c_void_p * len(args))(*[_param_address(a) for a in args])
-        stream = torch.cuda.current_stream(self.device_index).cuda_stream
-        status, = _driver().cuLaunchKernel(self._function, *grid, self.threads, 1, 1, self.smem,
-                                           stream, ctypes.addressof(params), 0)
-        if int(status) != 0:
-            raise LaunchError(f"launch of {self.spec.name} failed: {status!r}")
-
-
-def _param_address(arg) -> int:
-    return arg.address if isinstance(arg, TensorMap) else ctypes.addressof(arg)
+    def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
+        """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""
+        params = _kernel_params(maps, pointers, ints)
+        status = self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
+                                 _current_stream(self.device_index), params.array, None)
+        if status != 0:
+            raise LaunchError(f"launch of {self.spec.name} failed: CUresult {status}")
 
 
-_TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
-               torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
-_SWIZZLE = {32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B",
-            128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+class _Params:
+    """cuLaunchKernel's void*[]: one address per parameter, pointing at its value."""
+
+    def __init__(self, maps: tuple, pointers: tuple, ints: tuple):
+        self._values = ctypes.create_string_buffer(struct.pack(f"{len(pointers)}Q{len(ints)}i", *pointers, *ints))
+        base = ctypes.addressof(self._values)
+        addresses = [m.address for m in maps] + [base + 8 * i for i in range(len(pointers))]
+        addresses += [base + 8 * len(pointers) + 4 * i for i in range(len(ints))]
+        self.array = (ctypes.c_void_p * len(addresses))(*addresses)
+
+
+# The driver copies parameter values at launch, so identical parameter lists (the same
+# layer on the same buffers, step after step) can share one packed array.
+_kernel_params = functools.lru_cache(maxsize=128)(_Params)
+
+
+# CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values from cuda.h.
+_TMA_DTYPES = {torch.float16: 6, torch.bfloat16: 9}
+_SWIZZLE = {32: 1, 64: 2, 128: 3}
+_L2_PROMOTE_256B = 3
 
 
 class TensorMap:
@@ -84,23 +117,16 @@ class TensorMap:
     box_cols into shared memory swizzled to the box's row width (32, 64 or 128 bytes)."""
 
     def __init__(self, ptr: int, dtype: torch.dtype, rows: int, cols: int, box_rows: int, box_cols: int):
-        driver, size = _driver(), dtype.itemsize
-        self._map = _check(driver.cuTensorMapEncodeTiled(
-            getattr(driver.CUtensorMapDataType, _TMA_DTYPES[dtype]), 2, ptr,
-            _u64(cols, rows), _u64(cols * size), _u32(box_cols, box_rows), _u32(1, 1),
-            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            getattr(driver.CUtensorMapSwizzle, _SWIZZLE[box_cols * size]),
-            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-        self.address = self._map.getPtr()
-
-
-def _u64(*values) -> list:
-    return [_driver().cuuint64_t(v) for v in values]
-
-
-def _u32(*values) -> list:
-    return [_driver().cuuint32_t(v) for v in values]
+        size = dtype.itemsize
+        self._storage = ctypes.create_string_buffer(128 + 64)  # the driver wants 64-byte alignment
+        self.address = (ctypes.addressof(self._storage) + 63) & ~63
+        u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint * 2
+        status = _libcuda().cuTensorMapEncodeTiled(
+            self.address, _TMA_DTYPES[dtype], 2, ptr, u64x2(cols, rows), u64x2(cols * size, 0),
+            u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE[box_cols * size], _L2_PROMOTE_256B, 0)
+        if status != 0:
+            raise LaunchError(f"cuTensorMapEncodeTiled failed: CUresult {status} "
+                              f"(rows {rows}, cols {cols}, box {box_rows}x{box_cols})")
 
 
 # A descriptor holds only an address and a shape, so it is safe to reuse whenever both

@@ -7,6 +7,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (diskcac
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+# A writable bytecode cache: the image's site-packages hold no .pyc files, and recompiling
+# jinja2 at every import would dominate the new-process timing (a pip install has them).
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 SPARSEGEN_CACHE_DIR=${SPARSEGEN_CACHE_DIR:-/tmp/sgcache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
@@ -14,6 +17,8 @@ for step in "${steps[@]}"; do
   case $step in
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
+    overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
+    profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
     demo) python3 tools/demo.py 2>&1 | tee "$OUT/demo.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
