@@ -14,9 +14,10 @@ from ..errors import InputError, expect
 
 
 def check_divisible(features: int, side: int, what: str) -> None:
+    lower, upper = features // side * side, math.ceil(features / side) * side
+    nearest = f"sizes are {lower} and {upper}" if lower > 0 else f"size is {upper}"
     expect(features % side == 0,
-           f"{what} ({features}) to be a multiple of the block's {side}; "
-           f"nearest valid sizes are {features // side * side} and {math.ceil(features / side) * side}",
+           f"{what} ({features}) to be a multiple of the block's {side}; nearest valid {nearest}",
            f"{features} % {side} = {features % side}")
 
 

@@ -1,0 +1,224 @@
+"""The two-level CUBIN cache: memory and disk hits, other processes, damage, invalidation."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import diskcache
+import pytest
+
+import sparsegen
+from sparsegen import cache, codegen, compiler, env
+from sparsegen.spec import forward_spec
+
+SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
+PACKAGE_ROOT = str(Path(sparsegen.__file__).resolve().parent.parent)
+
+# Builds one spec in a fresh interpreter and prints what it got. mode "forbid" fails if
+# NVRTC is called; "slow" holds NVRTC for 2 s so that concurrent builds overlap.
+WORKER = """
+import hashlib, json, sys, time
+from sparsegen import cache, compiler
+from sparsegen.spec import forward_spec
+bm, bk, dtype, arch, mode = sys.argv[1:]
+real = compiler.compile_cubin
+def compile_cubin(*args):
+    assert mode != "forbid", "NVRTC was called"
+    if mode == "slow":
+        time.sleep(2.0)
+    return real(*args)
+compiler.compile_cubin = compile_cubin
+built = cache.build(forward_spec((int(bm), int(bk)), dtype, int(arch)))
+print(json.dumps({"compiled": built.compiled, "sha": hashlib.sha256(built.cubin).hexdigest()}))
+"""
+
+
+def start_worker(spec, mode: str) -> subprocess.Popen:
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
+    args = [*map(str, spec.block), spec.dtype, str(spec.arch), mode]
+    return subprocess.Popen([sys.executable, "-c", WORKER, *args], env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result_of(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def nvrtc_calls(monkeypatch):
+    """Names of the kernels NVRTC compiles during the test."""
+    calls, real = [], compiler.compile_cubin
+
+    def counting(source, name, arch, headers):
+        calls.append(name)
+        return real(source, name, arch, headers)
+
+    monkeypatch.setattr(compiler, "compile_cubin", counting)
+    return calls
+
+
+def forbid(monkeypatch, module, name):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{module.__name__}.{name} must not be called")
+
+    monkeypatch.setattr(module, name, fail)
+
+
+def test_miss_then_hit(nvrtc_calls):
+    first = cache.build(SPEC)
+    second = cache.build(SPEC)
+    assert first.compiled and not second.compiled
+    assert nvrtc_calls == [SPEC.name]
+    assert second.cubin == first.cubin and second.key == first.key
+    assert cache.info()["entries"] == 1
+
+
+def test_disk_hit_then_memory_hit(nvrtc_calls, monkeypatch):
+    first = cache.build(SPEC)
+    cache.clear_memory()
+    from_disk = cache.build(SPEC)
+    assert not from_disk.compiled and from_disk.cubin == first.cubin
+    assert nvrtc_calls == [SPEC.name]
+    forbid(monkeypatch, cache, "_disk")  # a memory hit touches neither disk nor NVRTC
+    from_memory = cache.build(SPEC)
+    assert not from_memory.compiled and from_memory.cubin == first.cubin
+
+
+def test_new_process_hits_disk_cache():
+    built = cache.build(SPEC)
+    got = result_of(start_worker(SPEC, "forbid"))
+    assert got == {"compiled": False, "sha": sha(built.cubin)}
+
+
+def test_two_processes_compiling_at_once_agree():
+    procs = [start_worker(SPEC, "slow") for _ in range(2)]
+    results = [result_of(p) for p in procs]
+    assert results[0]["sha"] == results[1]["sha"]
+    # The build lock lets one process compile; the other then finds the entry on disk.
+    assert sorted(r["compiled"] for r in results) == [False, True]
+    here = cache.build(SPEC)
+    assert not here.compiled and sha(here.cubin) == results[0]["sha"]
+    assert cache.info()["entries"] == 1
+
+
+DAMAGE = {
+    "garbage": lambda blob: b"definitely not a sealed cubin" * 8,
+    "empty": lambda blob: b"",
+    "truncated": lambda blob: blob[: len(blob) // 2],
+    "bit flip": lambda blob: blob[:-100] + bytes([blob[-100] ^ 1]) + blob[-99:],
+    "not bytes": lambda blob: "a str where bytes belong",
+}
+
+
+def disk_cache():
+    return diskcache.Cache(str(env.cache_dir() / "cubins"))
+
+
+def assert_recompiled_with_warning(spec, original: bytes, nvrtc_calls):
+    cache.clear_memory()
+    with pytest.warns(RuntimeWarning, match=f"{spec.name} is damaged"):
+        rebuilt = cache.build(spec)
+    assert rebuilt.compiled and rebuilt.cubin == original
+    assert nvrtc_calls == [spec.name, spec.name]
+    cache.clear_memory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the repaired entry loads quietly
+        again = cache.build(spec)
+    assert not again.compiled and again.cubin == original
+
+
+@pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
+def test_damaged_entry_is_recompiled_with_warning(damage, nvrtc_calls):
+    built = cache.build(SPEC)
+    with disk_cache() as disk:
+        disk.set(built.key, damage(disk.get(built.key)))
+    assert_recompiled_with_warning(SPEC, built.cubin, nvrtc_calls)
+
+
+def test_truncated_file_on_disk_is_recompiled_with_warning(nvrtc_calls):
+    with diskcache.Cache(str(env.cache_dir() / "cubins"), disk_min_file_size=1):
+        pass  # a stored setting: from now on every value lives in a file of its own
+    built = cache.build(SPEC)
+    files = list((env.cache_dir() / "cubins").rglob("*.val"))
+    assert len(files) == 2  # the CUBIN, and the alias record naming its key
+    cubin_file = max(files, key=lambda f: f.stat().st_size)
+    cubin_file.write_bytes(cubin_file.read_bytes()[:1000])
+    assert_recompiled_with_warning(SPEC, built.cubin, nvrtc_calls)
+
+
+@pytest.fixture
+def fresh_jinja():
+    codegen._environment.cache_clear()  # its loader is bound to templates_dir()
+    yield
+    codegen._environment.cache_clear()
+
+
+def use_template_copy(tmp_path, monkeypatch) -> Path:
+    """From now on codegen reads its templates from a private copy that the test may edit."""
+    copy = tmp_path / "templates"
+    shutil.copytree(codegen.templates_dir(), copy)
+    monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
+    codegen._environment.cache_clear()
+    return copy
+
+
+@pytest.mark.parametrize("pattern", [f"{SPEC.op}.cu.j2", "*.cuh"])
+def test_editing_a_template_invalidates_the_key(pattern, tmp_path, monkeypatch, fresh_jinja,
+                                                nvrtc_calls):
+    original = cache.build(SPEC)
+    copy = use_template_copy(tmp_path, monkeypatch)
+    unedited = cache.build(SPEC)  # same contents, another folder: same key
+    assert not unedited.compiled and unedited.key == original.key
+    path = sorted(copy.glob(pattern))[0]
+    text = path.read_text()
+    path.write_text(text + "\n// an edit\n")
+    edited = cache.build(SPEC)
+    assert edited.compiled and edited.key != original.key
+    path.write_text(text)
+    restored = cache.build(SPEC)
+    assert not restored.compiled and restored.key == original.key
+    assert nvrtc_calls == [SPEC.name, SPEC.name]
+
+
+def test_new_compiler_or_options_invalidate_the_key(monkeypatch, nvrtc_calls):
+    original = cache.build(SPEC)
+    # A new NVRTC arrives as a new package version: both the alias and the key change.
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: "99.9")
+    monkeypatch.setattr(compiler, "identity", lambda: ("nvidia-cuda-nvrtc=99.9",))
+    new_nvrtc = cache.build(SPEC)
+    monkeypatch.setattr(compiler, "BASE_OPTIONS", compiler.BASE_OPTIONS + ("-lineinfo",))
+    new_options = cache.build(SPEC)
+    assert new_nvrtc.compiled and new_options.compiled
+    assert len({original.key, new_nvrtc.key, new_options.key}) == 3
+    assert nvrtc_calls == [SPEC.name] * 3
+
+
+def test_clear_empties_both_levels(nvrtc_calls):
+    other = forward_spec((32, 32), "fp16", 80)
+    cache.build(SPEC), cache.build(other)
+    assert cache.info()["entries"] == 2
+    assert cache.clear() == 2
+    assert cache.info()["entries"] == 0
+    assert cache.build(SPEC).compiled and cache.build(other).compiled
+    assert nvrtc_calls == [SPEC.name, other.name] * 2
+
+
+def test_no_disk_cache_keeps_disk_empty(nvrtc_calls, monkeypatch):
+    monkeypatch.setenv("SPARSEGEN_NO_DISK_CACHE", "1")
+    assert cache.build(SPEC).compiled
+    assert not cache.build(SPEC).compiled  # still remembered in memory
+    cache.clear_memory()
+    assert cache.build(SPEC).compiled
+    assert nvrtc_calls == [SPEC.name] * 2
+    assert cache.info()["entries"] == 0

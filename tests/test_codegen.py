@@ -1,0 +1,147 @@
+"""Rendering KernelSpecs to CUDA source: contents, golden files, StrictUndefined.
+
+Regenerate the golden files after an intended template change with:
+    SPARSEGEN_UPDATE_GOLDEN=1 python -m pytest tests/test_codegen.py
+"""
+import os
+import re
+from pathlib import Path
+
+import jinja2
+import jinja2.meta
+import pytest
+
+from sparsegen import codegen
+from sparsegen.spec import INSTRS, KernelSpec, TileConfig, forward_spec
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+# Pinned tiles (not the tuned defaults), so that only a template change moves a golden file.
+GOLDEN_SPECS = [
+    KernelSpec(block=(128, 64), dtype="fp32", arch=80, tile=TileConfig(128, 2, 2, 3), instr="mma"),
+    KernelSpec(block=(16, 16), dtype="fp16", arch=90, tile=TileConfig(128, 8, 1, 4), instr="wgmma"),
+    KernelSpec(block=(64, 32), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="tma"),
+]
+SPECS = GOLDEN_SPECS + [
+    forward_spec((16, 128), "bf16", 86),
+    forward_spec((64, 64), "fp16", 90, instr="wgmma"),
+    forward_spec((64, 64), "fp16", 90, instr="mma"),
+    forward_spec((128, 32), "bf16", 90, instr="tma", rows=1),
+    KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
+    KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
+]
+MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
+ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float"}
+
+
+def ids(spec):
+    return spec.name
+
+
+# Per instruction family: the head of the kernel type the template instantiates.
+KERNEL_TYPE = {"mma": r"sg::BsrDds<\s*", "wgmma": r"sg::BsrDdsWgmma<\s*Wgmma,\s*",
+               "tma": r"sg::BsrDdsTma<\s*Wgmma,\s*"}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_source_names_the_kernel_and_its_mma(spec):
+    source = codegen.render(spec)
+    assert re.search(rf'extern "C" __global__ void __launch_bounds__\({spec.threads}(, *\d+)?\)\s*'
+                     rf'{spec.name}\(', source)
+    assert f"sg::{MMA[spec.dtype]}," in source
+    assert [m for m in MMA.values() if f"sg::{m}" in source] == [MMA[spec.dtype]]
+
+
+def kernel_type_pattern(spec) -> str:
+    """The template instantiation the source must contain, constants in template order."""
+    t = spec.tile
+    constants = [f"sg::{MMA[spec.dtype]}", ELEM[spec.dtype], t.tile_m, *spec.block]
+    if spec.instr == "mma":
+        constants += [t.warps_m, t.warps_n, t.stages]
+    else:  # wgmma and tma: whole warpgroups of consumers
+        constants += [t.warps_m // 4, t.stages]
+    return KERNEL_TYPE[spec.instr] + r",\s*".join(map(str, constants)) + r"\s*>"
+
+
+def test_every_instruction_family_is_covered():
+    assert set(KERNEL_TYPE) == set(INSTRS) == {s.instr for s in SPECS}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_source_carries_the_template_constants(spec):
+    source = codegen.render(spec)
+    assert re.search(kernel_type_pattern(spec), source), source
+    elem = ELEM[spec.dtype]
+    assert f"const {elem}* __restrict__ bias, {elem}* __restrict__ y" in source
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.instr != "mma"], ids=ids)
+def test_wgmma_source_issues_the_right_instruction(spec):
+    ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
+    instruction = f"wgmma.mma_async.sync.aligned.m64n{spec.block[0]}k16.f32.{ptx}.{ptx}"
+    assert instruction in codegen.render(spec)
+
+
+def test_render_is_deterministic():
+    for spec in SPECS:
+        assert codegen.render(spec) == codegen.render(spec)
+
+
+def test_every_include_is_a_header_handed_to_nvrtc():
+    headers = codegen.headers()
+    assert headers, "no .cuh headers found"
+    texts = [codegen.render(s) for s in SPECS] + list(headers.values())
+    included = {name for text in texts for name in re.findall(r'#include\s+"([^"]+)"', text)}
+    assert included and included <= set(headers)
+
+
+def test_templates_use_only_variables_the_context_provides():
+    env = codegen.environment()
+    provided = set(codegen.template_context(SPECS[0]))
+    for path in codegen.templates_dir().glob("*.j2"):
+        used = jinja2.meta.find_undeclared_variables(env.parse(path.read_text()))
+        assert used <= provided, f"{path.name} uses {sorted(used - provided)}"
+
+
+def test_undefined_variable_is_an_error():
+    env = codegen.environment()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError, match="not_a_spec_field"):
+        env.from_string("void {{ name }}_{{ not_a_spec_field }}();").render(name="k")
+
+
+def test_template_with_undefined_variable_fails_to_render(tmp_path, monkeypatch):
+    copy = tmp_path / "templates"
+    copy.mkdir()
+    for path in codegen.templates_dir().iterdir():
+        (copy / path.name).write_text(path.read_text())
+    (copy / "bsr_dds.cu.j2").write_text("// {{ name }} {{ tile_k }}\n")
+    monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
+    codegen._environment.cache_clear()
+    try:
+        with pytest.raises(jinja2.UndefinedError, match="tile_k"):
+            codegen.render(SPECS[0])
+    finally:
+        codegen._environment.cache_clear()
+
+
+@pytest.mark.parametrize("spec", GOLDEN_SPECS, ids=ids)
+def test_matches_golden_file(spec):
+    path = GOLDEN_DIR / f"{spec.name}.cu"
+    source = codegen.render(spec)
+    if os.environ.get("SPARSEGEN_UPDATE_GOLDEN", "") not in ("", "0"):
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        path.write_text(source)
+    assert path.exists(), f"missing {path}; regenerate with SPARSEGEN_UPDATE_GOLDEN=1"
+    assert source == path.read_text(), (
+        f"{spec.name} renders differently from {path}; if the template change is intended, "
+        "regenerate with SPARSEGEN_UPDATE_GOLDEN=1")
+
+
+def test_no_stale_golden_files():
+    wanted = {f"{spec.name}.cu" for spec in GOLDEN_SPECS}
+    stale = [p for p in GOLDEN_DIR.glob("*.cu") if p.name not in wanted]
+    if os.environ.get("SPARSEGEN_UPDATE_GOLDEN", "") not in ("", "0"):
+        for path in stale:
+            path.unlink()
+        stale = []
+    assert not stale, f"golden files of no current spec: {stale} (SPARSEGEN_UPDATE_GOLDEN=1)"

@@ -1,0 +1,140 @@
+"""NVRTC: every default kernel compiles to a CUBIN; its SASS uses tensor cores without spills."""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sparsegen
+from sparsegen import cache, compiler
+from sparsegen.spec import DTYPES, KernelSpec, TileConfig, default_specs, forward_spec
+
+DEFAULT_SPECS = default_specs(80) + default_specs(90)
+# Non-default tiles exercise other warp grids and pipeline depths of the same template.
+EXTRA_SPECS = [
+    KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
+    KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
+    KernelSpec(block=(16, 128), dtype="bf16", arch=86, tile=TileConfig(32, 2, 1, 3)),
+    KernelSpec(block=(64, 16), dtype="fp16", arch=90, tile=TileConfig(64, 4, 1, 3), instr="wgmma"),
+    KernelSpec(block=(128, 64), dtype="bf16", arch=90, tile=TileConfig(128, 8, 1, 5),
+               instr="wgmma"),
+    KernelSpec(block=(32, 128), dtype="fp16", arch=90, tile=TileConfig(128, 4, 1, 2), instr="tma"),
+]
+
+
+def find_tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for site in map(Path, sys.path):
+        candidate = site / "nvidia" / "cu13" / "bin" / name
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+CUOBJDUMP, NVDISASM = find_tool("cuobjdump"), find_tool("nvdisasm")
+needs_tools = pytest.mark.skipif(not (CUOBJDUMP and NVDISASM),
+                                 reason="cuobjdump and nvdisasm not found")
+
+
+@pytest.mark.parametrize("spec", DEFAULT_SPECS + EXTRA_SPECS, ids=lambda s: s.name)
+def test_compiles_to_cubin(spec):
+    built = cache.build(spec)
+    assert built.compiled
+    assert built.cubin.startswith(b"\x7fELF")
+    assert spec.name.encode() in built.cubin  # the kernel's symbol, for cuModuleGetFunction
+
+
+def tensor_core_ops(sass: str) -> list[str]:
+    return re.findall(r"\b(?:HMMA|HGMMA)\.\S+", sass)
+
+
+def expected_mma(spec: KernelSpec) -> str:
+    """The SASS mnemonic: fp32 accumulate; wgmma -> HGMMA 64xBMx16; mma.sync k16 (16-bit
+    inputs, fp16 has no type suffix) or k8 (tf32)."""
+    suffix = {"bf16": ".BF16", "fp16": "", "fp32": ".TF32"}[spec.dtype]
+    if spec.instr != "mma":  # wgmma and tma
+        return f"HGMMA.64x{spec.block[0]}x16.F32{suffix}"
+    return f"HMMA.{1688 if spec.dtype == 'fp32' else 16816}.F32{suffix}"
+
+
+def mma_per_stage(spec: KernelSpec) -> int:
+    """A 128-byte stage of K is 4 mma steps, each over every tile a warp (group) owns."""
+    t = spec.tile
+    if spec.instr != "mma":  # each consumer warpgroup owns tile_m / groups rows, m64 at a time
+        return 4 * (t.tile_m // (t.warps_m // 4) // 64)
+    return 4 * (t.tile_m // t.warps_m // 16) * (spec.block[0] // t.warps_n // 8)
+
+
+def disassemble(spec: KernelSpec, folder: Path) -> tuple[str, str]:
+    path = folder / f"{spec.name}.cubin"
+    path.write_bytes(cache.build(spec).cubin)
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return run(NVDISASM, str(path)), run(CUOBJDUMP, "-res-usage", str(path))
+
+
+def largest_per_kind(specs):
+    """Per (arch, dtype, instr), the default kernel with the largest block and tile: the one
+    under the most register pressure."""
+    largest = {}
+    for s in specs:
+        kind, size = (s.arch, s.dtype, s.instr), (s.block[0] * s.block[1], s.tile.tile_m)
+        if kind not in largest or size > largest[kind][0]:
+            largest[kind] = (size, s)
+    return [s for _, s in largest.values()]
+
+
+SASS_SPECS = largest_per_kind(DEFAULT_SPECS)
+# How each instruction family moves a stage into shared memory, as SASS spells it.
+STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG"}
+
+
+@needs_tools
+@pytest.mark.parametrize("spec", SASS_SPECS, ids=lambda s: s.name)
+def test_sass_uses_tensor_cores_without_spills(spec, tmp_path):
+    sass, usage = disassemble(spec, tmp_path)
+    assert re.search(rf"\.target\s+{spec.target}\s", sass)
+    ops = tensor_core_ops(sass)
+    assert set(ops) == {expected_mma(spec)}
+    assert len(ops) % mma_per_stage(spec) == 0, len(ops)
+    assert STAGE_LOAD[spec.instr] in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spill in SASS"
+    assert re.search(rf"Function {spec.name}:\s*REG:\d+ STACK:0 SHARED:\d+ LOCAL:0\b", usage), usage
+
+
+def test_sass_checks_cover_every_dtype_and_instruction():
+    assert {s.dtype for s in SASS_SPECS} == set(DTYPES)
+    assert {s.instr for s in SASS_SPECS} == {s.instr for s in DEFAULT_SPECS} == set(STAGE_LOAD)
+
+
+BROKEN = """extern "C" __global__ void broken_kernel(float* y) {
+  y[threadIdx.x] = undeclared_identifier * 2.0f;
+}
+"""
+
+
+def test_broken_source_raises_compile_error_with_log_and_source():
+    with pytest.raises(sparsegen.CompileError) as info:
+        compiler.compile_cubin(BROKEN, "broken_kernel", "sm_90", {"unused.cuh": "// header\n"})
+    err = info.value
+    assert isinstance(err, RuntimeError) and err.kernel_name == "broken_kernel"
+    error_lines = [line for line in err.log.splitlines() if "error" in line]
+    assert any("undeclared_identifier" in line for line in error_lines), err.log
+    assert all(line in str(err) for line in error_lines)
+    source = Path(err.source_path)
+    assert source.is_file() and str(source) in str(err)
+    assert source.read_text() == BROKEN
+    assert (source.parent / "unused.cuh").read_text() == "// header\n"
+
+
+def test_failed_compile_is_not_cached(monkeypatch):
+    spec = forward_spec((32, 32), "bf16", 90)
+    monkeypatch.setattr(sparsegen.codegen, "render", lambda s: BROKEN.replace("broken", s.name))
+    with pytest.raises(sparsegen.CompileError):
+        cache.build(spec)
+    assert cache.info()["entries"] == 0
+    with pytest.raises(sparsegen.CompileError):
+        cache.build(spec)

@@ -1,0 +1,119 @@
+"""Bad inputs fail with InputError ("Expected ... Got ...") before any kernel or matmul runs."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen import BlockSparseLinear, ops
+
+IN, OUT, BLOCK = 4 * 32, 2 * 32, (32, 32)
+
+
+@pytest.fixture
+def layer(monkeypatch):
+    """A float32 CPU layer whose compute paths fail the test if they are ever reached."""
+    built = sparsegen.linear(IN, OUT, block=BLOCK, density=0.5)
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("input checks must run before any computation")
+
+    monkeypatch.setattr(ops, "reference_linear", unreachable)
+    monkeypatch.setattr(ops, "bsr_dds", unreachable)
+    return built
+
+
+def raises_input_error(match: str):
+    return pytest.raises(sparsegen.InputError, match=match)
+
+
+FORWARD_CASES = {
+    "wrong dtype": (torch.randn(3, IN, dtype=torch.float64),
+                    r"Expected input dtype torch\.float32 .*\. Got torch\.float64\."),
+    "bfloat16 into float32": (torch.randn(3, IN).bfloat16(), r"Got torch\.bfloat16\."),
+    "wrong last dim": (torch.randn(3, IN - 1),
+                       rf"Expected input of shape \(\.\.\., {IN}\)\. Got \(3, {IN - 1}\)\."),
+    "features on the wrong axis": (torch.randn(IN, 3), rf"Got \({IN}, 3\)\."),
+    "zero-dim tensor": (torch.tensor(1.0), r"Got \(\)\."),
+    "wrong device": (torch.empty(3, IN, device="meta"), r"Expected input on cpu .*\. Got meta\."),
+    "list": ([[0.0] * IN], r"Expected input to be a torch\.Tensor\. Got list\."),
+    "numpy array": (np.zeros((3, IN), dtype=np.float32), r"Got ndarray\."),
+}
+
+
+@pytest.mark.parametrize("x, match", FORWARD_CASES.values(), ids=FORWARD_CASES.keys())
+def test_bad_forward_input(layer, x, match):
+    with raises_input_error(match) as info:
+        layer(x)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, sparsegen.SparsegenError)
+
+
+def test_bias_of_another_dtype(layer):
+    layer.bias = nn.Parameter(layer.bias.detach().double())
+    with raises_input_error(r"Expected bias of dtype torch\.float32 on cpu\. "
+                            r"Got torch\.float64 on cpu\."):
+        layer(torch.randn(3, IN))
+
+
+@pytest.mark.parametrize("which, in_features, out_features, side",
+                         [("in_features", 100, 64, 32), ("out_features", 64, 80, 32),
+                          ("in_features", 48, 32, 32), ("out_features", 64, 72, 16)])
+def test_features_not_a_multiple_of_the_block(which, in_features, out_features, side):
+    features = in_features if which == "in_features" else out_features
+    lower, upper = features // side * side, -(-features // side) * side
+    with raises_input_error(rf"Expected {which} \({features}\) to be a multiple of the block's "
+                            rf"{side}; nearest valid sizes are {lower} and {upper}\. "
+                            rf"Got {features} % {side} = {features % side}\."):
+        BlockSparseLinear(in_features, out_features, block=(side, side))
+
+
+@pytest.mark.parametrize("layout, match", [
+    (torch.ones(4, 2, dtype=torch.bool), r"Expected layout of shape \(2, 4\) .*Got \(4, 2\)\."),
+    (torch.ones(8, dtype=torch.bool), r"Expected layout of shape \(2, 4\) .*Got \(8,\)\."),
+    (torch.ones(2, 4), r"Expected layout to be a torch\.bool tensor\. Got torch\.float32\."),
+    (torch.ones(2, 4, dtype=torch.uint8), r"Got torch\.uint8\."),
+    ([[True] * 4] * 2, r"Expected layout to be a torch\.bool tensor\. Got <class 'list'>\."),
+], ids=["transposed", "flat", "float", "uint8", "list"])
+def test_bad_layout(layout, match):
+    with raises_input_error(match):
+        sparsegen.linear(IN, OUT, block=BLOCK, layout=layout)
+
+
+@pytest.mark.parametrize("density", [-0.1, 1.01, 2.0, float("nan")])
+def test_density_out_of_range(density):
+    with raises_input_error(r"Expected density in \[0, 1\]\. Got "):
+        sparsegen.linear(IN, OUT, block=BLOCK, density=density)
+
+
+@pytest.mark.parametrize("density", [0.0, -1.0, 1.5])
+def test_from_dense_density_out_of_range(density):
+    with raises_input_error(r"Expected density in \(0, 1\]\. Got "):
+        BlockSparseLinear.from_dense(nn.Linear(IN, OUT), block=BLOCK, density=density)
+
+
+def test_from_dense_needs_a_linear():
+    with raises_input_error(r"Expected an nn\.Linear\. Got Conv1d\."):
+        BlockSparseLinear.from_dense(nn.Conv1d(IN, OUT, 1), block=BLOCK)
+
+
+@pytest.mark.parametrize("block", [(32,), (32, 32, 32)], ids=str)
+def test_block_needs_two_sides(block):
+    with raises_input_error(r"Expected block as \(rows, cols\)\."):
+        sparsegen.linear(IN, OUT, block=block)
+
+
+NONCONTIGUOUS = {
+    "transposed": lambda: torch.randn(IN, 7).t(),
+    "strided columns": lambda: torch.randn(5, 2 * IN)[:, ::2],
+    "permuted batch": lambda: torch.randn(7, IN, 3).permute(2, 0, 1),
+    "expanded row": lambda: torch.randn(1, IN).expand(6, IN),
+    "offset slice": lambda: torch.randn(9, IN + 3)[2:, 3:],
+}
+
+
+@pytest.mark.parametrize("make", NONCONTIGUOUS.values(), ids=NONCONTIGUOUS.keys())
+def test_noncontiguous_input_gives_right_numerics(make, dense_reference):
+    x = make()
+    assert not x.is_contiguous()
+    layer = sparsegen.linear(IN, OUT, block=BLOCK, density=0.5)
+    torch.testing.assert_close(layer(x).double(), dense_reference(layer, x), rtol=1e-5, atol=1e-5)

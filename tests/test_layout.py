@@ -1,0 +1,142 @@
+"""Block-CSR layouts: random masks, index tensors, dense <-> values, top-norm pruning."""
+import itertools
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.layouts import bsr
+
+GRIDS = [(1, 1), (1, 9), (7, 13), (5, 3), (16, 16)]
+DENSITIES = [0.0, 0.01, 0.13, 0.5, 0.77, 1.0]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("density", DENSITIES)
+def test_random_mask_rounds_density_to_whole_blocks(grid, density):
+    rows, cols = grid
+    mask = bsr.random_mask(grid, density)
+    assert mask.dtype == torch.bool and tuple(mask.shape) == grid
+    wanted = round(density * rows * cols)
+    if density > 0:
+        wanted = max(wanted, rows)  # every block row keeps at least one block
+    assert int(mask.sum()) == wanted
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("density", DENSITIES[1:])
+def test_random_mask_rows_are_balanced_and_never_empty(grid, density):
+    per_row = bsr.random_mask(grid, density).sum(dim=1)
+    assert per_row.min() >= 1
+    assert per_row.max() - per_row.min() <= 1
+
+
+def test_random_mask_follows_its_generator():
+    draw = lambda seed: bsr.random_mask((9, 11), 0.4, torch.Generator().manual_seed(seed))
+    assert torch.equal(draw(3), draw(3))
+    assert not torch.equal(draw(3), draw(4))
+
+
+def test_random_mask_spreads_over_columns():
+    # Over many draws every column of a row must be picked sometimes (no fixed pattern).
+    hits = sum(bsr.random_mask((4, 10), 0.3).int() for _ in range(200))
+    assert (hits > 0).all()
+
+
+@pytest.mark.parametrize("density", [-0.1, 1.5, float("nan")])
+def test_random_mask_rejects_bad_density(density):
+    with pytest.raises(sparsegen.InputError, match="Expected density"):
+        bsr.random_mask((4, 4), density)
+
+
+def mask_with_empty_rows(rows=9, cols=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(rows, cols, generator=g) < 0.4
+    mask[0] = False
+    mask[rows // 2] = False
+    mask[-1] = True
+    return mask
+
+
+def test_indices_describe_the_mask():
+    mask = mask_with_empty_rows()
+    row_offsets, col_indices = bsr.indices(mask)
+    assert row_offsets.dtype == col_indices.dtype == torch.int32
+    assert row_offsets[0] == 0 and row_offsets[-1] == mask.sum() == len(col_indices)
+    rebuilt = torch.zeros_like(mask)
+    for r in range(mask.shape[0]):
+        cols = col_indices[row_offsets[r]:row_offsets[r + 1]].long()
+        assert torch.all(cols[1:] > cols[:-1])  # sorted, no repeats
+        rebuilt[r, cols] = True
+    assert torch.equal(rebuilt, mask)
+
+
+def test_indices_of_an_empty_mask():
+    row_offsets, col_indices = bsr.indices(torch.zeros(3, 4, dtype=torch.bool))
+    assert row_offsets.tolist() == [0, 0, 0, 0] and col_indices.numel() == 0
+
+
+def brute_force_values(dense, mask, block):
+    bm, bk = block
+    return torch.stack([dense[r * bm:(r + 1) * bm, c * bk:(c + 1) * bk]
+                        for r, c in itertools.product(*map(range, mask.shape)) if mask[r, c]])
+
+
+@pytest.mark.parametrize("block", [(3, 5), (1, 7), (6, 1), (16, 32)], ids=str)
+def test_dense_values_round_trip(block):
+    mask = mask_with_empty_rows(5, 4, seed=block[0])
+    dense = torch.randn(5 * block[0], 4 * block[1], dtype=torch.float64)
+    values = bsr.dense_to_values(dense, mask, block)
+    assert torch.equal(values, brute_force_values(dense, mask, block))
+    keep = mask.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    assert torch.equal(bsr.values_to_dense(values, mask, block), dense * keep)
+    assert torch.equal(bsr.dense_to_values(bsr.values_to_dense(values, mask, block), mask, block),
+                       values)
+
+
+def brute_force_top_blocks(dense, block, density):
+    bm, bk = block
+    rows, cols = dense.shape[0] // bm, dense.shape[1] // bk
+    norms = {(r, c): dense[r * bm:(r + 1) * bm, c * bk:(c + 1) * bk].double().norm().item()
+             for r in range(rows) for c in range(cols)}
+    keep = max(1, round(density * rows * cols))
+    return set(sorted(norms, key=norms.get, reverse=True)[:keep])
+
+
+@pytest.mark.parametrize("density", [0.01, 0.25, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_top_norm_mask_keeps_the_largest_blocks(density, dtype):
+    block = (4, 6)
+    dense = torch.randn(7 * block[0], 5 * block[1]).to(dtype)
+    mask = bsr.top_norm_mask(dense, block, density)
+    assert set(map(tuple, mask.nonzero().tolist())) == brute_force_top_blocks(dense, block, density)
+
+
+def test_top_norm_mask_rejects_bad_density():
+    with pytest.raises(sparsegen.InputError, match="Expected density"):
+        bsr.top_norm_mask(torch.randn(8, 8), (4, 4), 0.0)
+
+
+@pytest.mark.parametrize("which", ["out_features", "in_features"])
+@pytest.mark.parametrize("features, side", [(100, 32), (33, 16), (130, 64)])
+def test_grid_shape_names_the_multiple_needed(which, features, side):
+    sizes = {"out_features": 2 * side, "in_features": 2 * side, which: features}
+    with pytest.raises(sparsegen.InputError) as info:
+        bsr.grid_shape(sizes["out_features"], sizes["in_features"], (side, side))
+    lower, upper = features // side * side, -(-features // side) * side
+    message = str(info.value)
+    assert f"{which} ({features})" in message and f"multiple of the block's {side}" in message
+    assert f"{lower} and {upper}" in message
+
+
+def test_features_smaller_than_the_block_suggest_only_the_block():
+    with pytest.raises(sparsegen.InputError, match="nearest valid size is 16") as info:
+        bsr.grid_shape(15, 32, (16, 16))
+    assert " 0 " not in str(info.value)
+
+
+def test_check_mask_rejects_wrong_shape_and_dtype():
+    with pytest.raises(sparsegen.InputError, match=r"layout of shape \(3, 4\).*Got \(4, 3\)"):
+        bsr.check_mask(torch.ones(4, 3, dtype=torch.bool), (3, 4))
+    with pytest.raises(sparsegen.InputError, match="torch.bool.*Got torch.int64"):
+        bsr.check_mask(torch.ones(3, 4, dtype=torch.long), (3, 4))

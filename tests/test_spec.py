@@ -1,0 +1,174 @@
+"""KernelSpec: every field reaches .name and .key; invalid combinations fail early."""
+import dataclasses
+import itertools
+import re
+
+import pytest
+
+import sparsegen
+from sparsegen import spec as specmod
+from sparsegen.spec import KernelSpec, TileConfig
+
+SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Valid for both instruction families, so that every field can change on its own.
+BASE = KernelSpec(op="bsr_dds", block=(64, 64), dtype="bf16", trans="nt", arch=90,
+                  tile=TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=3), instr="mma")
+
+
+def ids(spec):
+    return spec.name
+
+
+def with_tile(**changes) -> KernelSpec:
+    return dataclasses.replace(BASE, tile=dataclasses.replace(BASE.tile, **changes))
+
+
+# One valid alternative per field (several where cheap); each differs from BASE in one field.
+VARIANTS = {
+    "block=64x32": dataclasses.replace(BASE, block=(64, 32)),
+    "block=32x64": dataclasses.replace(BASE, block=(32, 64)),
+    "block=128x128": dataclasses.replace(BASE, block=(128, 128)),
+    "dtype=fp16": dataclasses.replace(BASE, dtype="fp16"),
+    "dtype=fp32": dataclasses.replace(BASE, dtype="fp32"),
+    **{f"arch={a}": dataclasses.replace(BASE, arch=a) for a in specmod.ARCHS if a != BASE.arch},
+    **{f"instr={i}": dataclasses.replace(BASE, instr=i) for i in specmod.INSTRS if i != BASE.instr},
+    "tile_m=64": with_tile(tile_m=64),
+    "tile_m=256": with_tile(tile_m=256),
+    "warps_m=1": with_tile(warps_m=1),
+    "warps_m=8": with_tile(warps_m=8),
+    "warps_n=2": with_tile(warps_n=2),
+    "warps_n=4": with_tile(warps_n=4),
+    "stages=2": with_tile(stages=2),
+    "stages=4": with_tile(stages=4),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_each_field_changes_name_and_key(variant):
+    assert variant != BASE
+    assert variant.name != BASE.name
+    assert variant.key != BASE.key
+
+
+def test_every_field_has_a_variant():
+    # A field added to KernelSpec or TileConfig must get a variant above (or a rejection test).
+    covered = {key.split("=")[0] for key in VARIANTS} | {"op", "trans"}
+    fields = {f.name for f in dataclasses.fields(KernelSpec)} - {"tile"}
+    fields |= {f.name for f in dataclasses.fields(TileConfig)}
+    assert fields <= covered, f"no variant for {sorted(fields - covered)}"
+
+
+def test_names_and_keys_are_pairwise_distinct():
+    specs = [BASE, *VARIANTS.values()]
+    assert len({s.name for s in specs}) == len(specs)
+    assert len({s.key for s in specs}) == len(specs)
+
+
+@pytest.mark.parametrize("field, value", [("op", "bsr_sdd"), ("op", "dense"), ("op", ""),
+                                          ("trans", "nn"), ("trans", "tn"), ("trans", "NT")])
+def test_single_valued_fields_reject_other_values(field, value):
+    # op and trans have one valid value each today: a second one must be refused, not renamed.
+    with pytest.raises(sparsegen.SpecError, match="Expected"):
+        dataclasses.replace(BASE, **{field: value})
+
+
+def test_equal_specs_share_name_and_key():
+    again = KernelSpec(op="bsr_dds", block=[64, 64], dtype="bf16", trans="nt", arch=90,
+                       tile=TileConfig(128, 4, 1, 3), instr="mma")
+    assert again == BASE and hash(again) == hash(BASE)
+    assert again.block == (64, 64)
+    assert (again.name, again.key) == (BASE.name, BASE.key)
+
+
+def every_default_spec():
+    return [s for arch in specmod.ARCHS for s in specmod.default_specs(arch)]
+
+
+def test_names_are_symbol_safe():
+    for s in [BASE, *VARIANTS.values(), *every_default_spec()]:
+        assert SYMBOL.fullmatch(s.name), s.name
+
+
+@pytest.mark.parametrize("s", [VARIANTS["block=32x64"], VARIANTS["instr=wgmma"],
+                               VARIANTS["instr=tma"]], ids=ids)
+def test_name_spells_out_every_field(s):
+    t = s.tile
+    for part in (s.op, f"{s.block[0]}x{s.block[1]}", s.dtype, s.trans, f"sm{s.arch}", s.instr,
+                 f"t{t.tile_m}", f"w{t.warps_m}x{t.warps_n}", f"s{t.stages}"):
+        assert part in s.name
+
+
+@pytest.mark.parametrize("instr", ["wgmma", "tma"])
+def test_hopper_instructions_target_the_arch_specific_sm90a(instr):
+    s = VARIANTS[f"instr={instr}"]
+    assert s.target == "sm_90a" and BASE.target == "sm_90"
+    assert "_sm90a_" in s.name and "_sm90_" in BASE.name
+
+
+def test_tma_adds_a_producer_warpgroup():
+    assert VARIANTS["instr=tma"].threads == BASE.tile.threads + 128
+    assert VARIANTS["instr=wgmma"].threads == BASE.threads == BASE.tile.threads
+
+
+def test_name_round_trips_through_from_name():
+    if not hasattr(KernelSpec, "from_name"):
+        pytest.skip("KernelSpec.from_name not present")
+    for s in [BASE, *VARIANTS.values(), *every_default_spec()]:
+        assert KernelSpec.from_name(s.name) == s
+
+
+BAD = {
+    "dtype": dict(dtype="fp64"),
+    "block side 48": dict(block=(48, 32)),
+    "block of 3 sides": dict(block=(32, 32, 32)),
+    "arch 70": dict(arch=70),
+    "too much shared memory": dict(block=(128, 128), tile=TileConfig(256, 2, 2, 8)),
+    "warps_n not dividing block": dict(block=(16, 16), tile=TileConfig(128, 4, 2, 3)),
+    "tile_m not dividing warps": dict(tile=TileConfig(96, 4, 1, 3)),
+    "one stage": dict(tile=TileConfig(128, 2, 2, 1)),
+    "too many threads": dict(block=(128, 128), tile=TileConfig(128, 8, 8, 2)),
+    "instr": dict(instr="tcgen05"),
+    "wgmma on sm_80": dict(instr="wgmma", arch=80),
+    "wgmma in fp32": dict(instr="wgmma", dtype="fp32"),
+    "wgmma with warps_n 2": dict(instr="wgmma", tile=TileConfig(128, 4, 2, 3)),
+    "wgmma with part of a warpgroup": dict(instr="wgmma", tile=TileConfig(128, 2, 1, 3)),
+    "wgmma with 2 stages": dict(instr="wgmma", tile=TileConfig(128, 4, 1, 2)),
+    "tma on sm_89": dict(instr="tma", arch=89),
+    "tma in fp32": dict(instr="tma", dtype="fp32"),
+    "tma with warps_n 2": dict(instr="tma", tile=TileConfig(128, 4, 2, 3)),
+    "tma over 1024 threads": dict(instr="tma", tile=TileConfig(512, 32, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("changes", BAD.values(), ids=BAD.keys())
+def test_invalid_specs_raise_spec_error(changes):
+    with pytest.raises(sparsegen.SpecError, match=r"Expected .*\. Got ") as info:
+        dataclasses.replace(BASE, **changes)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, sparsegen.SparsegenError)
+
+
+def test_shared_memory_limit_depends_on_arch():
+    tile = TileConfig(128, 2, 2, 4)
+    needed = tile.stages * (tile.tile_m + 128) * specmod.STAGE_BYTES_PER_ROW
+    for arch, limit in specmod.SMEM_LIMIT.items():
+        if needed <= limit:
+            assert KernelSpec(block=(128, 128), arch=arch, tile=tile).smem_bytes() == needed
+        else:
+            with pytest.raises(sparsegen.SpecError, match=f"sm_{arch}"):
+                KernelSpec(block=(128, 128), arch=arch, tile=tile)
+
+
+def test_default_tile_is_valid_for_every_block_arch_and_m():
+    sides = specmod.BLOCK_SIDES
+    for arch, block, dtype, rows in itertools.product(
+            specmod.ARCHS, itertools.product(sides, sides), specmod.DTYPES, (None, 1, 64, 1000)):
+        s = specmod.forward_spec(block, dtype, arch, rows=rows)  # validates, or raises SpecError
+        assert s.smem_bytes() <= specmod.SMEM_LIMIT[arch]
+
+
+def test_default_specs_cover_every_dtype_once_per_block():
+    specs = specmod.default_specs(90)
+    assert len({s.name for s in specs}) == len(specs)
+    assert {s.dtype for s in specs} == set(specmod.DTYPES)
+    assert all(s.arch == 90 and s.op == "bsr_dds" for s in specs)
