@@ -87,19 +87,6 @@ struct BsrDdsTma {
     if (stages > 0) release(bars, g0 + stages - 1);
   }
 
-  __device__ static void store(float (&acc)[MSUB][ACC], const Elem* bias, Elem* y, int m0, int n0,
-                               int wg, int M, int N) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-#pragma unroll
-    for (int i = 0; i < MSUB; ++i)
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        TileStore<Mma, Elem>::m16n8(&acc[i][4 * j], bias, y, m0 + wg * WG_M + i * 64 + warp * 16 + (lane >> 2),
-                                    n0 + 8 * j + 2 * (lane & 3), M, N);
-        acc[i][4 * j] = acc[i][4 * j + 1] = acc[i][4 * j + 2] = acc[i][4 * j + 3] = 0.f;
-      }
-  }
-
   // Persistent: each block walks tiles blockIdx.x, +gridDim.x, ... (block rows fastest, so
   // blocks running together share X's rows in L2). While the consumers store one tile, the
   // producer is already filling the ring with the next.
@@ -127,7 +114,7 @@ struct BsrDdsTma {
         produce(x_map, w_map, smem, bars, cols, first, nnz, g, stages, m0, K, w_rows);
       } else {
         consume(smem, bars, g, stages, wg - 1, acc);
-        store(acc, bias, y, m0, block_row * BM, wg - 1, M, N);
+        store_wgmma_tile<Mma, BM, true>(acc, bias, y, m0 + (wg - 1) * WG_M, block_row * BM, M, N);
       }
       g += stages;
     }

@@ -31,6 +31,25 @@ __device__ __forceinline__ void pin(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// wgmma's accumulators: per m64 tile, warp w of the group holds rows 16w..16w+15, laid
+// out per n8 column tile exactly like mma.sync's m16n8 accumulators. row0: the group's first row.
+// CLEAR zeroes each accumulator as soon as it is stored (for the next tile; doing it in a
+// separate loop afterwards keeps all of them live at once and spills).
+template <class Mma, int BM, bool CLEAR, int SUB, class Elem>
+__device__ __forceinline__ void store_wgmma_tile(float (&acc)[SUB][BM / 2], const Elem* bias, Elem* y,
+                                                 int row0, int n0, int M, int N) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+#pragma unroll
+  for (int sub = 0; sub < SUB; ++sub)
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      float* c = &acc[sub][4 * j];
+      TileStore<Mma, Elem>::m16n8(c, bias, y, row0 + sub * 64 + warp * 16 + (lane >> 2),
+                                  n0 + 8 * j + 2 * (lane & 3), M, N);
+      if (CLEAR) c[0] = c[1] = c[2] = c[3] = 0.f;
+    }
+}
+
 // Wgmma: generated per (BM, dtype) by the template - mma(acc, desc_a, desc_b) for m64 x BM x k16.
 template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int WARPGROUPS, int STAGES>
 struct BsrDdsWgmma {
@@ -89,22 +108,9 @@ struct BsrDdsWgmma {
       wgmma_wait<1>();  // stage s-1's wgmmas are done: its buffer may be refilled next time
     }
     wgmma_wait<0>();
-    store(acc, bias, y, m0, block_row * BM, M, N, wg);
+    store_wgmma_tile<Mma, BM, false>(acc, bias, y, m0 + wg * WG_M, block_row * BM, M, N);
   }
 
-  // wgmma's accumulators: per m64 tile, warp w of the group holds rows 16w..16w+15, laid
-  // out per n8 column tile exactly like mma.sync's m16n8 accumulators.
-  __device__ static void store(float (&acc)[SUB][ACC], const Elem* bias, Elem* y, int m0, int n0,
-                               int M, int N, int wg) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-#pragma unroll
-    for (int sub = 0; sub < SUB; ++sub)
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j)
-        TileStore<Mma, Elem>::m16n8(&acc[sub][4 * j], bias, y,
-                                    m0 + wg * WG_M + sub * 64 + warp * 16 + (lane >> 2),
-                                    n0 + 8 * j + 2 * (lane & 3), M, N);
-  }
 };
 
 }  // namespace sg

@@ -8,8 +8,7 @@ import sys
 import time
 
 import torch
-
-import sparsegen
+from bench import tiny_layer_and_input  # tools/ is on sys.path when run as a script
 
 COLD = """
 import cProfile, pstats, io, time, torch
@@ -23,8 +22,7 @@ out = io.StringIO(); pstats.Stats(prof, stream=out).sort_stats('cumulative').pri
 
 
 def forward_profile() -> None:
-    layer = sparsegen.linear(256, 256, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    layer, x = tiny_layer_and_input()
     with torch.no_grad():
         for _ in range(100):
             layer(x)
