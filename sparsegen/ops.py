@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import forward_spec
+from .spec import TMA_INSTRS, forward_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -93,14 +93,14 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
 
 def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:
     tiles = (n // spec.block[0], -(-m // spec.tile.tile_m))
-    if spec.instr == "tma":  # persistent: one block per SM walks the tiles
+    if spec.instr in TMA_INSTRS:  # persistent: one block per SM walks the tiles
         return (min(tiles[0] * tiles[1], runtime.sm_count(device.index or 0)), 1, 1)
     return (*tiles, 1)
 
 
 def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tuple, tuple]:
-    """X and W as the kernel reads them: TMA descriptors for instr='tma', else pointers."""
-    if spec.instr != "tma":
+    """X and W as the kernel reads them: TMA descriptors for the TMA kernels, else pointers."""
+    if spec.instr not in TMA_INSTRS:
         return (), (x2.data_ptr(), values.data_ptr())
     sub_k = min(block[1], 64)  # one TMA box per block width, at most 128 bytes
     x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
@@ -111,4 +111,4 @@ def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tupl
 
 def _tma_tail(spec, values: torch.Tensor) -> tuple:
     # Rows of W's value tensor: reading from there on yields zeros (past a row's last block).
-    return (values.shape[0] * spec.block[0],) if spec.instr == "tma" else ()
+    return (values.shape[0] * spec.block[0],) if spec.instr in TMA_INSTRS else ()

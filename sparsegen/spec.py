@@ -17,10 +17,12 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
 OPS = ("bsr_dds",)
 TRANSPOSES = ("nt",)
-# Tensor-core path: "mma" (mma.sync, sm_80 and later), "wgmma" (Hopper warpgroup MMA fed by
-# cp.async) and "tma" (wgmma fed by TMA copies from a producer warpgroup); both need sm_90a.
-INSTRS = ("mma", "wgmma", "tma")
-HOPPER_INSTRS = ("wgmma", "tma")
+# Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
+# MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
+# each tile) and "pingpong" (the same, consumers alternate whole tiles).
+INSTRS = ("mma", "wgmma", "tma", "pingpong")
+HOPPER_INSTRS = ("wgmma", "tma", "pingpong")
+TMA_INSTRS = ("tma", "pingpong")
 # Opt-in shared memory per block, by compute capability (CUDA programming guide).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
               100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
@@ -84,7 +86,7 @@ class KernelSpec:
     @property
     def threads(self) -> int:
         """Threads per block: the tile's warps, plus the producer warpgroup for tma."""
-        return self.tile.threads + (128 if self.instr == "tma" else 0)
+        return self.tile.threads + (128 if self.instr in TMA_INSTRS else 0)
 
     @classmethod
     def from_name(cls, name: str) -> "KernelSpec":
@@ -112,7 +114,8 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         rows = self.tile.tile_m + self.block[0]
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
-        barriers = 16 * self.tile.stages if self.instr == "tma" else 0  # full + empty mbarriers
+        # full + empty mbarriers per stage, and one that orders ping-pong mainloops
+        barriers = 16 * self.tile.stages + 8 if self.instr in TMA_INSTRS else 0
         return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align + barriers
 
     def validate(self) -> None:
@@ -139,7 +142,7 @@ def _validate_wgmma(spec: KernelSpec) -> None:
            f"warps {t.warps_m}x{t.warps_n}", SpecError)
     expect(t.tile_m % (16 * t.warps_m) == 0, "each warpgroup to own whole m64 tiles",
            f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
-    least = 2 if spec.instr == "tma" else 3
+    least = 2 if spec.instr in TMA_INSTRS else 3
     expect(t.stages >= least, f"at least {least} stages for {spec.instr}", t.stages, SpecError)
 
 
@@ -163,10 +166,14 @@ def _validate_tile(spec: KernelSpec) -> None:
 
 
 def default_instr(dtype: str, arch: int, block=(64, 64)) -> str:
-    """TMA-fed wgmma on Hopper; for 16-row blocks cp.async copies beat TMA's narrow boxes."""
+    """Per block shape, the fastest family in tools/bench.py --tune on an H200: cp.async
+    copies beat TMA's narrow boxes for 16-wide blocks; ping-pong consumers win up to 64
+    rows, cooperative ones at 128."""
     if arch != 90 or dtype not in ("bf16", "fp16"):
         return "mma"
-    return "wgmma" if block[1] < 32 else "tma"
+    if block[1] < 32:
+        return "wgmma"
+    return "tma" if block[0] >= 128 else "pingpong"
 
 
 def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
@@ -180,8 +187,8 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
     if instr in HOPPER_INSTRS:
         if small:
             return TileConfig(tile_m=64, warps_m=4, warps_n=1, stages=4)
-        if instr == "tma":
-            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
+        if instr in TMA_INSTRS:
+            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4 if instr == "tma" else 5)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
     if small:

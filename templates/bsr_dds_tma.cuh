@@ -4,7 +4,9 @@
 // TMA tile copies of X's matching columns and of W's blocks into a ring of STAGES buffers,
 // each guarded by a "full" mbarrier (bytes landed) and an "empty" one (consumers done).
 // The other CONSUMERS warpgroups only wait, multiply (wgmma straight from shared memory)
-// and finally store. A stage is 64 elements of K; it holds SUBS sub-tiles of SUB_K
+// and finally store. Cooperative (PINGPONG false): the consumers split each tile's rows.
+// Ping-pong: each consumer takes whole tiles in turn, so one stores its tile while the
+// next one's products run - the epilogue hides behind the tensor cores. A stage is 64 elements of K; it holds SUBS sub-tiles of SUB_K
 // elements (one block's width when BK < 64), each in the swizzle that matches its width.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
@@ -12,13 +14,14 @@
 
 namespace sg {
 
-template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int CONSUMERS, int STAGES>
+template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int CONSUMERS, int STAGES,
+          bool PINGPONG>
 struct BsrDdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int STAGE_K = 64, SUB_K = BK < 64 ? BK : 64, SUBS = STAGE_K / SUB_K;
   static constexpr int SUB_BYTES = SUB_K * 2;                   // 32, 64 or 128: the swizzle
   static constexpr int X_BYTES = TILE_M * 128, STAGE_BYTES = (TILE_M + BM) * 128;
-  static constexpr int WG_M = TILE_M / CONSUMERS, MSUB = WG_M / 64, ACC = BM / 2;
+  static constexpr int WG_M = PINGPONG ? TILE_M : TILE_M / CONSUMERS, MSUB = WG_M / 64, ACC = BM / 2;
   static_assert(sizeof(Elem) == 2 && WG_M % 64 == 0, "16-bit types, whole m64 tiles per warpgroup");
 
   // K-major operand in a sub-tile of SUB_BYTES-wide rows: 8-row groups are 8 * SUB_BYTES
@@ -62,7 +65,10 @@ struct BsrDdsTma {
     if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + g % STAGES));
   }
 
-  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int wg, float (&acc)[MSUB][ACC]) {
+  // row0: this warpgroup's first row in the tile. `order` (ping-pong only) is signalled once
+  // every stage of this tile has been waited for.
+  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int row0,
+                                 float (&acc)[MSUB][ACC], u32 order = 0) {
     for (int s = 0; s < stages; ++s) {
       const int g = g0 + s, buf = g % STAGES;
       mbar_wait(bars + 8 * buf, (g / STAGES) & 1);
@@ -75,7 +81,7 @@ struct BsrDdsTma {
         const u64 b = descriptor(operand(stage + X_BYTES, BM, 0, k));
 #pragma unroll
         for (int i = 0; i < MSUB; ++i)
-          Wgmma::mma(acc[i], descriptor(operand(stage, TILE_M, wg * WG_M + i * 64, k)), b);
+          Wgmma::mma(acc[i], descriptor(operand(stage, TILE_M, row0 + i * 64, k)), b);
       }
       wgmma_commit();
 #pragma unroll
@@ -83,6 +89,7 @@ struct BsrDdsTma {
       wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
       if (s > 0) release(bars, g - 1);
     }
+    if (order && threadIdx.x % 128 == 0) mbar_arrive(order);
     wgmma_wait<0>();
     if (stages > 0) release(bars, g0 + stages - 1);
   }
@@ -94,11 +101,16 @@ struct BsrDdsTma {
                              const int* cols, const Elem* bias, Elem* y, int M, int K, int N, int w_rows) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
-    const u32 bars = smem + STAGES * STAGE_BYTES;            // full[STAGES], then empty[STAGES]
+    // full[STAGES], empty[STAGES], then (ping-pong) the barrier that orders mainloops
+    const u32 bars = smem + STAGES * STAGE_BYTES, order = bars + 16 * STAGES;
     const int wg = threadIdx.x / 128, block_rows = N / BM;
     const int tiles = block_rows * ((M + TILE_M - 1) / TILE_M);
     if (threadIdx.x == 0) {
-      for (int i = 0; i < STAGES; ++i) { mbar_init(bars + 8 * i, 1); mbar_init(bars + 8 * (STAGES + i), CONSUMERS); }
+      for (int i = 0; i < STAGES; ++i) {
+        mbar_init(bars + 8 * i, 1);
+        mbar_init(bars + 8 * (STAGES + i), PINGPONG ? 1 : CONSUMERS);
+      }
+      mbar_init(order, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
       tma_prefetch_map(x_map);
       tma_prefetch_map(w_map);
@@ -106,15 +118,21 @@ struct BsrDdsTma {
     __syncthreads();
     if (wg == 0 && threadIdx.x != 0) return;
     float acc[MSUB][ACC] = {};
-    for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
+    for (int t = blockIdx.x, g = 0, i = 0; t < tiles; t += gridDim.x, ++i) {
       const int block_row = t % block_rows, m0 = (t / block_rows) * TILE_M;
       const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
       const int stages = (nnz * BK + STAGE_K - 1) / STAGE_K;
       if (wg == 0) {
         produce(x_map, w_map, smem, bars, cols, first, nnz, g, stages, m0, K, w_rows);
-      } else {
-        consume(smem, bars, g, stages, wg - 1, acc);
+      } else if (!PINGPONG) {
+        consume(smem, bars, g, stages, (wg - 1) * WG_M, acc);
         store_wgmma_tile<Mma, BM, true>(acc, bias, y, m0 + (wg - 1) * WG_M, block_row * BM, M, N);
+      } else if (i % CONSUMERS == wg - 1) {
+        // Wait until the previous tile's consumer has seen all its stages arrive: then no
+        // ring slot this tile needs can still be two phases behind.
+        if (i > 0) mbar_wait(order, (i - 1) & 1);
+        consume(smem, bars, g, stages, 0, acc, order);
+        store_wgmma_tile<Mma, BM, true>(acc, bias, y, m0, block_row * BM, M, N);
       }
       g += stages;
     }

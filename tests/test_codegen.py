@@ -26,6 +26,7 @@ SPECS = GOLDEN_SPECS + [
     forward_spec((64, 64), "fp16", 90, instr="wgmma"),
     forward_spec((64, 64), "fp16", 90, instr="mma"),
     forward_spec((128, 32), "bf16", 90, instr="tma", rows=1),
+    forward_spec((64, 64), "bf16", 90, instr="pingpong"),
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
     KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
 ]
@@ -39,7 +40,7 @@ def ids(spec):
 
 # Per instruction family: the head of the kernel type the template instantiates.
 KERNEL_TYPE = {"mma": r"sg::BsrDds<\s*", "wgmma": r"sg::BsrDdsWgmma<\s*Wgmma,\s*",
-               "tma": r"sg::BsrDdsTma<\s*Wgmma,\s*"}
+               "tma": r"sg::BsrDdsTma<\s*Wgmma,\s*", "pingpong": r"sg::BsrDdsTma<\s*Wgmma,\s*"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=ids)
@@ -57,8 +58,10 @@ def kernel_type_pattern(spec) -> str:
     constants = [f"sg::{MMA[spec.dtype]}", ELEM[spec.dtype], t.tile_m, *spec.block]
     if spec.instr == "mma":
         constants += [t.warps_m, t.warps_n, t.stages]
-    else:  # wgmma and tma: whole warpgroups of consumers
+    else:  # wgmma and the TMA kernels: whole warpgroups of consumers
         constants += [t.warps_m // 4, t.stages]
+    if spec.instr in ("tma", "pingpong"):  # the schedule: consumers alternate whole tiles?
+        constants += [str(spec.instr == "pingpong").lower()]
     return KERNEL_TYPE[spec.instr] + r",\s*".join(map(str, constants)) + r"\s*>"
 
 

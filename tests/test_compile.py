@@ -89,7 +89,7 @@ def largest_per_kind(specs):
 
 SASS_SPECS = largest_per_kind(DEFAULT_SPECS)
 # How each instruction family moves a stage into shared memory, as SASS spells it.
-STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG"}
+STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG"}
 
 
 @needs_tools

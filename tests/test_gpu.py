@@ -61,7 +61,7 @@ def is_hopper() -> bool:
 
 
 @pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
-@pytest.mark.parametrize("instr", ["wgmma", "tma"])
+@pytest.mark.parametrize("instr", ["wgmma", "tma", "pingpong"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block", [(16, 16), (32, 32), (64, 64), (128, 128), (32, 64), (64, 32),
                                    (128, 16), (16, 128)], ids=str)

@@ -98,7 +98,7 @@ def test_name_spells_out_every_field(s):
         assert part in s.name
 
 
-@pytest.mark.parametrize("instr", ["wgmma", "tma"])
+@pytest.mark.parametrize("instr", ["wgmma", "tma", "pingpong"])
 def test_hopper_instructions_target_the_arch_specific_sm90a(instr):
     s = VARIANTS[f"instr={instr}"]
     assert s.target == "sm_90a" and BASE.target == "sm_90"

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 import sparsegen
 from sparsegen import ops
@@ -29,6 +28,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def median_ms(fn) -> float:
+    from triton.testing import do_bench  # only the GPU modes need triton
+
     return do_bench(fn, warmup=20, rep=80, return_mode="median")
 
 
@@ -203,6 +204,25 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def compile_times() -> None:
+    """Cold NVRTC compile of every default kernel (no GPU needed): run on a 2-core machine."""
+    import os
+    import statistics
+    import tempfile
+
+    from sparsegen import cache, spec
+
+    os.environ["SPARSEGEN_CACHE_DIR"] = tempfile.mkdtemp()
+    for arch in (80, 90):
+        seconds = []
+        for s in spec.default_specs(arch):
+            start = time.perf_counter()
+            assert cache.build(s).compiled
+            seconds.append(time.perf_counter() - start)
+        print(f"- cold compile, sm_{arch}, {len(seconds)} default kernels on {os.cpu_count()} cores: "
+              f"median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s")
+
+
 def overheads() -> dict:
     return {"host overhead per forward call (us)": f"{host_overhead_us():.1f}",
             "cached kernel ready in a new process (ms)": cached_kernel_ready_ms(),
@@ -218,7 +238,10 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, help="write raw rows here")
     parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
     parser.add_argument("--overheads", action="store_true", help="only host overheads and memory")
+    parser.add_argument("--compile", action="store_true", help="cold compile times (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.compile:
+        return compile_times()
     if args.overheads:
         return print(overheads())
     if args.tune:
@@ -241,15 +264,15 @@ def main(argv=None) -> None:
 def run_tuning() -> None:
     from sparsegen.spec import TileConfig as T
 
-    tma = {128: [T(256, 8, 1, 4), T(128, 8, 1, 6), T(192, 12, 1, 4)],
-           64: [T(256, 8, 1, 5), T(256, 8, 1, 4), T(128, 8, 1, 8)],
-           32: [T(256, 8, 1, 5), T(256, 8, 1, 6)],
-           16: [T(256, 8, 1, 5)]}
-    for block, tiles in tma.items():
-        tune("bf16", (8192, 4096, 11008), block, 0.25, tiles, "tma")
-    wgmma = {16: [T(128, 8, 1, 4)]}
-    for block, tiles in wgmma.items():
-        tune("bf16", (8192, 4096, 11008), block, 0.25, tiles, "wgmma")
+    cases = {128: [("tma", T(256, 8, 1, 4)), ("pingpong", T(128, 8, 1, 6)), ("pingpong", T(128, 8, 1, 5))],
+             64: [("tma", T(256, 8, 1, 4)), ("pingpong", T(256, 8, 1, 5)), ("pingpong", T(128, 8, 1, 6)),
+                  ("pingpong", T(192, 8, 1, 6))],
+             32: [("tma", T(256, 8, 1, 4)), ("pingpong", T(256, 8, 1, 5)), ("pingpong", T(128, 8, 1, 8))],
+             16: [("wgmma", T(128, 8, 1, 4)), ("pingpong", T(256, 8, 1, 5))]}
+    for density in (0.25, 0.1):
+        for block, variants in cases.items():
+            for instr, tile in variants:
+                tune("bf16", (8192, 4096, 11008), block, density, [tile], instr)
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ struct Wgmma {
 
 
 using Kernel = sg::BsrDdsTma<Wgmma, sg::Bf16, unsigned short, 256, 64, 32,
-                             2, 4>;
+                             2, 4, false>;
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 bsr_dds_b64x32_bf16_nt_sm90a_tma_t256w8x1s4(const __grid_constant__ sg::TensorMap x_map, const __grid_constant__ sg::TensorMap w_map,
