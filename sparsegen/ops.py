@@ -1,7 +1,6 @@
 """Ops over block-CSR weights: input checks, the CPU reference, and the GPU launch."""
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch

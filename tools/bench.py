@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -18,7 +19,6 @@ import torch.nn.functional as F
 
 import sparsegen
 from sparsegen import ops
-from sparsegen.layouts import bsr
 
 SHAPES = [(4096, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (16384, 1024, 4096),
           (2048, 8192, 8192)]
@@ -50,34 +50,42 @@ def torch_bsr_ms(weight: torch.Tensor, x: torch.Tensor, block: int) -> float | N
         return None
 
 
-def bench_case(m, k, n, block, density, dtype, dense_ms, x):
+def bench_case(m, k, n, block, density, dtype, x):
     layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False,
                              device="cuda", dtype=dtype)
     with torch.no_grad():
         sg_ms = median_ms(lambda: layer(x))
         peer_ms = torch_bsr_ms(layer.to_dense_weight(), x, block)
     return dict(m=m, k=k, n=n, block=block, density=round(layer.density, 4),
-                dense_ms=dense_ms, sparsegen_ms=sg_ms, torch_bsr_ms=peer_ms,
-                speedup=dense_ms / sg_ms, bsr_speedup=dense_ms / peer_ms if peer_ms else None,
+                sparsegen_ms=sg_ms, torch_bsr_ms=peer_ms,
                 target=target_speedup(block, density) if m >= 4096 else None,
                 useful_tflops=2 * m * n * k * layer.density / sg_ms / 1e9)
 
 
 def bench_forward(dtype_names, shapes, blocks, densities) -> list[dict]:
+    """Dense is re-timed before every sparse case and each shape's rows use the median of
+    those timings: the GPU's clock drifts by several percent over a run."""
     rows = []
     for name in dtype_names:
         dtype = DTYPES[name]
         for m, k, n in shapes:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             w = torch.randn(n, k, device="cuda", dtype=dtype)
-            dense_ms = median_ms(lambda: F.linear(x, w))
+            dense = lambda: median_ms(lambda: F.linear(x, w))
+            shape_rows, dense_times = [], []
             for block in blocks:
                 for density in densities:
-                    row = bench_case(m, k, n, block, density, dtype, dense_ms, x)
-                    rows.append(dict(dtype=name, **row))
-                    print(format_row(rows[-1]), flush=True)
-            del x, w
+                    dense_times.append(dense())
+                    shape_rows.append(bench_case(m, k, n, block, density, dtype, x))
+            rows += [finish_row(name, row, statistics.median(dense_times)) for row in shape_rows]
+            print("\n".join(format_row(r) for r in rows[-len(shape_rows):]), flush=True)
     return rows
+
+
+def finish_row(dtype_name: str, row: dict, dense_ms: float) -> dict:
+    peer = row["torch_bsr_ms"]
+    return dict(dtype=dtype_name, **row, dense_ms=dense_ms, speedup=dense_ms / row["sparsegen_ms"],
+                bsr_speedup=dense_ms / peer if peer else None)
 
 
 def format_row(r: dict) -> str:
@@ -165,7 +173,7 @@ def tune(dtype_name: str, shape, block: int, density: float, tiles, instr) -> No
 
 
 def write_markdown(path: Path, rows, extras: dict, command: str) -> None:
-    lines = [f"# Benchmarks\n", f"GPU: {torch.cuda.get_device_name()} - date: "
+    lines = ["# Benchmarks\n", f"GPU: {torch.cuda.get_device_name()} - date: "
              f"{datetime.date.today()} - torch {torch.__version__} - command: `{command}`\n",
              "Speedups are dense `F.linear` (cuBLAS) time over the method's time, measured side by "
              "side in one process (median of triton.testing.do_bench). Targets (issue #2) apply "
@@ -207,7 +215,6 @@ def plot(rows, path: Path) -> None:
 def compile_times() -> None:
     """Cold NVRTC compile of every default kernel (no GPU needed): run on a 2-core machine."""
     import os
-    import statistics
     import tempfile
 
     from sparsegen import cache, spec

@@ -5,7 +5,6 @@ import io
 import pstats
 import subprocess
 import sys
-import time
 
 import torch
 from bench import tiny_layer_and_input  # tools/ is on sys.path when run as a script
