@@ -187,8 +187,12 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
     if instr in HOPPER_INSTRS:
         if small:
             return TileConfig(tile_m=64, warps_m=4, warps_n=1, stages=4)
-        if instr in TMA_INSTRS:
-            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4 if instr == "tma" else 5)
+        if instr == "pingpong":  # one warpgroup holds a whole tile: at most 128 accumulators each
+            tile_m = 128 if bm >= 128 else 256
+            return TileConfig(tile_m=tile_m, warps_m=8, warps_n=1,
+                              stages=_stages_that_fit(block, tile_m, arch, most=6))
+        if instr == "tma":
+            return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
     if small:
@@ -198,6 +202,13 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
     if bm == 64:
         return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=stages)
     return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
+
+
+def _stages_that_fit(block, tile_m: int, arch: int, most: int) -> int:
+    """The deepest TMA ring (<= most) whose stages, barriers and alignment fit shared memory."""
+    stage = (tile_m + block[0]) * STAGE_BYTES_PER_ROW
+    fits = [s for s in range(2, most + 1) if s * stage + 16 * s + 8 + 1024 <= SMEM_LIMIT.get(arch, 0)]
+    return max(fits, default=2)
 
 
 def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
