@@ -19,6 +19,10 @@ for step in "${steps[@]}"; do
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
     overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
+    ncu) for case in "16384 1024 4096 128 0.25" "8192 4096 11008 128 0.1" "8192 4096 11008 64 0.25"; do
+           ncu --clock-control none -k regex:bsr_dds -s 3 -c 1 --section SpeedOfLight \
+             --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+             python3 tools/ncu_case.py $case; done 2>&1 | tee "$OUT/ncu.log" | grep -E "bsr_dds|Throughput|Duration|Stall|Warp Cycles|Issued|L2|DRAM|Hit" ;;
     demo) python3 tools/demo.py 2>&1 | tee "$OUT/demo.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
