@@ -62,8 +62,10 @@ def _output(out, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     expect(out.is_contiguous() and out.numel() == m * n and out.dtype == x.dtype
-           and out.device == x.device, f"out: contiguous, {m * n} elements, {x.dtype} on {x.device}",
-           f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}")
+           and out.device == x.device and out.data_ptr() % 16 == 0,
+           f"out: contiguous, 16-byte aligned, {m * n} elements, {x.dtype} on {x.device}",
+           f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
+           f"address % 16 = {out.data_ptr() % 16}")
     return out.view(m, n)
 
 

@@ -40,14 +40,26 @@ __device__ __forceinline__ void store_wgmma_tile(float (&acc)[SUB][BM / 2], cons
                                                  int row0, int n0, int M, int N) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
 #pragma unroll
-  for (int sub = 0; sub < SUB; ++sub)
+  for (int sub = 0; sub < SUB; ++sub) {
+    const int row = row0 + sub * 64 + warp * 16 + (lane >> 2);
+    if constexpr (BM >= 32) {  // groups of 4 n8 tiles: 16-byte stores
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      float* c = &acc[sub][4 * j];
-      TileStore<Mma, Elem>::m16n8(c, bias, y, row0 + sub * 64 + warp * 16 + (lane >> 2),
-                                  n0 + 8 * j + 2 * (lane & 3), M, N);
-      if (CLEAR) c[0] = c[1] = c[2] = c[3] = 0.f;
+      for (int q = 0; q < BM / 32; ++q) {
+        float* const c[4] = {&acc[sub][16 * q], &acc[sub][16 * q + 4], &acc[sub][16 * q + 8], &acc[sub][16 * q + 12]};
+        TileStore<Mma, Elem>::m16n32(c, bias, y, row, n0 + 32 * q, M, N);
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          if (CLEAR) acc[sub][16 * q + i] = 0.f;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        float* c = &acc[sub][4 * j];
+        TileStore<Mma, Elem>::m16n8(c, bias, y, row, n0 + 8 * j + 2 * (lane & 3), M, N);
+        if (CLEAR) c[0] = c[1] = c[2] = c[3] = 0.f;
+      }
     }
+  }
 }
 
 // Wgmma: generated per (BM, dtype) by the template - mma(acc, desc_a, desc_b) for m64 x BM x k16.

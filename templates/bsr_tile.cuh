@@ -50,6 +50,26 @@ struct BsrStageLoader {
   }
 };
 
+__device__ __forceinline__ u32 pick4(const u32 (&v)[4], int k) {
+  return k == 0 ? v[0] : k == 1 ? v[1] : k == 2 ? v[2] : v[3];
+}
+
+// The four lanes of a quad each hold two columns of one row for each of 4 adjacent n8
+// tiles. A 4x4 transpose over shuffles leaves lane t with all 8 columns of tile t: one
+// 16-byte store where there were four 4-byte ones (which flooded the store queue and
+// wrote half sectors to L2).
+__device__ __forceinline__ void quad_transpose(const u32 (&v)[4], u32 (&w)[4]) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int src = (t - i) & 3;  // lane src sent its pair of tile t this round
+    const u32 got = __shfl_sync(0xffffffffu, pick4(v, (t + i) & 3), (lane & ~3) | src);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (k == src) w[k] = got;
+  }
+}
+
 // Epilogue shared by the kernels: accumulators laid out as mma's m16n8 tiles -> Y (+ bias).
 template <class Mma, class Elem>
 struct TileStore {
@@ -69,6 +89,25 @@ struct TileStore {
     if (bias) { b0 = to_float(bias[n]); b1 = to_float(bias[n + 1]); }
     if (m < M) pair(y + (long long)m * N + n, c[0] + b0, c[1] + b1);
     if (m + 8 < M) pair(y + (long long)(m + 8) * N + n, c[2] + b0, c[3] + b1);
+  }
+
+  // 16-bit outputs, 4 adjacent n8 tiles c[0..3] starting at column n (16-byte aligned);
+  // rows m and m + 8 as in m16n8.
+  __device__ static void m16n32(float* const (&c)[4], const Elem* bias, Elem* y, int m, int n, int M, int N) {
+    const int t = threadIdx.x & 3;
+    float b[4][2] = {};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (bias) { b[j][0] = to_float(bias[n + 8 * j + 2 * t]); b[j][1] = to_float(bias[n + 8 * j + 2 * t + 1]); }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      u32 v[4], w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = Mma::pack(c[j][2 * half] + b[j][0], c[j][2 * half + 1] + b[j][1]);
+      quad_transpose(v, w);
+      const int row = m + 8 * half;
+      if (row < M) *reinterpret_cast<uint4*>(y + (long long)row * N + n + 8 * t) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
 };
 
