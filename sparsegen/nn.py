@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .autograd import Layout, block_sparse_linear
 from .errors import expect
 from .layouts import bsr
 
@@ -57,10 +58,24 @@ class BlockSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops.check_inputs(x, self.values, self.bias, self.in_features)
-        if x.is_cuda:
-            return ops.bsr_dds(x, self.values, self.row_offsets, self.col_indices, self.bias,
-                               self.block, self.out_features)
-        return ops.reference_linear(x, self.values, self.layout, self.block, self.bias)
+        if not x.is_cuda:
+            return ops.reference_linear(x, self.values, self.layout, self.block, self.bias)
+        if torch.is_grad_enabled() and (x.requires_grad or self.values.requires_grad):
+            return block_sparse_linear(x, self.values, self.bias, self._autograd_layout())
+        # Inference: straight to the kernel, no autograd bookkeeping on the host path.
+        return ops.bsr_dds(x, self.values, self.row_offsets, self.col_indices, self.bias,
+                           self.block, self.out_features)
+
+    def _autograd_layout(self) -> Layout:
+        """Cached while the index buffers stay the same tensors with the same contents
+        (.to() makes new ones; load_state_dict bumps their version)."""
+        stamp = (self.row_offsets.data_ptr(), self.row_offsets._version, self.col_indices._version)
+        cached = getattr(self, "_layout_cache", None)
+        if cached is None or cached[0] != stamp:
+            layout = Layout(self.layout, self.row_offsets, self.col_indices, self.block,
+                            (self.out_features, self.in_features))
+            self._layout_cache = cached = (stamp, layout)
+        return cached[1]
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,

@@ -4,6 +4,7 @@ import torch
 
 import sparsegen
 from sparsegen import ops
+from sparsegen.layouts import bsr
 
 pytestmark = pytest.mark.gpu
 
@@ -115,3 +116,39 @@ def test_module_on_gpu_matches_cpu_module():
     cpu = layer(x)
     gpu = layer.to("cuda")(x.cuda()).cpu()
     assert relative_error(gpu, cpu.double()) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 32), (128, 128)], ids=str)
+def test_backward_matches_float64(block, dtype):
+    layout = torch.rand(6, 5) < 0.5
+    layout[2] = False
+    layer = sparsegen.linear(5 * block[1], 6 * block[0], block=block, layout=layout,
+                             device="cuda", dtype=dtype)
+    x = torch.randn(3, 333, 5 * block[1], device="cuda", dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(3, 333, 6 * block[0], device="cuda", dtype=dtype)
+    layer(x).backward(grad_out)
+
+    x64 = x.detach().double().requires_grad_()
+    values64 = layer.values.detach().double().requires_grad_()
+    bias64 = layer.bias.detach().double().requires_grad_()
+    weight64 = bsr.values_to_dense(values64, layer.layout, block)
+    torch.nn.functional.linear(x64, weight64, bias64).backward(grad_out.double())
+    for got, want in [(x.grad, x64.grad), (layer.values.grad, values64.grad), (layer.bias.grad, bias64.grad)]:
+        assert got is not None and not got.isnan().any()
+        assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+def test_training_step_reduces_loss():
+    torch.manual_seed(0)
+    layer = sparsegen.linear(256, 128, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16)
+    x, target = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16), torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    losses = []
+    for _ in range(20):
+        loss = torch.nn.functional.mse_loss(layer(x).float(), target.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]

@@ -59,6 +59,21 @@ def indices(mask: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor
     return row_offsets.to(device), col_indices.to(device)
 
 
+def transposed(mask: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block-CSR index of W^T: its row_offsets and col_indices, and `perm` such that
+    values[perm], each block transposed, are W^T's values in its own block order."""
+    mask = mask.cpu()
+    order = torch.full(mask.shape, -1, dtype=torch.long)
+    order[mask] = torch.arange(int(mask.sum()))
+    perm = order.t()[mask.t()]
+    row_offsets, col_indices = indices(mask.t().contiguous(), device)
+    return row_offsets, col_indices, perm.to(device)
+
+
+def transpose_values(values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    return values.index_select(0, perm).transpose(1, 2).contiguous()
+
+
 def blocks_of(dense: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """[N, K] -> [N/bm, K/bk, bm, bk] view-like tensor of its blocks."""
     n, k = dense.shape
