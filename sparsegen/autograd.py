@@ -1,68 +1,89 @@
-"""Gradients of the block-sparse linear on the GPU.
+"""The block-sparse linear as a torch.library custom op, with a fake (shape-only) version
+and its gradients, so torch.compile traces models that use it without graph breaks.
 
-dX = dY W runs the forward kernel on W^T, whose block-CSR index is built once per layout
+dX = dY W runs the forward op on W^T, whose block-CSR index is built once per layout
 (the values are re-transposed each step: d x the weight's bytes). dW keeps only W's
 nonzero blocks of dY^T X; for now it is one dense GEMM and a gather (dense speed, not
 sparse) until a sampled dense-dense kernel is generated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from . import ops
 from .layouts import bsr
 
 
-@dataclass
-class Layout:
-    """What the op needs of a layer's layout, with W^T's index built on first use."""
+@dataclass(frozen=True)
+class IndexTensors:
+    """A layout's index tensors, in the op's argument order (all built once per layout)."""
 
-    mask: torch.Tensor
-    row_offsets: torch.Tensor
-    col_indices: torch.Tensor
-    block: tuple[int, int]
-    shape: tuple[int, int]  # (out_features, in_features)
-    _transposed: tuple | None = field(default=None, repr=False)
+    row_offsets: Tensor
+    col_indices: Tensor
+    flat_index: Tensor      # position of each stored block in the row-major block grid
+    t_row_offsets: Tensor   # the same three for W^T ...
+    t_col_indices: Tensor
+    t_flat_index: Tensor
+    t_perm: Tensor          # ... whose values are values[t_perm], each block transposed
 
-    def transposed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._transposed is None:
-            self._transposed = bsr.transposed(self.mask, self.row_offsets.device)
-        return self._transposed
+    @classmethod
+    def of(cls, mask: Tensor, device=None) -> "IndexTensors":
+        row_offsets, col_indices = bsr.indices(mask, device)
+        t_row_offsets, t_col_indices, t_perm = bsr.transposed(mask, device)
+        return cls(row_offsets, col_indices, bsr.flat_index(mask, device), t_row_offsets,
+                   t_col_indices, bsr.flat_index(mask.t().contiguous(), device), t_perm)
 
-
-class BlockSparseLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, values, bias, layout: Layout):
-        ctx.save_for_backward(x, values)
-        ctx.layout, ctx.has_bias = layout, bias is not None
-        return ops.bsr_dds(x, values, layout.row_offsets, layout.col_indices, bias, layout.block,
-                           layout.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, values = ctx.saved_tensors
-        layout = ctx.layout
-        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dx = _input_grad(dy2, values, layout).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        dvalues = _weight_grad(dy2, x, layout) if ctx.needs_input_grad[1] else None
-        dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dvalues, dbias, None
+    def as_tuple(self) -> tuple[Tensor, ...]:
+        return (self.row_offsets, self.col_indices, self.flat_index, self.t_row_offsets,
+                self.t_col_indices, self.t_flat_index, self.t_perm)
 
 
-def _input_grad(dy2: torch.Tensor, values: torch.Tensor, layout: Layout) -> torch.Tensor:
-    row_offsets, col_indices, perm = layout.transposed()
-    values_t = bsr.transpose_values(values, perm)
-    block_t = (layout.block[1], layout.block[0])
-    return ops.bsr_dds(dy2, values_t, row_offsets, col_indices, None, block_t, layout.shape[1])
+@torch.library.custom_op("sparsegen::bsr_linear", mutates_args=())
+def bsr_linear(x: Tensor, values: Tensor, bias: Optional[Tensor], row_offsets: Tensor,
+               col_indices: Tensor, flat_index: Tensor, t_row_offsets: Tensor, t_col_indices: Tensor,
+               t_flat_index: Tensor, t_perm: Tensor, block_rows: int, block_cols: int,
+               out_features: int) -> Tensor:
+    """Y = X W^T + b. The W^T index (t_*) is only read by the backward."""
+    return ops.bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index,
+                                  (block_rows, block_cols), out_features)
 
 
-def _weight_grad(dy2: torch.Tensor, x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return bsr.dense_to_values(dy2.t() @ x2, layout.mask, layout.block)
+@bsr_linear.register_fake
+def _(x, values, bias, *index_and_sizes):
+    return x.new_empty((*x.shape[:-1], index_and_sizes[-1]))
 
 
-def block_sparse_linear(x, values, bias, layout: Layout) -> torch.Tensor:
-    """Y = X W^T + b, differentiable in x, values and bias (GPU tensors)."""
-    return BlockSparseLinearFunction.apply(x, values, bias, layout)
+def _setup_context(ctx, inputs, output):
+    x, values, bias, *index, block_rows, block_cols, _ = inputs
+    ctx.save_for_backward(x, values, *index)
+    ctx.block, ctx.has_bias = (block_rows, block_cols), bias is not None
+
+
+def _backward(ctx, dy):
+    x, values, row_offsets, col_indices, flat_index, t_row_offsets, t_col_indices, t_flat_index, t_perm = ctx.saved_tensors
+    (bm, bk), need = ctx.block, ctx.needs_input_grad
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = dvalues = dbias = None
+    if need[0]:
+        values_t = values.index_select(0, t_perm).transpose(1, 2).contiguous()
+        dx = torch.ops.sparsegen.bsr_dds(dy, values_t, None, t_row_offsets, t_col_indices, t_flat_index,
+                                         bk, bm, x.shape[-1])
+    if need[1]:
+        dvalues = bsr.gather_blocks(dy2.t() @ x.reshape(-1, x.shape[-1]), flat_index, ctx.block)
+    if ctx.has_bias and need[2]:
+        dbias = dy2.sum(0)
+    return (dx, dvalues, dbias) + (None,) * 10
+
+
+bsr_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def block_sparse_linear(x: Tensor, values: Tensor, bias: Optional[Tensor], index: tuple,
+                        block: tuple[int, int], out_features: int) -> Tensor:
+    """Differentiable Y = X W^T + b on any device, traceable by torch.compile.
+    index: IndexTensors.as_tuple() of the layout."""
+    return bsr_linear(x, values, bias, *index, block[0], block[1], out_features)

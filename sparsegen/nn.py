@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .autograd import Layout, block_sparse_linear
+from .autograd import IndexTensors, block_sparse_linear
 from .errors import expect
 from .layouts import bsr
 
@@ -29,9 +29,7 @@ class BlockSparseLinear(nn.Module):
         mask = bsr.random_mask(grid, density) if layout is None else bsr.check_mask(layout, grid)
         factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("layout", mask.to(device))
-        row_offsets, col_indices = bsr.indices(mask, device)
-        self.register_buffer("row_offsets", row_offsets)
-        self.register_buffer("col_indices", col_indices)
+        self._register_index(mask, device)
         self.values = nn.Parameter(torch.empty(int(mask.sum()), *self.block, **factory))
         self.bias = nn.Parameter(torch.empty(self.out_features, **factory)) if bias else None
         self.reset_parameters()
@@ -56,26 +54,32 @@ class BlockSparseLinear(nn.Module):
     def to_dense_weight(self) -> torch.Tensor:
         return bsr.values_to_dense(self.values, self.layout, self.block)
 
+    def _register_index(self, mask: torch.Tensor, device) -> None:
+        """row_offsets and col_indices are saved with the layout; the rest (W^T's index, block
+        positions) is derived, so it is rebuilt on load instead of stored."""
+        index = IndexTensors.of(mask, device)
+        for name, tensor in vars(index).items():
+            self.register_buffer(name, tensor, persistent=name in ("row_offsets", "col_indices"))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._register_index(self.layout, self.layout.device)  # the loaded layout's index
+
+    def _index(self) -> tuple:
+        return (self.row_offsets, self.col_indices, self.flat_index, self.t_row_offsets,
+                self.t_col_indices, self.t_flat_index, self.t_perm)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops.check_inputs(x, self.values, self.bias, self.in_features)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.values.requires_grad)
+        if torch.compiler.is_compiling() or (x.is_cuda and needs_grad):
+            return block_sparse_linear(x, self.values, self.bias, self._index(), self.block,
+                                       self.out_features)
         if not x.is_cuda:
             return ops.reference_linear(x, self.values, self.layout, self.block, self.bias)
-        if torch.is_grad_enabled() and (x.requires_grad or self.values.requires_grad):
-            return block_sparse_linear(x, self.values, self.bias, self._autograd_layout())
-        # Inference: straight to the kernel, no autograd bookkeeping on the host path.
+        # GPU inference: straight to the kernel, no dispatcher or autograd on the host path.
         return ops.bsr_dds(x, self.values, self.row_offsets, self.col_indices, self.bias,
                            self.block, self.out_features)
-
-    def _autograd_layout(self) -> Layout:
-        """Cached while the index buffers stay the same tensors with the same contents
-        (.to() makes new ones; load_state_dict bumps their version)."""
-        stamp = (self.row_offsets.data_ptr(), self.row_offsets._version, self.col_indices._version)
-        cached = getattr(self, "_layout_cache", None)
-        if cached is None or cached[0] != stamp:
-            layout = Layout(self.layout, self.row_offsets, self.col_indices, self.block,
-                            (self.out_features, self.in_features))
-            self._layout_cache = cached = (stamp, layout)
-        return cached[1]
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,

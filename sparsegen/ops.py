@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,32 @@ def _explain_bad_inputs(x, values, bias, in_features: int) -> None:
 def reference_linear(x, values, mask, block, bias):
     """Pure PyTorch: rebuild the dense weight and call F.linear (CPU, and the test oracle)."""
     return F.linear(x, bsr.values_to_dense(values, mask, block), bias)
+
+
+def indexed_reference(x, values, bias, flat_index, block, out_features: int):
+    """The reference from the block index alone (static shapes, so it traces)."""
+    weight = bsr.scatter_blocks(values, flat_index, (out_features, x.shape[-1]), block)
+    return F.linear(x, weight, bias)
+
+
+def bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, block, out_features):
+    if x.is_cuda:
+        return bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features)
+    return indexed_reference(x, values, bias, flat_index, block, out_features)
+
+
+@torch.library.custom_op("sparsegen::bsr_dds", mutates_args=())
+def bsr_dds_op(x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor],
+               row_offsets: torch.Tensor, col_indices: torch.Tensor, flat_index: torch.Tensor,
+               block_rows: int, block_cols: int, out_features: int) -> torch.Tensor:
+    """Y = X W^T (+ b) with no gradient of its own (the backward of bsr_linear calls it)."""
+    return bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index,
+                              (block_rows, block_cols), out_features)
+
+
+@bsr_dds_op.register_fake
+def _(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,19 +71,30 @@ class Kernel:
         self.spec, self.device_index = spec, device_index
         self.threads, self.smem = spec.threads, spec.smem_bytes()
         cubin = cache.build(spec).cubin
-        _ensure_context(device_index)
-        driver = _driver()
-        self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
-        self._function = _check(driver.cuModuleGetFunction(self._module, spec.name.encode()),
-                                "cuModuleGetFunction")
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(self._function, attr, self.smem), "cuFuncSetAttribute")
+        # Inside torch's device guard, so the caller's current device (and the context the
+        # runtime binds to it) is restored afterwards.
+        with torch.cuda.device(device_index):
+            _ensure_context(device_index)
+            self._function = self._load(cubin)
         self._handle = int(self._function)
         self._cu_launch = _libcuda().cuLaunchKernel
+
+    def _load(self, cubin: bytes):
+        driver = _driver()
+        self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({self.spec.name})")
+        function = _check(driver.cuModuleGetFunction(self._module, self.spec.name.encode()),
+                          "cuModuleGetFunction")
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(function, attr, self.smem), "cuFuncSetAttribute")
+        return function
 
     def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
         """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""
         params = _kernel_params(maps, pointers, ints)
+        if torch.cuda.current_device() != self.device_index:
+            # The driver launches into the thread's current context: make it this device's.
+            with torch.cuda.device(self.device_index):
+                return self.launch(grid, maps, pointers, ints)
         status = self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
                                  _current_stream(self.device_index), params.array, None)
         if status != 0:

@@ -157,3 +157,20 @@ def test_training_fits_a_teacher_with_the_same_layout():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0]
+
+
+def test_torch_compile_fullgraph_on_gpu_matches_eager():
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(
+        sparsegen.linear(256, 512, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16),
+        torch.nn.GELU(), sparsegen.linear(512, 128, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16))
+    model, twin = make(), make()
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(twin, fullgraph=True)
+    x = torch.randn(4, 100, 256, device="cuda", dtype=torch.bfloat16)
+    eager_out, compiled_out = model(x), compiled(x)
+    assert relative_error(compiled_out, eager_out.double()) < 1e-2
+    eager_out.float().square().sum().backward()
+    compiled_out.float().square().sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert relative_error(b.grad, a.grad.double()) < 2e-2

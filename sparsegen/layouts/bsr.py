@@ -74,6 +74,24 @@ def transpose_values(values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return values.index_select(0, perm).transpose(1, 2).contiguous()
 
 
+def flat_index(mask: torch.Tensor, device=None) -> torch.Tensor:
+    """For each stored block (row-major order), its position in the flattened block grid."""
+    return mask.cpu().flatten().nonzero().squeeze(1).to(device)
+
+
+def gather_blocks(dense: torch.Tensor, flat: torch.Tensor, block) -> torch.Tensor:
+    """dense_to_values with a precomputed index: no data-dependent shapes (traceable)."""
+    bm, bk = block
+    return blocks_of(dense, block).reshape(-1, bm, bk).index_select(0, flat)
+
+
+def scatter_blocks(values: torch.Tensor, flat: torch.Tensor, shape, block) -> torch.Tensor:
+    """values_to_dense with a precomputed index."""
+    (n, k), (bm, bk) = shape, block
+    grid = values.new_zeros(n // bm * (k // bk), bm, bk).index_copy(0, flat, values)
+    return grid.reshape(n // bm, k // bk, bm, bk).transpose(1, 2).reshape(n, k)
+
+
 def blocks_of(dense: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """[N, K] -> [N/bm, K/bk, bm, bk] view-like tensor of its blocks."""
     n, k = dense.shape
