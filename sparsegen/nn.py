@@ -87,6 +87,7 @@ class BlockSparseLinear(nn.Module):
         """Keep the blocks of `linear.weight` with the largest norm (or those in `layout`)."""
         expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
         weight = linear.weight.detach()
+        bsr.grid_shape(linear.out_features, linear.in_features, tuple(block))  # clear error first
         mask = layout if layout is not None else bsr.top_norm_mask(weight, tuple(block), density)
         layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, layout=mask)
@@ -95,6 +96,17 @@ class BlockSparseLinear(nn.Module):
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
+
+    def to_linear(self) -> nn.Linear:
+        """A dense nn.Linear with this layer's weights (zeros where blocks are absent)."""
+        weight = self.values.detach()
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.to_dense_weight())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
 
     def extra_repr(self) -> str:
         nnz, total = int(self.layout.sum()), self.layout.numel()

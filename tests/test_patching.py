@@ -1,0 +1,98 @@
+"""sparsegen.patch and BlockSparseLinear.to_linear on CPU models."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64, bias=False)
+
+    def forward(self, x):
+        x = x + self.attention(x, x, x, need_weights=False)[0]
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def test_patch_replaces_matching_linears_and_keeps_the_kept_blocks():
+    net, reference = model(), model()
+    names = sparsegen.patch(net, {r"\d+\.up": {"block": (32, 32), "density": 0.5},
+                                  r"\d+\.down": {"block": (16, 64), "density": 0.25}})
+    assert names == ["0.up", "0.down", "1.up", "1.down"]
+    for name in names:
+        layer, dense = net.get_submodule(name), reference.get_submodule(name)
+        assert isinstance(layer, sparsegen.BlockSparseLinear)
+        kept = layer.to_dense_weight()
+        torch.testing.assert_close(kept[kept != 0], dense.weight[kept != 0])
+    assert isinstance(net[0].attention.out_proj, nn.Linear)  # MultiheadAttention is left alone
+    x = torch.randn(2, 5, 64)
+    assert net(x).shape == (2, 5, 64)
+    net(x).sum().backward()
+    assert net[0].up.values.grad is not None
+
+
+def test_density_one_patch_is_exactly_the_dense_model():
+    net, reference = model(), model()
+    sparsegen.patch(net, {r".*\.(up|down)": {"block": (16, 16), "density": 1.0}})
+    x = torch.randn(3, 4, 64)
+    torch.testing.assert_close(net(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_errors_change_nothing():
+    net = model()
+    with pytest.raises(sparsegen.InputError, match="no match for"):
+        sparsegen.patch(net, {r"\d+\.up": {"block": (32, 32)}, "missing": {}})
+    with pytest.raises(sparsegen.InputError, match=r"0\.up: Expected out_features \(256\)"):
+        sparsegen.patch(net, {r"\d+\.up": {"block": (96, 32)}})
+    with pytest.raises(sparsegen.InputError, match="keys from"):
+        sparsegen.patch(net, {r"\d+\.up": {"blocksize": 32}})
+    assert all(type(m) is not sparsegen.BlockSparseLinear for m in net.modules())
+
+
+def test_random_layout_when_not_from_dense():
+    net = model()
+    sparsegen.patch(net, {r"0\.up": {"block": (32, 32), "density": 0.5}}, from_dense=False)
+    assert net[0].up.density == 0.5 and net[0].up.bias is not None
+
+
+def test_to_linear_round_trip():
+    layer = sparsegen.linear(96, 64, block=(16, 32), density=0.4)
+    dense = layer.to_linear()
+    x = torch.randn(7, 96)
+    torch.testing.assert_close(dense(x), layer(x))
+    assert torch.equal(dense.weight == 0, layer.to_dense_weight() == 0)
+
+
+def test_patch_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(config).eval()
+    reference = copy.deepcopy(net)
+    ids = torch.randint(0, 100, (2, 16))
+    # GPT-2's MLP uses transformers' Conv1D (weight stored [in, out]), attention c_attn too.
+    names = sparsegen.patch(net, {r"transformer\.h\.\d+\.mlp\.c_(fc|proj)": {"block": (32, 32), "density": 1.0}})
+    assert names == [f"transformer.h.{i}.mlp.{n}" for i in range(2) for n in ("c_fc", "c_proj")]
+    torch.testing.assert_close(net(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_patch_bert_from_config():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=100)
+    net = transformers.BertModel(config).eval()
+    names = sparsegen.patch(net, {r"encoder\.layer\.\d+\.(intermediate|output)\.dense": {"block": (32, 32), "density": 0.5}})
+    assert len(names) == 4
+    out = net(torch.randint(0, 100, (2, 12))).last_hidden_state
+    assert out.shape == (2, 12, 64) and not out.isnan().any()
