@@ -214,6 +214,36 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def bench_training(shape=(8192, 4096, 11008), blocks=(64, 128), densities=(0.25, 0.5)) -> list[str]:
+    """Forward+backward of one linear, and its two backward products alone (issue #3)."""
+    m, k, n = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    dense_ms = median_ms(lambda: dense(x).backward(dy))
+    lines = [f"| dense | - | {dense_ms:.3f} | 1.00 | - | - |"]
+    for block in blocks:
+        for density in densities:
+            layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False,
+                                     device="cuda", dtype=torch.bfloat16)
+            both = median_ms(lambda: layer(x).backward(dy))
+            dx, dw = backward_parts_ms(layer, x.detach(), dy)
+            lines.append(f"| b{block} | {density} | {both:.3f} | {dense_ms / both:.2f} | {dx:.3f} | {dw:.3f} |")
+    return ["| layer | density | fwd+bwd ms | x dense | dX ms | dW ms |", "|---|---|---|---|---|---|"] + lines
+
+
+def backward_parts_ms(layer, x, dy) -> tuple[float, float]:
+    """dX (the forward kernel on W^T, values transpose included) and dW (GEMM + gather)."""
+    from sparsegen.layouts import bsr
+
+    _, _, flat, t_rows, t_cols, t_flat, t_perm = layer._index()
+    (bm, bk), values = layer.block, layer.values.detach()
+    dx = lambda: torch.ops.sparsegen.bsr_dds(dy, bsr.transpose_values(values, t_perm), None, t_rows,
+                                             t_cols, t_flat, bk, bm, x.shape[1])
+    dw = lambda: bsr.gather_blocks(dy.t() @ x, flat, layer.block)
+    return median_ms(dx), median_ms(dw)
+
+
 def compile_times() -> None:
     """Cold NVRTC compile of every default kernel (no GPU needed): run on a 2-core machine."""
     import os
@@ -248,9 +278,12 @@ def main(argv=None) -> None:
     parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
     parser.add_argument("--overheads", action="store_true", help="only host overheads and memory")
     parser.add_argument("--compile", action="store_true", help="cold compile times (no GPU needed)")
+    parser.add_argument("--train", action="store_true", help="forward+backward timings only")
     args = parser.parse_args(argv)
     if args.compile:
         return compile_times()
+    if args.train:
+        return print("\n".join(bench_training()))
     if args.overheads:
         return print(overheads())
     if args.tune:
