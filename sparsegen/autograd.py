@@ -2,9 +2,9 @@
 and its gradients, so torch.compile traces models that use it without graph breaks.
 
 dX = dY W runs the forward op on W^T, whose block-CSR index is built once per layout
-(the values are re-transposed each step: d x the weight's bytes). dW keeps only W's
-nonzero blocks of dY^T X; for now it is one dense GEMM and a gather (dense speed, not
-sparse) until a sampled dense-dense kernel is generated.
+(the values are re-transposed each step: d x the weight's bytes). dW computes dY^T X only
+at W's stored blocks (the generated bsr_sdd kernel; a dense GEMM and a gather for float32
+and on the CPU).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _backward(ctx, dy):
         dx = torch.ops.sparsegen.bsr_dds(dy, values_t, None, t_row_offsets, t_col_indices, t_flat_index,
                                          bk, bm, x.shape[-1])
     if need[1]:
-        dvalues = bsr.gather_blocks(dy2.t() @ x.reshape(-1, x.shape[-1]), flat_index, ctx.block)
+        dvalues = torch.ops.sparsegen.bsr_sdd(dy2, x.reshape(-1, x.shape[-1]), flat_index, bm, bk)
     if ctx.has_bias and need[2]:
         dbias = dy2.sum(0)
     return (dx, dvalues, dbias) + (None,) * 10

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import TMA_INSTRS, forward_spec
+from .spec import TMA_INSTRS, forward_spec, sdd_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -140,3 +140,36 @@ def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tupl
 def _tma_tail(spec, values: torch.Tensor) -> tuple:
     # Rows of W's value tensor: reading from there on yields zeros (past a row's last block).
     return (values.shape[0] * spec.block[0],) if spec.instr in TMA_INSTRS else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _sdd_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(sdd_spec(block, DTYPE_NAMES[dtype], arch), device_index)
+
+
+def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, block) -> torch.Tensor:
+    """dW at the stored blocks: dY^T X sampled there. [M, N] and [M, K] -> [nnz, bm, bk].
+    16-bit GPU tensors run the generated sdd kernel; others a dense GEMM and a gather."""
+    if not (dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16)):
+        return bsr.gather_blocks(dy2.t() @ x2, flat_index, block)
+    dy2, x2 = dy2.contiguous(), x2.contiguous()
+    dw = torch.empty(flat_index.numel(), *block, dtype=dy2.dtype, device=dy2.device)
+    if flat_index.numel() == 0 or dy2.shape[0] == 0:
+        return dw.zero_()
+    kern = _sdd_kernel(tuple(block), dy2.dtype, dy2.device.index or 0)
+    kern.launch((flat_index.numel(), 1, 1), (), (dy2.data_ptr(), x2.data_ptr(), flat_index.data_ptr(), dw.data_ptr()),
+                (dy2.shape[0], dy2.shape[1], x2.shape[1]))
+    return dw
+
+
+@torch.library.custom_op("sparsegen::bsr_sdd", mutates_args=())
+def bsr_sdd_op(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, block_rows: int,
+               block_cols: int) -> torch.Tensor:
+    """The weight gradient as an op of its own, so compiled backwards trace it."""
+    return weight_grad(dy2, x2, flat_index, (block_rows, block_cols))
+
+
+@bsr_sdd_op.register_fake
+def _(dy2, x2, flat_index, block_rows, block_cols):
+    return dy2.new_empty((flat_index.shape[0], block_rows, block_cols))

@@ -15,8 +15,11 @@ from .errors import SpecError, expect
 DTYPES = ("fp16", "bf16", "fp32")
 BLOCK_SIDES = (16, 32, 64, 128)
 # Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
-OPS = ("bsr_dds",)
-TRANSPOSES = ("nt",)
+# bsr_dds: Y = X W^T (W block-sparse; the forward, and dX on W^T). bsr_sdd: dW = dY^T X
+# sampled at W's stored blocks (the weight gradient). stk's naming: output, lhs, rhs.
+OPS = ("bsr_dds", "bsr_sdd")
+TRANSPOSES = ("nt", "tn")
+OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn"}  # each op's operand layouts
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
 # each tile) and "pingpong" (the same, consumers alternate whole tiles).
@@ -112,6 +115,8 @@ class KernelSpec:
         return STAGE_BYTES_PER_ROW // ELEMENT_BYTES[self.dtype]
 
     def smem_bytes(self) -> int:
+        if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
+            return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
         rows = self.tile.tile_m + self.block[0]
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
         # full + empty mbarriers per stage, and one that orders ping-pong mainloops
@@ -126,9 +131,21 @@ class KernelSpec:
         _check_choice("instr", self.instr, INSTRS)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
+        expect(self.trans == OP_TRANS[self.op], f"trans {OP_TRANS[self.op]!r} for {self.op}",
+               repr(self.trans), SpecError)
+        if self.op == "bsr_sdd":
+            _validate_sdd(self)
         _validate_tile(self)
         if self.instr in HOPPER_INSTRS:
             _validate_wgmma(self)
+
+
+def _validate_sdd(spec: KernelSpec) -> None:
+    t, (bm, bk) = spec.tile, spec.block
+    expect(spec.instr == "mma" and spec.dtype in ("bf16", "fp16"),
+           "instr 'mma' and a 16-bit dtype for bsr_sdd", f"{spec.instr}, {spec.dtype}", SpecError)
+    expect(bk % (16 * t.warps_n) == 0, f"block cols ({bk}) a multiple of 16 x warps_n", t.warps_n, SpecError)
+    expect(bm % (16 * t.warps_m) == 0, f"block rows ({bm}) a multiple of 16 x warps_m", t.warps_m, SpecError)
 
 
 def _validate_wgmma(spec: KernelSpec) -> None:
@@ -152,11 +169,13 @@ def _check_choice(what: str, value, choices) -> None:
 
 def _validate_tile(spec: KernelSpec) -> None:
     t, (bm, _) = spec.tile, spec.block
-    expect(t.tile_m % (16 * t.warps_m) == 0,
-           f"tile_m a multiple of 16 x warps_m = {16 * t.warps_m}", t.tile_m, SpecError)
-    expect(bm % (16 * t.warps_n) == 0,
-           f"block rows ({bm}) a multiple of 16 x warps_n = {16 * t.warps_n}; use fewer warps_n",
-           t.warps_n, SpecError)
+    if spec.op == "bsr_dds":  # warps split tile_m rows of X and the block's rows of W
+        expect(t.tile_m % (16 * t.warps_m) == 0,
+               f"tile_m a multiple of 16 x warps_m = {16 * t.warps_m}", t.tile_m, SpecError)
+        expect(bm % (16 * t.warps_n) == 0,
+               f"block rows ({bm}) a multiple of 16 x warps_n = {16 * t.warps_n}; use fewer warps_n",
+               t.warps_n, SpecError)
+    expect(t.tile_m % 16 == 0, "tile_m a multiple of 16", t.tile_m, SpecError)
     expect(t.stages >= 2, "at least 2 pipeline stages", t.stages, SpecError)
     expect(spec.threads <= 1024, "at most 1024 threads per block", spec.threads, SpecError)
     limit = SMEM_LIMIT[spec.arch]
@@ -219,8 +238,20 @@ def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
                       tile=tile or default_tile(block, arch, instr, rows), instr=instr)
 
 
+def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> KernelSpec:
+    """The weight-gradient kernel: one threadblock per stored block, 32 rows of M a stage."""
+    bm, bk = block
+    tile = tile or TileConfig(tile_m=32, warps_m=2 if bm >= 32 else 1, warps_n=2 if bk >= 32 else 1,
+                              stages=4)
+    return KernelSpec(op="bsr_sdd", block=tuple(block), dtype=dtype, trans="tn", arch=arch,
+                      tile=tile, instr="mma")
+
+
 def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     """The set `sparsegen precompile` builds: every square block plus common rectangles."""
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
-    return [forward_spec(b, d, arch, rows=rows) for d in dtypes for b in blocks
-            for rows in (None, 1)]
+    forward = [forward_spec(b, d, arch, rows=rows) for d in dtypes for b in blocks for rows in (None, 1)]
+    # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
+    backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
+    backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
+    return list(dict.fromkeys(forward + backward))

@@ -34,6 +34,12 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// The same, transposing each 8x8 matrix: for operands stored with the reduction dim as rows.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
 // Round fp32 bits to tf32 (round-to-nearest) so fp32 inputs lose as little as possible.
 __device__ __forceinline__ u32 to_tf32(u32 x) {
   u32 y;

@@ -118,15 +118,16 @@ def test_module_on_gpu_matches_cpu_module():
     assert relative_error(gpu, cpu.double()) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("rows", [(3, 333), (1, 5)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 32), (128, 128)], ids=str)
-def test_backward_matches_float64(block, dtype):
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 32), (128, 128), (16, 128)], ids=str)
+def test_backward_matches_float64(block, dtype, rows):
     layout = torch.rand(6, 5) < 0.5
     layout[2] = False
     layer = sparsegen.linear(5 * block[1], 6 * block[0], block=block, layout=layout,
                              device="cuda", dtype=dtype)
-    x = torch.randn(3, 333, 5 * block[1], device="cuda", dtype=dtype, requires_grad=True)
-    grad_out = torch.randn(3, 333, 6 * block[0], device="cuda", dtype=dtype)
+    x = torch.randn(*rows, 5 * block[1], device="cuda", dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(*rows, 6 * block[0], device="cuda", dtype=dtype)
     layer(x).backward(grad_out)
 
     x64 = x.detach().double().requires_grad_()

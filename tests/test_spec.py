@@ -171,4 +171,6 @@ def test_default_specs_cover_every_dtype_once_per_block():
     specs = specmod.default_specs(90)
     assert len({s.name for s in specs}) == len(specs)
     assert {s.dtype for s in specs} == set(specmod.DTYPES)
-    assert all(s.arch == 90 and s.op == "bsr_dds" for s in specs)
+    assert all(s.arch == 90 for s in specs)
+    assert {s.op for s in specs} == set(specmod.OPS)
+    assert {s.dtype for s in specs if s.op == "bsr_sdd"} == {"bf16", "fp16"}  # fp32 dW: dense GEMM
