@@ -240,8 +240,32 @@ def backward_parts_ms(layer, x, dy) -> tuple[float, float]:
     (bm, bk), values = layer.block, layer.values.detach()
     dx = lambda: torch.ops.sparsegen.bsr_dds(dy, bsr.transpose_values(values, t_perm), None, t_rows,
                                              t_cols, t_flat, bk, bm, x.shape[1])
-    dw = lambda: bsr.gather_blocks(dy.t() @ x, flat, layer.block)
+    dw = lambda: ops.weight_grad(dy, x, flat, layer.block)
     return median_ms(dx), median_ms(dw)
+
+
+def tune_sdd(shape=(8192, 4096, 11008), density=0.25) -> None:
+    """Tile configurations of the weight-gradient kernel, against dense GEMM + gather."""
+    from sparsegen import runtime
+    from sparsegen.layouts import bsr
+    from sparsegen.spec import TileConfig as T, sdd_spec
+
+    m, k, n = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for block, tiles in {128: [T(32, 2, 2, 4), T(64, 2, 2, 3), T(64, 2, 4, 3), T(32, 2, 4, 4), T(64, 4, 2, 3)],
+                         64: [T(32, 2, 2, 4), T(64, 2, 2, 4), T(64, 2, 2, 3), T(32, 1, 2, 6)]}.items():
+        layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False, device="cuda",
+                                 dtype=torch.bfloat16)
+        flat = layer.flat_index
+        dense_ms = median_ms(lambda: bsr.gather_blocks(dy.t() @ x, flat, layer.block))
+        for tile in tiles:
+            kern = runtime.kernel(sdd_spec(layer.block, "bf16", 90, tile), 0)
+            out = torch.empty_like(layer.values)
+            launch = lambda: kern.launch((flat.numel(), 1, 1), (), (dy.data_ptr(), x.data_ptr(), flat.data_ptr(),
+                                                                  out.data_ptr()), (m, n, k))
+            print(f"sdd b{block} d{density} {tile.tag}: {median_ms(launch):.3f} ms (dense GEMM + gather "
+                  f"{dense_ms:.3f} ms)", flush=True)
 
 
 def compile_times() -> None:
@@ -283,6 +307,7 @@ def main(argv=None) -> None:
     if args.compile:
         return compile_times()
     if args.train:
+        tune_sdd()
         return print("\n".join(bench_training()))
     if args.overheads:
         return print(overheads())
