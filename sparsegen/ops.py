@@ -142,6 +142,11 @@ def _tma_tail(spec, values: torch.Tensor) -> tuple:
     return (values.shape[0] * spec.block[0],) if spec.instr in TMA_INSTRS else ()
 
 
+# Measured on an H200 (tools/bench.py --train): the sdd kernel beats cuBLAS + gather below
+# about d = 0.3 at blocks 64 and 128 (its time grows with the blocks kept, cuBLAS's does not).
+SDD_MAX_DENSITY = 0.3
+
+
 @functools.lru_cache(maxsize=None)
 def _sdd_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
@@ -150,8 +155,11 @@ def _sdd_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
 
 def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, block) -> torch.Tensor:
     """dW at the stored blocks: dY^T X sampled there. [M, N] and [M, K] -> [nnz, bm, bk].
-    16-bit GPU tensors run the generated sdd kernel; others a dense GEMM and a gather."""
-    if not (dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16)):
+    16-bit GPU tensors at densities up to SDD_MAX_DENSITY run the generated sdd kernel;
+    the rest a dense GEMM (cuBLAS) and a gather, which is faster there."""
+    blocks = (dy2.shape[1] // block[0]) * (x2.shape[1] // block[1])
+    if not (dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16)
+            and flat_index.numel() <= SDD_MAX_DENSITY * blocks):
         return bsr.gather_blocks(dy2.t() @ x2, flat_index, block)
     dy2, x2 = dy2.contiguous(), x2.contiguous()
     dw = torch.empty(flat_index.numel(), *block, dtype=dy2.dtype, device=dy2.device)

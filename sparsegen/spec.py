@@ -239,10 +239,11 @@ def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
 
 
 def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> KernelSpec:
-    """The weight-gradient kernel: one threadblock per stored block, 32 rows of M a stage."""
+    """The weight-gradient kernel: one threadblock per stored block, 32 or 64 rows of M a stage."""
     bm, bk = block
-    tile = tile or TileConfig(tile_m=32, warps_m=2 if bm >= 32 else 1, warps_n=2 if bk >= 32 else 1,
-                              stages=4)
+    rows, stages = (64, 3) if bm >= 128 and bk >= 128 else (32, 4)  # tools/bench.py --train sweep
+    tile = tile or TileConfig(tile_m=rows, warps_m=2 if bm >= 32 else 1, warps_n=2 if bk >= 32 else 1,
+                              stages=stages)
     return KernelSpec(op="bsr_sdd", block=tuple(block), dtype=dtype, trans="tn", arch=arch,
                       tile=tile, instr="mma")
 
