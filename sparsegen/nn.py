@@ -70,16 +70,27 @@ class BlockSparseLinear(nn.Module):
                 self.t_col_indices, self.t_flat_index, self.t_perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops.check_inputs(x, self.values, self.bias, self.in_features)
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.values.requires_grad)
+        x, values, bias = self._autocast(x)
+        ops.check_inputs(x, values, bias, self.in_features)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad)
         if torch.compiler.is_compiling() or (x.is_cuda and needs_grad):
-            return block_sparse_linear(x, self.values, self.bias, self._index(), self.block,
-                                       self.out_features)
-        if not x.is_cuda:
-            return ops.reference_linear(x, self.values, self.layout, self.block, self.bias)
+            return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+        if not x.is_cuda:  # the PyTorch reference; autograd differentiates it as it is
+            return ops.indexed_reference(x, values, bias, self.flat_index, self.block, self.out_features)
         # GPU inference: straight to the kernel, no dispatcher or autograd on the host path.
-        return ops.bsr_dds(x, self.values, self.row_offsets, self.col_indices, self.bias,
-                           self.block, self.out_features)
+        return ops.bsr_dds(x, values, self.row_offsets, self.col_indices, bias, self.block,
+                           self.out_features)
+
+    def _autocast(self, x: torch.Tensor):
+        """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
+        dtype (float32 parameters get float32 gradients back through the cast)."""
+        on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
+              and torch.is_autocast_enabled(x.device.type))
+        if not on:
+            return x, self.values, self.bias
+        dtype = torch.get_autocast_dtype(x.device.type)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return x.to(dtype), self.values.to(dtype), bias
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,

@@ -38,13 +38,9 @@ def _explain_bad_inputs(x, values, bias, in_features: int) -> None:
                f"bias of dtype {values.dtype} on {values.device}", f"{bias.dtype} on {bias.device}")
 
 
-def reference_linear(x, values, mask, block, bias):
-    """Pure PyTorch: rebuild the dense weight and call F.linear (CPU, and the test oracle)."""
-    return F.linear(x, bsr.values_to_dense(values, mask, block), bias)
-
-
 def indexed_reference(x, values, bias, flat_index, block, out_features: int):
-    """The reference from the block index alone (static shapes, so it traces)."""
+    """Pure PyTorch (the CPU path): rebuild the dense weight from the block index and call
+    F.linear. Static shapes, so it traces; differentiable as it is."""
     weight = bsr.scatter_blocks(values, flat_index, (out_features, x.shape[-1]), block)
     return F.linear(x, weight, bias)
 

@@ -18,7 +18,7 @@ def layer(monkeypatch):
     def unreachable(*args, **kwargs):
         raise AssertionError("input checks must run before any computation")
 
-    monkeypatch.setattr(ops, "reference_linear", unreachable)
+    monkeypatch.setattr(ops, "indexed_reference", unreachable)
     monkeypatch.setattr(ops, "bsr_dds", unreachable)
     return built
 

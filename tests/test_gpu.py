@@ -193,3 +193,14 @@ def test_sdd_kernel_matches_float64(block, dtype, m):
     want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[dtype]
+
+
+def test_autocast_on_gpu_matches_float64():
+    layer = sparsegen.linear(512, 256, block=(64, 64), density=0.5, device="cuda")  # float32 params
+    x = torch.randn(300, 512, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
+    out.float().sum().backward()
+    assert layer.values.grad.dtype == torch.float32 and x.grad.dtype == torch.float32

@@ -124,3 +124,16 @@ def test_state_dict_round_trip():
     clone.load_state_dict(layer.state_dict())
     x = torch.randn(5, 96)
     assert torch.equal(clone(x), layer(x))
+
+
+def test_autocast_computes_in_bfloat16_with_float32_gradients():
+    torch.manual_seed(0)
+    layer = sparsegen.linear(64, 32, block=(16, 16), density=0.5)
+    x = torch.randn(5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    want = torch.nn.functional.linear(x.double(), layer.to_dense_weight().double(), layer.bias.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-2
+    out.float().sum().backward()
+    assert layer.values.grad.dtype == torch.float32 and layer.values.grad.abs().sum() > 0
