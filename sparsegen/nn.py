@@ -108,6 +108,22 @@ class BlockSparseLinear(nn.Module):
                 layer.bias.copy_(linear.bias)
         return layer
 
+    @torch.no_grad()
+    def set_layout(self, mask: torch.Tensor, optimizer=None) -> None:
+        """Switch to another layout with the same number of blocks. Blocks in both keep their
+        values (and, in `optimizer`, their state); new blocks start at zero."""
+        grid = tuple(self.layout.shape)
+        mask = bsr.check_mask(mask, grid)
+        expect(int(mask.sum()) == self.values.shape[0],
+               f"a layout with the layer's {self.values.shape[0]} blocks", int(mask.sum()))
+        source = torch.full((mask.numel(),), -1, dtype=torch.long)
+        source[bsr.flat_index(self.layout)] = torch.arange(self.values.shape[0])
+        source = source[bsr.flat_index(mask)].to(self.values.device)  # old position, or -1
+        for tensor in [self.values] + _state_like(optimizer, self.values):
+            tensor.copy_(_moved(tensor, source))
+        self.layout.copy_(mask.to(self.layout.device))
+        self._register_index(mask, self.layout.device)
+
     def to_linear(self) -> nn.Linear:
         """A dense nn.Linear with this layer's weights (zeros where blocks are absent)."""
         weight = self.values.detach()
@@ -130,3 +146,19 @@ def linear(in_features: int, out_features: int, block=(32, 32), density: float =
            bias: bool = True, device=None, dtype=None, layout=None) -> BlockSparseLinear:
     """Drop-in for nn.Linear(in_features, out_features) with a block-sparse weight."""
     return BlockSparseLinear(in_features, out_features, block, density, bias, device, dtype, layout)
+
+
+def _moved(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """tensor's blocks in a new order: block i from source[i], zeros where source is -1."""
+    kept = source >= 0
+    out = torch.zeros_like(tensor)
+    out[kept] = tensor[source[kept]]
+    return out
+
+
+def _state_like(optimizer, param: torch.Tensor) -> list:
+    """The optimizer's per-element state of `param` (Adam's moments, SGD's momentum...)."""
+    if optimizer is None:
+        return []
+    state = optimizer.state.get(param, {})
+    return [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == param.shape]

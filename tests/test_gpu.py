@@ -204,3 +204,21 @@ def test_autocast_on_gpu_matches_float64():
     assert relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
     out.float().sum().backward()
     assert layer.values.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_layout_change_on_gpu_keeps_forward_and_backward_right():
+    torch.manual_seed(4)
+    layer = sparsegen.linear(256, 384, block=(64, 32), density=0.25, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
+    layer(x).float().sum().backward()  # kernels and TMA descriptors cached for the old layout
+    sparsegen.topology.prune_and_regrow(layer, 0.5, torch.rand(layer.layout.shape))
+    with torch.no_grad():
+        layer.values.normal_()
+    out = layer(x)
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
+    layer.values.grad = None
+    out.float().sum().backward()
+    x64 = x.double()
+    want = bsr.gather_blocks(torch.ones(200, 384, device="cuda", dtype=torch.float64).t() @ x64,
+                             layer.flat_index, layer.block)
+    assert relative_error(layer.values.grad, want) < TOLERANCE[torch.bfloat16]
