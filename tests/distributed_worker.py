@@ -1,6 +1,5 @@
 """Run by tests/test_distributed.py under torchrun on 2 GPUs: BlockSparseLinear under
 DistributedDataParallel and FSDP2 gives the gradients of one process on the whole batch."""
-import copy
 import sys
 
 import torch
