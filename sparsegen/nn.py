@@ -61,8 +61,18 @@ class BlockSparseLinear(nn.Module):
         for name, tensor in vars(index).items():
             self.register_buffer(name, tensor, persistent=name in ("row_offsets", "col_indices"))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A saved layout is adopted with its values; one with another number of blocks is
+        refused before anything is copied, so the layer is never left half-loaded."""
+        layout = state_dict.get(prefix + "layout")
+        if layout is not None and int(layout.sum()) != self.values.shape[0]:
+            error_msgs.append(f"{prefix}layout: Expected a layout with this layer's {self.values.shape[0]} "
+                              f"blocks. Got {int(layout.sum())}; build the layer with "
+                              f"layout=state_dict['{prefix}layout'] to load it.")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
         self._register_index(self.layout, self.layout.device)  # the loaded layout's index
 
     def _index(self) -> tuple:

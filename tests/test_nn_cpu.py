@@ -137,3 +137,23 @@ def test_autocast_computes_in_bfloat16_with_float32_gradients():
     assert ((out.double() - want).norm() / want.norm()).item() < 1e-2
     out.float().sum().backward()
     assert layer.values.grad.dtype == torch.float32 and layer.values.grad.abs().sum() > 0
+
+
+def test_torch_save_and_load_whole_model(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(sparsegen.linear(64, 48, block=(16, 16), density=0.5), torch.nn.ReLU())
+    path = tmp_path / "model.pt"
+    torch.save(net, path)
+    loaded = torch.load(path, weights_only=False)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(loaded(x), net(x))
+    assert torch.equal(loaded[0].layout, net[0].layout)
+
+
+def test_loading_a_state_dict_with_other_block_count_is_a_clear_error():
+    a = sparsegen.linear(64, 64, block=(16, 16), density=0.25)
+    b = sparsegen.linear(64, 64, block=(16, 16), density=0.5)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    with pytest.raises(RuntimeError, match="layout: Expected a layout with this layer's 8 blocks. Got 4"):
+        b.load_state_dict(a.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in b.state_dict().items())  # nothing half-loaded
