@@ -1,0 +1,158 @@
+"""Train a small GPT on the Python standard library's own sources (no download), with a
+dense FFN and with block-sparse FFNs (sparsegen.patch), same steps and seed; print and plot
+loss curves and step times. GPU: PYTHONPATH=. python tools/train_demo.py --out out/
+CPU smoke run: python tools/train_demo.py --steps 3 --layers 1 --d-model 64 --device cpu"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparsegen
+
+
+def corpus(max_bytes: int) -> torch.Tensor:
+    """Bytes of the stdlib's .py files, in a fixed order: byte-level tokens (vocab 256)."""
+    data, root = bytearray(), Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if len(data) >= max_bytes:
+            break
+        try:
+            data += path.read_bytes()
+        except OSError:
+            continue
+    return torch.frombuffer(bytes(data[:max_bytes]), dtype=torch.uint8).long()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads, self.ln1, self.ln2 = heads, nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ffn = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.ffn(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, context: int):
+        super().__init__()
+        self.embed, self.position = nn.Embedding(256, d), nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def batches(data: torch.Tensor, batch: int, context: int, generator: torch.Generator):
+    while True:
+        starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=generator)
+        window = torch.stack([data[s:s + context + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def build(args, density: float | None) -> nn.Module:
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.d_model, args.heads, args.context)
+    if density is not None:
+        sparsegen.patch(model, {r"blocks\.\d+\.ffn\.(0|2)": {"block": (args.block, args.block), "density": density}},
+                        from_dense=True)
+    return model.to(args.device)
+
+
+def evaluate(model, data, args) -> float:
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
+        losses = [F.cross_entropy(model(x.to(args.device)).float().flatten(0, 1), y.to(args.device).flatten()).item()
+                  for _, (x, y) in zip(range(args.eval_batches), batches(data, args.batch, args.context, gen))]
+    return statistics.mean(losses)
+
+
+def train(args, density: float | None, train_data, val_data) -> dict:
+    model = build(args, density)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    gen, curve, times = torch.Generator().manual_seed(args.seed), [], []
+    for step, (x, y) in zip(range(args.steps), batches(train_data, args.batch, args.context, gen)):
+        start = time.perf_counter()
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x.to(args.device)).float().flatten(0, 1), y.to(args.device).flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            curve.append((step, loss.item(), evaluate(model, val_data, args)))
+            print(f"{label(density)} step {step}: train {curve[-1][1]:.3f} val {curve[-1][2]:.3f}", flush=True)
+    return dict(label=label(density), curve=curve, step_ms=1e3 * statistics.median(times[len(times) // 4:]),
+                val_loss=curve[-1][2])
+
+
+def label(density) -> str:
+    return "dense" if density is None else f"block-sparse FFN d={density}"
+
+
+def report(results: list[dict], args, out: Path) -> None:
+    dense = results[0]
+    lines = ["| model | final val loss | vs dense | step ms | speed vs dense |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['label']} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / dense['val_loss'] - 1):+.1f}% | "
+                     f"{r['step_ms']:.1f} | {dense['step_ms'] / r['step_ms']:.2f}x |")
+    print("\n".join(lines))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_demo.md").write_text("\n".join(lines) + "\n")
+    (out / "train_demo.json").write_text(json.dumps(dict(args=vars(args), results=results), indent=1, default=str))
+    plot(results, out / "train_demo.png")
+
+
+def plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        steps, _, val = zip(*r["curve"])
+        left.plot(steps, val, label=r["label"])
+    left.set(xlabel="step", ylabel="validation loss", title="GPT on stdlib sources")
+    left.legend()
+    right.bar([r["label"].replace("block-sparse FFN ", "") for r in results], [r["step_ms"] for r in results])
+    right.set(ylabel="median step time (ms)", title="training step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in [("steps", 600), ("layers", 6), ("d-model", 512), ("heads", 8), ("context", 256),
+                          ("batch", 32), ("block", 64), ("seed", 0), ("log-every", 100), ("eval-batches", 8),
+                          ("corpus-mb", 16)]:
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path("out"))
+    args = p.parse_args()
+    data = corpus(args.corpus_mb << 20)
+    split = int(0.95 * data.numel())
+    results = [train(args, density, data[:split], data[split:]) for density in (None, 0.5, 0.25)]
+    report(results, args, args.out)
+
+
+if __name__ == "__main__":
+    main()
