@@ -69,8 +69,7 @@ def _backward(ctx, dy):
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dvalues = dbias = None
     if need[0]:
-        values_t = values.index_select(0, t_perm).transpose(1, 2).contiguous()
-        dx = torch.ops.sparsegen.bsr_dds(dy, values_t, None, t_row_offsets, t_col_indices, t_flat_index,
+        dx = torch.ops.sparsegen.bsr_dds(dy, bsr.transpose_values(values, t_perm), None, t_row_offsets, t_col_indices, t_flat_index,
                                          bk, bm, x.shape[-1])
     if need[1]:
         dvalues = torch.ops.sparsegen.bsr_sdd(dy2, x.reshape(-1, x.shape[-1]), flat_index, bm, bk)
