@@ -94,6 +94,9 @@ class BlockSparseLinear(nn.Module):
     def _autocast(self, x: torch.Tensor):
         """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
         dtype (float32 parameters get float32 gradients back through the cast)."""
+        # One cheap global test first: this runs on every forward call.
+        if not torch._C._is_any_autocast_enabled():
+            return x, self.values, self.bias
         on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
               and torch.is_autocast_enabled(x.device.type))
         if not on:
