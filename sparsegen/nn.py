@@ -12,6 +12,11 @@ from .errors import expect
 from .layouts import bsr
 
 
+# A private but long-standing torch call (torch.utils.checkpoint uses it); where it is
+# missing, the per-device test below decides on its own.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 class BlockSparseLinear(nn.Module):
     """y = x W^T + b with W [out, in] stored as block-CSR blocks of shape `block`.
 
@@ -95,7 +100,7 @@ class BlockSparseLinear(nn.Module):
         """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
         dtype (float32 parameters get float32 gradients back through the cast)."""
         # One cheap global test first: this runs on every forward call.
-        if not torch._C._is_any_autocast_enabled():
+        if not _any_autocast():
             return x, self.values, self.bias
         on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
               and torch.is_autocast_enabled(x.device.type))
