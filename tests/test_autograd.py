@@ -77,3 +77,19 @@ def test_state_dict_with_another_layout_rebuilds_the_derived_index():
     out = autograd.block_sparse_linear(x, b.values, b.bias, b._index(), b.block, 64)
     torch.testing.assert_close(out, a(x))
     assert torch.equal(b.t_row_offsets, a.t_row_offsets) and torch.equal(b.flat_index, a.flat_index)
+
+
+def test_demo_gpt_compiles_without_graph_breaks():
+    """The training demo's model with block-sparse FFNs: torch._dynamo.explain sees one graph."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "train_demo.py"
+    spec = importlib.util.spec_from_file_location("train_demo", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    model = demo.GPT(layers=2, d=64, heads=4, context=32)
+    sparsegen.patch(model, {r"blocks\.\d+\.ffn\.(0|2)": {"block": (32, 32), "density": 0.5}})
+    tokens = torch.randint(0, 256, (2, 32))
+    explanation = torch._dynamo.explain(model)(tokens)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
