@@ -87,10 +87,13 @@ class BlockSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, values, bias = self._autocast(x)
         ops.check_inputs(x, values, bias, self.in_features)
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad)
-        if torch.compiler.is_compiling() or (x.is_cuda and needs_grad):
+        if torch.compiler.is_compiling():  # traced as the custom op, whatever the device
             return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
-        if not x.is_cuda:  # the PyTorch reference; autograd differentiates it as it is
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad)
+        kernels = x.is_cuda and ops.has_kernels(x.device.index or 0)
+        if kernels and needs_grad:
+            return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+        if not kernels:  # the PyTorch reference (CPU, older GPUs); autograd differentiates it
             return ops.indexed_reference(x, values, bias, self.flat_index, self.block, self.out_features)
         # GPU inference: straight to the kernel, no dispatcher or autograd on the host path.
         return ops.bsr_dds(x, values, self.row_offsets, self.col_indices, bias, self.block,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import TMA_INSTRS, forward_spec, sdd_spec
+from .spec import ARCHS, TMA_INSTRS, forward_spec, sdd_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -46,9 +47,21 @@ def indexed_reference(x, values, bias, flat_index, block, out_features: int):
 
 
 def bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, block, out_features):
-    if x.is_cuda:
+    if x.is_cuda and has_kernels(x.device.index or 0):
         return bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features)
     return indexed_reference(x, values, bias, flat_index, block, out_features)
+
+
+@functools.lru_cache(maxsize=None)
+def has_kernels(device_index: int) -> bool:
+    """Whether sparsegen's templates cover this GPU (sm_80 and later, as spec.ARCHS lists).
+    Older or unknown GPUs run the PyTorch reference instead, with one warning."""
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    if arch in ARCHS:
+        return True
+    warnings.warn(f"sparsegen: no kernels for sm_{arch} (supported: {', '.join(f'sm_{a}' for a in ARCHS)}); "
+                  "using the PyTorch reference on this GPU.", RuntimeWarning, stacklevel=3)
+    return False
 
 
 @torch.library.custom_op("sparsegen::bsr_dds", mutates_args=())
@@ -154,7 +167,7 @@ def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, b
     16-bit GPU tensors at densities up to SDD_MAX_DENSITY run the generated sdd kernel;
     the rest a dense GEMM (cuBLAS) and a gather, which is faster there."""
     blocks = (dy2.shape[1] // block[0]) * (x2.shape[1] // block[1])
-    if not (dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16)
+    if not (dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16) and has_kernels(dy2.device.index or 0)
             and flat_index.numel() <= SDD_MAX_DENSITY * blocks):
         return bsr.gather_blocks(dy2.t() @ x2, flat_index, block)
     dy2, x2 = dy2.contiguous(), x2.contiguous()

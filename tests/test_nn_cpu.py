@@ -157,3 +157,14 @@ def test_loading_a_state_dict_with_other_block_count_is_a_clear_error():
     with pytest.raises(RuntimeError, match="layout: Expected a layout with this layer's 8 blocks. Got 4"):
         b.load_state_dict(a.state_dict())
     assert all(torch.equal(before[k], v) for k, v in b.state_dict().items())  # nothing half-loaded
+
+
+def test_gpus_without_kernels_fall_back_to_the_reference(monkeypatch):
+    """An sm_75 (or unknown) GPU gets the PyTorch reference and one warning, not an error."""
+    from sparsegen import ops, runtime
+
+    ops.has_kernels.cache_clear()
+    monkeypatch.setattr(runtime, "device_arch", lambda device: 75)
+    with pytest.warns(RuntimeWarning, match="no kernels for sm_75"):
+        assert not ops.has_kernels(0)
+    ops.has_kernels.cache_clear()
