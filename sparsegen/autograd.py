@@ -8,7 +8,7 @@ and on the CPU).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -38,8 +38,11 @@ class IndexTensors:
                    t_col_indices, bsr.flat_index(mask.t().contiguous(), device), t_perm)
 
     def as_tuple(self) -> tuple[Tensor, ...]:
-        return (self.row_offsets, self.col_indices, self.flat_index, self.t_row_offsets,
-                self.t_col_indices, self.t_flat_index, self.t_perm)
+        return tuple(getattr(self, name) for name in INDEX_NAMES)
+
+
+# The op's index arguments, in order: also the buffer names of BlockSparseLinear.
+INDEX_NAMES = tuple(f.name for f in fields(IndexTensors))
 
 
 @torch.library.custom_op("sparsegen::bsr_linear", mutates_args=())

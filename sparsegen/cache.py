@@ -29,12 +29,16 @@ class Built:
     compiled: bool  # False when it came from a cache
 
 
-def cache_key(source: str, headers: dict[str, str], target: str) -> str:
+def _digest(*parts: str) -> str:
     h = hashlib.sha256()
-    for part in (source, *headers.values(), compiler.nvrtc_version(), *compiler.options(target)):
+    for part in parts:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def cache_key(source: str, headers: dict[str, str], target: str) -> str:
+    return _digest(source, *headers.values(), compiler.nvrtc_version(), *compiler.options(target))
 
 
 def _disk():
@@ -86,13 +90,8 @@ def alias_key(spec: KernelSpec) -> str:
     """Everything the rendered source and the CUBIN follow from, without rendering or loading
     NVRTC (together ~100 ms in a new process): the spec, the template files, and the
     installed versions of jinja2 and the compiler packages."""
-    h = hashlib.sha256()
-    parts = (repr(dataclasses.astuple(spec)), *codegen.template_texts(), *compiler.identity(),
-             *compiler.options(spec.target))
-    for part in parts:
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    return _digest(repr(dataclasses.astuple(spec)), *codegen.template_texts(), *compiler.identity(),
+                   *compiler.options(spec.target))
 
 
 def build(spec: KernelSpec) -> Built:
@@ -106,7 +105,8 @@ def build(spec: KernelSpec) -> Built:
         key = disk.get(_ALIAS + alias)
         cubin = _read_disk(disk, key, spec.name) if key else None
         built = Built(spec, key, cubin, False) if cubin is not None else _build_on_disk(disk, spec)
-        disk.set(_ALIAS + alias, built.key)
+        if built.key != key:  # a write on every hit would cost a new process milliseconds
+            disk.set(_ALIAS + alias, built.key)
     return _remember(alias, built)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .autograd import IndexTensors, block_sparse_linear
+from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear
 from .errors import expect
 from .layouts import bsr
 
@@ -57,7 +57,8 @@ class BlockSparseLinear(nn.Module):
         return self.layout.sum().item() / max(1, self.layout.numel())
 
     def to_dense_weight(self) -> torch.Tensor:
-        return bsr.values_to_dense(self.values, self.layout, self.block)
+        return bsr.scatter_blocks(self.values, self.flat_index, (self.out_features, self.in_features),
+                                  self.block)
 
     def _register_index(self, mask: torch.Tensor, device) -> None:
         """row_offsets and col_indices are saved with the layout; the rest (W^T's index, block
@@ -81,17 +82,15 @@ class BlockSparseLinear(nn.Module):
         self._register_index(self.layout, self.layout.device)  # the loaded layout's index
 
     def _index(self) -> tuple:
-        return (self.row_offsets, self.col_indices, self.flat_index, self.t_row_offsets,
-                self.t_col_indices, self.t_flat_index, self.t_perm)
+        return tuple(getattr(self, name) for name in INDEX_NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, values, bias = self._autocast(x)
         ops.check_inputs(x, values, bias, self.in_features)
-        if torch.compiler.is_compiling():  # traced as the custom op, whatever the device
-            return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+        compiling = torch.compiler.is_compiling()  # then: traced as the custom op, any device
+        kernels = not compiling and x.is_cuda and ops.has_kernels(x.device.index or 0)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad)
-        kernels = x.is_cuda and ops.has_kernels(x.device.index or 0)
-        if kernels and needs_grad:
+        if compiling or (kernels and needs_grad):
             return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
         if not kernels:  # the PyTorch reference (CPU, older GPUs); autograd differentiates it
             return ops.indexed_reference(x, values, bias, self.flat_index, self.block, self.out_features)
@@ -138,7 +137,7 @@ class BlockSparseLinear(nn.Module):
         expect(int(mask.sum()) == self.values.shape[0],
                f"a layout with the layer's {self.values.shape[0]} blocks", int(mask.sum()))
         source = torch.full((mask.numel(),), -1, dtype=torch.long)
-        source[bsr.flat_index(self.layout)] = torch.arange(self.values.shape[0])
+        source[self.flat_index.cpu()] = torch.arange(self.values.shape[0])
         source = source[bsr.flat_index(mask)].to(self.values.device)  # old position, or -1
         for tensor in [self.values] + _state_like(optimizer, self.values):
             tensor.copy_(_moved(tensor, source))

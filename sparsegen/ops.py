@@ -113,19 +113,20 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     x2 = _rows_2d(x)
     m, k = x2.shape
     y = _output(out, m, out_features, x)
+    shaped = y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
     if m == 0:
-        return y.reshape(*x.shape[:-1], out_features)
+        return shaped
+    if values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        return shaped
     kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
     grid = _grid(kern.spec, m, out_features, x.device)
-    if values.shape[0] == 0:  # no block at all: TMA cannot describe an empty tensor
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-        return y.reshape(*x.shape[:-1], out_features)
     maps, operands = _operands(kern.spec, x2, values, block)
     bias_ptr = bias.data_ptr() if bias is not None else 0
     pointers = (*operands, row_offsets.data_ptr(), col_indices.data_ptr(), bias_ptr, y.data_ptr())
     ints = (m, k, out_features) + _tma_tail(kern.spec, values)
     kern.launch(grid, maps, pointers, ints)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
+    return shaped
 
 
 def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:

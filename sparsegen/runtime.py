@@ -90,11 +90,11 @@ class Kernel:
 
     def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
         """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""
-        params = _kernel_params(maps, pointers, ints)
         if torch.cuda.current_device() != self.device_index:
             # The driver launches into the thread's current context: make it this device's.
             with torch.cuda.device(self.device_index):
                 return self.launch(grid, maps, pointers, ints)
+        params = _kernel_params(maps, pointers, ints)
         status = self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
                                  _current_stream(self.device_index), params.array, None)
         if status != 0:
