@@ -89,7 +89,10 @@ struct BsrDdsTma {
       wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
       if (s > 0) release(bars, g - 1);
     }
-    if (order && threadIdx.x % 128 == 0) mbar_arrive(order);
+    // Every thread of the warpgroup arrives, not one per warpgroup: a lagging warp (still
+    // storing the previous tile) could otherwise find `order` two phases on and wait on the
+    // wrong parity forever - seen with empty and one-stage tiles in a row.
+    if (order) mbar_arrive(order);
     wgmma_wait<0>();
     if (stages > 0) release(bars, g0 + stages - 1);
   }
@@ -110,7 +113,7 @@ struct BsrDdsTma {
         mbar_init(bars + 8 * i, 1);
         mbar_init(bars + 8 * (STAGES + i), PINGPONG ? 1 : CONSUMERS);
       }
-      mbar_init(order, 1);
+      mbar_init(order, 128);  // the whole consumer warpgroup arrives (see consume)
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
       tma_prefetch_map(x_map);
       tma_prefetch_map(w_map);

@@ -81,6 +81,49 @@ def test_hopper_paths(block, dtype, instr, m):
     assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
 
 
+# Run in a child process so that a hang fails the test instead of stalling the suite.
+PERSISTENT_STRESS = r"""
+import torch, sparsegen
+from sparsegen import ops
+torch.manual_seed(0)
+nnz = torch.tensor([0, 1, 0, 1, 8, 0, 1, 12, 1, 0, 2, 1] * 4)       # empty, one-stage and long rows
+layout = torch.rand(48, 16).argsort(1) < nnz[:, None]
+x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+for instr in ("pingpong", "tma"):
+    layer = sparsegen.linear(1024, 3072, block=(64, 64), layout=layout, device="cuda", dtype=torch.bfloat16)
+    want = x.double() @ layer.to_dense_weight().double().t() + layer.bias.double()
+    for _ in range(40):
+        out = torch.full((8192, 3072), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, 3072,
+                    out=out, instr=instr)
+    torch.cuda.synchronize()
+    print(instr, ((out.double() - want).norm() / want.norm()).item())
+# a few training steps of block-sparse FFNs at density 0.25 (where the ping-pong race showed)
+ffn = torch.nn.Sequential(*[sparsegen.linear(d_in, d_out, block=(64, 64), density=0.25, device="cuda",
+                                             dtype=torch.bfloat16) for d_in, d_out in [(512, 2048), (2048, 512)] * 3])
+for _ in range(5):
+    ffn(torch.randn(32, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+torch.cuda.synchronize()
+print("trained")
+"""
+
+
+def test_persistent_kernels_with_many_empty_and_short_rows_finish():
+    """Many tiles per persistent block, with empty and one-stage block rows next to long
+    ones: a ping-pong ordering race once hung here (every consumer thread now arrives)."""
+    import subprocess
+    import sys
+
+    try:
+        run = subprocess.run([sys.executable, "-c", PERSISTENT_STRESS], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a persistent kernel did not finish within 180 s (hung)")
+    assert run.returncode == 0, run.stderr[-2000:]
+    errors = dict(line.split() for line in run.stdout.splitlines() if line.split()[0] in ("pingpong", "tma"))
+    assert set(errors) == {"pingpong", "tma"} and all(float(e) < TOLERANCE[torch.bfloat16] for e in errors.values())
+    assert "trained" in run.stdout
+
+
 def test_layout_without_any_block():
     layer = sparsegen.linear(128, 64, block=(32, 32), layout=torch.zeros(2, 4, dtype=torch.bool),
                              device="cuda", dtype=torch.bfloat16)
