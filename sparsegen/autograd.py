@@ -66,22 +66,63 @@ def _setup_context(ctx, inputs, output):
     ctx.block, ctx.has_bias = (block_rows, block_cols), bias is not None
 
 
-def _backward(ctx, dy):
+def _gradients(ctx, dy, dds, sdd):
+    """dX, dW (at the stored blocks) and d(bias). dds(dy, W^T values, index of W^T, block
+    of W^T, in_features) and sdd(dy2, x2, flat_index, block) run the two products: the
+    torch.ops versions when traced, the kernels themselves in eager mode."""
     x, values, row_offsets, col_indices, flat_index, t_row_offsets, t_col_indices, t_flat_index, t_perm = ctx.saved_tensors
     (bm, bk), need = ctx.block, ctx.needs_input_grad
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dvalues = dbias = None
     if need[0]:
-        dx = torch.ops.sparsegen.bsr_dds(dy, bsr.transpose_values(values, t_perm), None, t_row_offsets, t_col_indices, t_flat_index,
-                                         bk, bm, x.shape[-1])
+        dx = dds(dy, bsr.transpose_values(values, t_perm), (t_row_offsets, t_col_indices, t_flat_index),
+                 (bk, bm), x.shape[-1])
     if need[1]:
-        dvalues = torch.ops.sparsegen.bsr_sdd(dy2, x.reshape(-1, x.shape[-1]), flat_index, bm, bk)
+        dvalues = sdd(dy2, x.reshape(-1, x.shape[-1]), flat_index, (bm, bk))
     if ctx.has_bias and need[2]:
         dbias = dy2.sum(0)
-    return (dx, dvalues, dbias) + (None,) * 10
+    return dx, dvalues, dbias
+
+
+def _traced_dds(dy, values, index, block, out_features):
+    return torch.ops.sparsegen.bsr_dds(dy, values, None, *index, *block, out_features)
+
+
+def _traced_sdd(dy2, x2, flat_index, block):
+    return torch.ops.sparsegen.bsr_sdd(dy2, x2, flat_index, *block)
+
+
+def _eager_dds(dy, values, index, block, out_features):
+    return ops.bsr_dds(dy, values, index[0], index[1], None, block, out_features)
+
+
+def _backward(ctx, dy):
+    return _gradients(ctx, dy, _traced_dds, _traced_sdd) + (None,) * 10
 
 
 bsr_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerBsrLinear(torch.autograd.Function):
+    """The same product and gradients for eager GPU training, calling the kernels directly:
+    a custom op's dispatch costs a few hundred microseconds of host time per call, which a
+    small layer's step cannot hide."""
+
+    @staticmethod
+    def forward(ctx, x, values, bias, index, block, out_features):
+        ctx.save_for_backward(x, values, *index)
+        ctx.block, ctx.has_bias = block, bias is not None
+        return ops.bsr_dds(x, values, index[0], index[1], bias, block, out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gradients(ctx, dy, _eager_dds, ops.weight_grad) + (None,) * 3
+
+
+def eager_block_sparse_linear(x: Tensor, values: Tensor, bias: Optional[Tensor], index: tuple,
+                              block: tuple[int, int], out_features: int) -> Tensor:
+    """block_sparse_linear for CUDA tensors outside torch.compile, with less host overhead."""
+    return _EagerBsrLinear.apply(x, values, bias, index, block, out_features)
 
 
 def block_sparse_linear(x: Tensor, values: Tensor, bias: Optional[Tensor], index: tuple,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear
+from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, eager_block_sparse_linear
 from .errors import expect
 from .layouts import bsr
 
@@ -90,8 +90,10 @@ class BlockSparseLinear(nn.Module):
         compiling = torch.compiler.is_compiling()  # then: traced as the custom op, any device
         kernels = not compiling and x.is_cuda and ops.has_kernels(x.device.index or 0)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad)
-        if compiling or (kernels and needs_grad):
+        if compiling:
             return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+        if kernels and needs_grad:
+            return eager_block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
         if not kernels:  # the PyTorch reference (CPU, older GPUs); autograd differentiates it
             return ops.indexed_reference(x, values, bias, self.flat_index, self.block, self.out_features)
         # GPU inference: straight to the kernel, no dispatcher or autograd on the host path.

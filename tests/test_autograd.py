@@ -28,6 +28,27 @@ def test_gradcheck_float64(block):
     assert torch.autograd.gradcheck(op, (x, values, bias))
 
 
+def kernel_stand_in(x, values, row_offsets, col_indices, bias, block, out_features):
+    """ops.bsr_dds computed by the reference from its (row_offsets, col_indices) arguments."""
+    rows = torch.repeat_interleave(torch.arange(row_offsets.numel() - 1), row_offsets.diff())
+    flat = rows * (x.shape[-1] // block[1]) + col_indices
+    return sparsegen.ops.indexed_reference(x, values, bias, flat, block, out_features)
+
+
+@pytest.mark.parametrize("block", [(2, 3), (4, 2)])
+def test_eager_gpu_function_gradcheck_float64(block, monkeypatch):
+    """The eager GPU training path (an autograd.Function straight to the kernels), with the
+    kernel replaced by the reference so its wiring is checked here too."""
+    monkeypatch.setattr(sparsegen.ops, "bsr_dds", kernel_stand_in)
+    mask = random_layout(3, 4, empty_row=2)
+    index = IndexTensors.of(mask).as_tuple()
+    x = torch.randn(2, 5, 4 * block[1], dtype=torch.float64, requires_grad=True)
+    values = torch.randn(int(mask.sum()), *block, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3 * block[0], dtype=torch.float64, requires_grad=True)
+    op = lambda x, v, b: autograd.eager_block_sparse_linear(x, v, b, index, block, 3 * block[0])
+    assert torch.autograd.gradcheck(op, (x, values, bias))
+
+
 def test_op_matches_masked_dense_reference():
     mask = random_layout(6, 5, density=0.4)
     block = (4, 8)

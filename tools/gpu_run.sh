@@ -20,7 +20,8 @@ for step in "${steps[@]}"; do
     train) python3 tools/bench.py --train 2>&1 | tee "$OUT/train.log" ;;
     cputests) timeout 500 python3 -m pytest -q tests/test_patching.py tests/test_autograd.py 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
     distributed) timeout 500 python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
-    train_demo) timeout 280 python3 tools/train_demo.py --out "$OUT" 2>&1 | tee "$OUT/train_demo.log" | tail -8 ;;
+    train_profile) timeout 100 python3 tools/profile_train.py 2>&1 | tee "$OUT/train_profile.log" | grep -E " ms|corpus|batches" ;;
+    train_demo) timeout 420 python3 tools/train_demo.py --out "$OUT" 2>&1 | tee "$OUT/train_demo.log" | tail -8 ;;
     overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
     ncu) for case in "16384 1024 4096 128 0.25" "8192 4096 11008 128 0.1" "8192 4096 11008 64 0.25"; do

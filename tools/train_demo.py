@@ -28,7 +28,7 @@ def corpus(max_bytes: int) -> torch.Tensor:
             data += path.read_bytes()
         except OSError:
             continue
-    return torch.frombuffer(bytes(data[:max_bytes]), dtype=torch.uint8).long()
+    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
 class Block(nn.Module):
@@ -98,7 +98,8 @@ def train(args, density: float | None, train_data, val_data) -> dict:
         times.append(time.perf_counter() - start)
         if step % args.log_every == 0 or step == args.steps - 1:
             curve.append((step, loss.item(), evaluate(model, val_data, args)))
-            print(f"{label(density)} step {step}: train {curve[-1][1]:.3f} val {curve[-1][2]:.3f}", flush=True)
+            print(f"{label(density)} step {step}: train {curve[-1][1]:.3f} val {curve[-1][2]:.3f} "
+                  f"step {1e3 * statistics.median(times[-20:]):.1f} ms", flush=True)
     return dict(label=label(density), curve=curve, step_ms=1e3 * statistics.median(times[len(times) // 4:]),
                 val_loss=curve[-1][2])
 
@@ -138,16 +139,20 @@ def plot(results, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in [("steps", 600), ("layers", 6), ("d-model", 512), ("heads", 8), ("context", 256),
+    for name, default in [("steps", 600), ("layers", 6), ("d-model", 1024), ("heads", 16), ("context", 256),
                           ("batch", 32), ("block", 64), ("seed", 0), ("log-every", 100), ("eval-batches", 8),
                           ("corpus-mb", 16)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("out"))
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     data = corpus(args.corpus_mb << 20)
     split = int(0.95 * data.numel())
     results = [train(args, density, data[:split], data[split:]) for density in (None, 0.5, 0.25)]
