@@ -1,10 +1,12 @@
 """sparsegen: JIT-generated sparse kernels for PyTorch layers."""
 from .errors import CompileError, InputError, SparsegenError, SpecError
 from .nn import BlockSparseLinear, linear
+from .nn24 import Sparse24Linear
 from . import topology
 from .patching import patch
 from .spec import KernelSpec, TileConfig
+from .sparse24 import Sparse24Tensor, to_sparse24
 
 __version__ = "0.1.0"
 __all__ = ["BlockSparseLinear", "linear", "patch", "topology", "KernelSpec", "TileConfig", "SparsegenError",
-           "SpecError", "CompileError", "InputError", "__version__"]
+           "SpecError", "CompileError", "InputError", "Sparse24Linear", "Sparse24Tensor", "to_sparse24", "__version__"]

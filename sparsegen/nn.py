@@ -17,6 +17,20 @@ from .layouts import bsr
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
+def autocast_inputs(x: torch.Tensor, values: torch.Tensor, bias):
+    """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
+    dtype (float32 parameters get float32 gradients back through the cast)."""
+    # One cheap global test first: this runs on every forward call.
+    if not _any_autocast():
+        return x, values, bias
+    on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
+          and torch.is_autocast_enabled(x.device.type))
+    if not on:
+        return x, values, bias
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return x.to(dtype), values.to(dtype), None if bias is None else bias.to(dtype)
+
+
 class BlockSparseLinear(nn.Module):
     """y = x W^T + b with W [out, in] stored as block-CSR blocks of shape `block`.
 
@@ -85,7 +99,7 @@ class BlockSparseLinear(nn.Module):
         return tuple(getattr(self, name) for name in INDEX_NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, values, bias = self._autocast(x)
+        x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         compiling = torch.compiler.is_compiling()  # then: traced as the custom op, any device
         kernels = not compiling and x.is_cuda and ops.has_kernels(x.device.index or 0)
@@ -99,20 +113,6 @@ class BlockSparseLinear(nn.Module):
         # GPU inference: straight to the kernel, no dispatcher or autograd on the host path.
         return ops.bsr_dds(x, values, self.row_offsets, self.col_indices, bias, self.block,
                            self.out_features)
-
-    def _autocast(self, x: torch.Tensor):
-        """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
-        dtype (float32 parameters get float32 gradients back through the cast)."""
-        # One cheap global test first: this runs on every forward call.
-        if not _any_autocast():
-            return x, self.values, self.bias
-        on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
-              and torch.is_autocast_enabled(x.device.type))
-        if not on:
-            return x, self.values, self.bias
-        dtype = torch.get_autocast_dtype(x.device.type)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return x.to(dtype), self.values.to(dtype), bias
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,
@@ -165,8 +165,15 @@ class BlockSparseLinear(nn.Module):
 
 
 def linear(in_features: int, out_features: int, block=(32, 32), density: float = 0.5,
-           bias: bool = True, device=None, dtype=None, layout=None) -> BlockSparseLinear:
-    """Drop-in for nn.Linear(in_features, out_features) with a block-sparse weight."""
+           bias: bool = True, device=None, dtype=None, layout=None, sparsity: str = "block"):
+    """Drop-in for nn.Linear(in_features, out_features): a BlockSparseLinear, or with
+    sparsity="2:4" a Sparse24Linear (2:4 semi-structured; block, density and layout unused)."""
+    expect(sparsity in ("block", "2:4"), "sparsity 'block' or '2:4'", repr(sparsity))
+    if sparsity == "2:4":
+        from .nn24 import Sparse24Linear
+
+        expect(layout is None, "no block layout for sparsity='2:4'", "a layout")
+        return Sparse24Linear(in_features, out_features, bias, device, dtype)
     return BlockSparseLinear(in_features, out_features, block, density, bias, device, dtype, layout)
 
 

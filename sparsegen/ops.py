@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, TMA_INSTRS, forward_spec, sdd_spec
+from .spec import ARCHS, TMA_INSTRS, forward_spec, sdd_spec, sp24_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -191,3 +191,51 @@ def bsr_sdd_op(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, bl
 @bsr_sdd_op.register_fake
 def _(dy2, x2, flat_index, block_rows, block_cols):
     return dy2.new_empty((flat_index.shape[0], block_rows, block_cols))
+
+
+@functools.lru_cache(maxsize=None)
+def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket), device_index)
+
+
+def _rows_bucket(m: int) -> int | None:
+    """The batch sizes sp24_spec tells apart (a few cached kernels, not one per M)."""
+    return 32 if m <= 32 else 128 if m <= 128 else None
+
+
+SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
+
+
+def _k_splits(blocks: int, k: int, device_index: int) -> int:
+    """Small batches give too few output tiles to fill the GPU: split K until about two
+    blocks per SM run (each split adds its partial sum in float32)."""
+    stages = -(-k // SP24_STAGE_K)
+    return max(1, min(stages, (2 * runtime.sm_count(device_index)) // max(blocks, 1)))
+
+
+def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
+             out=None, tile=None, splits: int | None = None) -> torch.Tensor:
+    """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
+    x may have leading batch dims. The kernel writes Y in its own layout; small batches
+    split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
+    x2 = _rows_2d(x)
+    m, k = x2.shape
+    y = _output(out, m, out_features, x)
+    shaped = y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+    if m == 0:
+        return shaped
+    device_index = x.device.index or 0
+    kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile)
+    t = kern.spec.tile
+    grid = [-(-out_features // (64 * t.warps_m)), -(-m // t.tile_m), 1]
+    grid[2] = splits or (_k_splits(grid[0] * grid[1], k, device_index) if m <= 256 else 1)
+    k_split = -(-k // (grid[2] * SP24_STAGE_K)) * SP24_STAGE_K
+    grid[2] = -(-k // k_split)
+    partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
+    bias_ptr = bias.data_ptr() if bias is not None else 0
+    kern.launch(tuple(grid), (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr(), bias_ptr, y.data_ptr(),
+                                  0 if partial is None else partial.data_ptr()), (m, k, out_features, k_split))
+    if partial is not None:
+        y.copy_(partial if bias is None else partial.add_(bias))
+    return shaped

@@ -8,15 +8,18 @@ from torch import nn
 
 from .errors import InputError, expect
 from .nn import BlockSparseLinear
+from .nn24 import Sparse24Linear
 
-_SETTINGS = ("block", "density", "layout")
+_SETTINGS = ("block", "density", "layout", "sparsity", "method")
 
 
 def patch(model: nn.Module, rules: dict, from_dense: bool = True) -> list[str]:
     """Replace, in place, every linear layer whose qualified name (as in named_modules())
     fully matches a pattern of `rules` by a BlockSparseLinear built with that pattern's
-    settings ({"block": (32, 32), "density": 0.5} or {"layout": mask}); the first matching
-    pattern wins. With from_dense, the blocks of largest norm keep their pretrained values.
+    settings ({"block": (32, 32), "density": 0.5} or {"layout": mask}), or by a
+    Sparse24Linear for {"sparsity": "2:4"} (optional "method": "magnitude" or
+    "transposable"; always pruned from the dense weights); the first matching pattern wins.
+    With from_dense, the blocks of largest norm keep their pretrained values.
     Returns the replaced names. Every rule is checked before anything changes.
     """
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
@@ -60,13 +63,17 @@ def _dense_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> BlockSparseLinear:
+def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn.Module:
     weight = _dense_weight(module)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None,
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias
     block = tuple(settings.get("block", (32, 32)))
     try:
+        if settings.get("sparsity", "block") == "2:4":  # 2:4 always prunes the given weights
+            return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
+        expect(settings.get("sparsity", "block") == "block", "sparsity 'block' or '2:4'",
+               repr(settings.get("sparsity")))
         if from_dense:
             return BlockSparseLinear.from_dense(linear, block, settings.get("density", 0.5),
                                                 settings.get("layout"))

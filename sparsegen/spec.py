@@ -17,9 +17,12 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
 # bsr_dds: Y = X W^T (W block-sparse; the forward, and dX on W^T). bsr_sdd: dW = dY^T X
 # sampled at W's stored blocks (the weight gradient). stk's naming: output, lhs, rhs.
-OPS = ("bsr_dds", "bsr_sdd")
+# sp24_dds: Y = X W^T with W 2:4 semi-structured (mma.sp); its "block" is the instruction's
+# 16 x 32 tile of W, the granule its shapes come in.
+OPS = ("bsr_dds", "bsr_sdd", "sp24_dds")
 TRANSPOSES = ("nt", "tn")
-OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn"}  # each op's operand layouts
+OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt"}  # each op's operand layouts
+SP24_BLOCK = (16, 32)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
 # each tile) and "pingpong" (the same, consumers alternate whole tiles).
@@ -34,7 +37,7 @@ STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds). The arch's
 # "a" suffix follows from instr, so from_name checks it by rebuilding the name.
-_NAME_RE = re.compile(r"(?P<op>[a-z][a-z_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
+_NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
                       r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)"
                       r"_t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)")
 _NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES"
@@ -117,6 +120,8 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
+        if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 of metadata per W row
+            return self.tile.stages * (self.tile.tile_m * 256 + 64 * self.tile.warps_m * 144)
         rows = self.tile.tile_m + self.block[0]
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
         # full + empty mbarriers per stage, and one that orders ping-pong mainloops
@@ -135,6 +140,8 @@ class KernelSpec:
                repr(self.trans), SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
+        if self.op == "sp24_dds":
+            _validate_sp24(self)
         _validate_tile(self)
         if self.instr in HOPPER_INSTRS:
             _validate_wgmma(self)
@@ -146,6 +153,15 @@ def _validate_sdd(spec: KernelSpec) -> None:
            "instr 'mma' and a 16-bit dtype for bsr_sdd", f"{spec.instr}, {spec.dtype}", SpecError)
     expect(bk % (16 * t.warps_n) == 0, f"block cols ({bk}) a multiple of 16 x warps_n", t.warps_n, SpecError)
     expect(bm % (16 * t.warps_m) == 0, f"block rows ({bm}) a multiple of 16 x warps_m", t.warps_m, SpecError)
+
+
+def _validate_sp24(spec: KernelSpec) -> None:
+    t = spec.tile
+    expect(spec.instr == "mma" and spec.dtype in ("bf16", "fp16"),
+           "instr 'mma' (mma.sp) and a 16-bit dtype for sp24_dds", f"{spec.instr}, {spec.dtype}", SpecError)
+    expect(spec.block == SP24_BLOCK, f"block {SP24_BLOCK} (the mma.sp tile) for sp24_dds", spec.block, SpecError)
+    expect(t.tile_m % (8 * t.warps_n) == 0, f"tile_m a multiple of 8 x warps_n = {8 * t.warps_n}",
+           t.tile_m, SpecError)
 
 
 def _validate_wgmma(spec: KernelSpec) -> None:
@@ -248,6 +264,24 @@ def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> Ke
                       tile=tile, instr="mma")
 
 
+def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None) -> KernelSpec:
+    """The 2:4 forward. Each warp owns 64 output features (warps_m of them) and
+    tile_m / warps_n tokens. From tools/bench24.py --tune on an H200: 256 x 128 per block
+    (64 x 64 per warp: sparse math doubles the operand traffic per FLOP, so warp tiles are
+    large) for big batches; 128 x 64 up to 128 tokens and 128 x 32 up to 32 (the host
+    splits K across blocks there); 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory."""
+    big_smem = SMEM_LIMIT[arch] > 160 * 1024
+    if tile is None:
+        if rows is not None and rows <= 32:
+            tile = TileConfig(32, 2, 1, 4 if big_smem else 3)
+        elif (rows is not None and rows <= 128) or not big_smem:
+            tile = TileConfig(64, 2, 2, 3 if big_smem else 2)
+        else:
+            tile = TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3)
+    return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
+                      instr="mma")
+
+
 def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     """The set `sparsegen precompile` builds: every square block plus common rectangles."""
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
@@ -255,4 +289,5 @@ def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
-    return list(dict.fromkeys(forward + backward))
+    semi = [sp24_spec(d, arch, rows=rows) for d in dtypes if d != "fp32" for rows in (None, 128, 1)]
+    return list(dict.fromkeys(forward + backward + semi))

@@ -56,6 +56,8 @@ def expected_mma(spec: KernelSpec) -> str:
     """The SASS mnemonic: fp32 accumulate; wgmma -> HGMMA 64xBMx16; mma.sync k16 (16-bit
     inputs, fp16 has no type suffix) or k8 (tf32)."""
     suffix = {"bf16": ".BF16", "fp16": "", "fp32": ".TF32"}[spec.dtype]
+    if spec.op == "sp24_dds":  # 2:4: mma.sp m16n8k32
+        return f"HMMA.SP.16832.F32{suffix}"
     if spec.instr != "mma":  # wgmma and tma
         return f"HGMMA.64x{spec.block[0]}x16.F32{suffix}"
     return f"HMMA.{1688 if spec.dtype == 'fp32' else 16816}.F32{suffix}"
@@ -64,6 +66,8 @@ def expected_mma(spec: KernelSpec) -> str:
 def mma_per_stage(spec: KernelSpec) -> int:
     """A 128-byte stage of K is 4 mma steps, each over every tile a warp (group) owns."""
     t = spec.tile
+    if spec.op == "sp24_dds":  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
+        return 4 * 4 * (t.tile_m // t.warps_n // 8)
     if spec.instr != "mma":  # each consumer warpgroup owns tile_m / groups rows, m64 at a time
         return 4 * (t.tile_m // (t.warps_m // 4) // 64)
     return 4 * (t.tile_m // t.warps_m // 16) * (spec.block[0] // t.warps_n // 8)
@@ -77,11 +81,11 @@ def disassemble(spec: KernelSpec, folder: Path) -> tuple[str, str]:
 
 
 def largest_per_kind(specs):
-    """Per (arch, dtype, instr), the default kernel with the largest block and tile: the one
+    """Per (arch, dtype, instr, op), the default kernel with the largest block and tile: the one
     under the most register pressure."""
     largest = {}
     for s in specs:
-        kind, size = (s.arch, s.dtype, s.instr), (s.block[0] * s.block[1], s.tile.tile_m)
+        kind, size = (s.arch, s.dtype, s.instr, s.op), (s.block[0] * s.block[1], s.tile.tile_m)
         if kind not in largest or size > largest[kind][0]:
             largest[kind] = (size, s)
     return [s for _, s in largest.values()]

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gp
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 for step in "${steps[@]}"; do
   case $step in
-    tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
     train) python3 tools/bench.py --train 2>&1 | tee "$OUT/train.log" ;;
     cputests) timeout 500 python3 -m pytest -q tests/test_patching.py tests/test_autograd.py 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
@@ -29,6 +29,9 @@ for step in "${steps[@]}"; do
              --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
              python3 tools/ncu_case.py $case; done 2>&1 | tee "$OUT/ncu.log" | grep -E "bsr_dds|Throughput|Duration|Stall|Warp Cycles|Issued|L2|DRAM|Hit" ;;
     demo) python3 tools/demo.py 2>&1 | tee "$OUT/demo.log" ;;
+    tune24) python3 tools/bench24.py --tune 2>&1 | tee "$OUT/tune24.log" ;;
+    tests24) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24.log" ;;
+    bench24) python3 tools/bench24.py --markdown "$OUT/bench24.md" 2>&1 | tee "$OUT/bench24.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
              --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;

@@ -1,0 +1,194 @@
+"""2:4 semi-structured sparsity: masks, compression, and the metadata layout `mma.sp` reads.
+
+A weight W [N, K] is 2:4 when every group of 4 consecutive elements of a row holds at most
+2 nonzeros. It is stored as
+- values [N, K / 2]: the 2 kept elements of each group, in column order;
+- metadata [N / 16, K / 32, 16] int32: for each 16-row x 32-column tile (one operand A of
+  `mma.sp...m16n8k32`) the 16 words that lanes 4g + h (g = 0..7, h = 0..1) pass as the
+  instruction's metadata operand with sparsity selector 0, at index 2g + h.
+Each group's 2 kept positions (0..3, increasing, as `::ordered_metadata` asks) make a
+nibble: first index in bits 0-1, second in bits 2-3. Which nibbles a lane's word holds is
+noted below; `word_nibbles` is the CPU model of that rule the tests check against.
+
+Everything here is plain PyTorch, so it runs on the CPU and, as it is, on the GPU.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..errors import InputError, expect
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # kernels: the 16-bit ones
+ROW_GRANULE, COL_GRANULE = 16, 32  # one mma.sp m16n8k32 A tile
+
+# Lane 4g + h of a warp supplies one metadata word per 16 x 32 tile: its low 16 bits are
+# row g's four groups in columns 16h..16h+15, its high 16 bits row g + 8's (the m16n8k16
+# rule, once per k16 half). Checked on an H200: a word per row (all 8 groups of row g + 8h)
+# is not what the hardware reads (tests/test_gpu_sp24.py checks element by element).
+
+
+def check_shape(shape, what: str = "weight") -> None:
+    expect(len(shape) == 2, f"a 2-D {what} [out_features, in_features]", tuple(shape))
+    n, k = shape
+    expect(n % ROW_GRANULE == 0 and k % COL_GRANULE == 0,
+           f"a {what} whose rows are a multiple of {ROW_GRANULE} and columns of {COL_GRANULE} "
+           f"(one mma.sp m16n8k32 tile)", tuple(shape))
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    expect(dtype in DTYPES, f"a dtype in {list(DTYPES)} (int8 and fp8 2:4 kernels are not generated yet)",
+           dtype)
+
+
+def gather_kept(dense: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
+    """[N, K/2]: the elements of `dense` at the positions `metadata` stores (a gradient)."""
+    n, k = dense.shape
+    return torch.gather(_groups(dense), -1, _unpack_fast(metadata, n, k)).reshape(n, k // 2)
+
+
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], t.shape[1] // 4, 4)
+
+
+def check_mask(mask: torch.Tensor, shape) -> torch.Tensor:
+    """A user mask: boolean, the weight's shape, at most 2 kept of every 4 along rows."""
+    expect(isinstance(mask, torch.Tensor) and mask.dtype == torch.bool, "a boolean mask tensor",
+           getattr(mask, "dtype", type(mask).__name__))
+    expect(tuple(mask.shape) == tuple(shape), f"a mask of shape {tuple(shape)}", tuple(mask.shape))
+    kept = _groups(mask).sum(-1)
+    bad = (kept > 2).nonzero()
+    expect(bad.numel() == 0, "a 2:4 mask (at most 2 kept in every group of 4 columns)",
+           f"{int(kept.max())} kept in the group at row {int(bad[0, 0])}, columns "
+           f"{4 * int(bad[0, 1])}..{4 * int(bad[0, 1]) + 3}" if bad.numel() else "")
+    return mask
+
+
+def magnitude_mask(w: torch.Tensor) -> torch.Tensor:
+    """Keep the 2 largest |w| of every 4."""
+    top = _groups(w.abs()).topk(2, dim=-1).indices
+    mask = torch.zeros_like(_groups(w), dtype=torch.bool).scatter_(-1, top, True)
+    return mask.reshape(w.shape)
+
+
+def mvue(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A random 2:4 tensor with E[result] = w (2by4-pretrain's estimator): each pair (a, b)
+    of a group keeps one element, a with probability |a| / (|a| + |b|), scaled to
+    sign * (|a| + |b|). Pairs of zeros stay zero."""
+    pairs = w.reshape(w.shape[0], -1, 2).float()
+    size = pairs.abs().sum(-1, keepdim=True)
+    p_first = torch.where(size > 0, pairs[..., :1].abs() / size.clamp_min(1e-30), torch.full_like(size, 0.5))
+    draw = torch.rand(p_first.shape, device=w.device, generator=generator)
+    keep_first = draw < p_first
+    choice = torch.cat([keep_first, ~keep_first], dim=-1)
+    return (torch.where(choice, pairs.sign() * size, torch.zeros_like(pairs))).reshape(w.shape).to(w.dtype)
+
+
+def _transposable_patterns() -> torch.Tensor:
+    """The 90 4x4 boolean patterns with exactly 2 kept in every row and every column."""
+    rows = [r for r in itertools.product([0, 1], repeat=4) if sum(r) == 2]
+    found = [p for p in itertools.product(rows, repeat=4) if all(sum(col) == 2 for col in zip(*p))]
+    return torch.tensor(found, dtype=torch.float32).reshape(len(found), 16)
+
+
+def transposable_mask(w: torch.Tensor) -> torch.Tensor:
+    """Per 4x4 tile, the pattern 2:4 along rows and along columns keeping the most |w|:
+    W and W^T are both 2:4 (dX = dY W runs on the same sparse kernel)."""
+    n, k = w.shape
+    expect(n % 4 == 0, "out_features a multiple of 4 for a transposable mask", n)
+    tiles = w.abs().float().reshape(n // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    patterns = _transposable_patterns().to(w.device)
+    best = patterns[(tiles @ patterns.t()).argmax(-1)].bool()
+    return best.reshape(n // 4, k // 4, 4, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def kept_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[N, K/4, 2]: the 2 stored positions of each group, increasing. Groups with fewer
+    than 2 kept also store their first unkept positions (as zeros)."""
+    order = torch.argsort((~_groups(mask)).to(torch.int8), dim=-1, stable=True)[..., :2]
+    return order.sort(-1).values
+
+
+def compress(w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K/2], metadata [N/16, K/32, 16] int32) of w where mask holds."""
+    positions = kept_positions(mask)
+    values = torch.gather(_groups(w * mask), -1, positions).reshape(w.shape[0], -1)
+    return values.contiguous(), pack_metadata(positions)
+
+
+def _nibbles(positions: torch.Tensor) -> torch.Tensor:
+    return (positions[..., 0] | (positions[..., 1] << 2)).to(torch.int64)
+
+
+def pack_metadata(positions: torch.Tensor) -> torch.Tensor:
+    """The lane words of every 16 x 32 tile (see the layout note above)."""
+    n, groups = positions.shape[:2]
+    # [tile row R, upper (rows + 8), g, tile col J, k16 half h, group j]
+    nib = _nibbles(positions).reshape(n // 16, 2, 8, groups // 8, 2, 4)
+    halves = (nib << 4 * torch.arange(4, device=nib.device)).sum(-1)          # [R, u, g, J, h]
+    words = (halves << torch.tensor([0, 16], device=nib.device).reshape(1, 2, 1, 1, 1)).sum(1)
+    words = words.permute(0, 2, 1, 3)                                          # [R, J, g, h]
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)              # int32 bits
+    return words.reshape(n // 16, groups // 8, 16).to(torch.int32).contiguous()
+
+
+def word_nibbles(word: int, lane: int) -> dict[tuple[int, int], int]:
+    """The CPU model of how mma.sp reads one lane's metadata word: {(row, group): nibble}
+    for rows 0..15 and groups 0..7 (columns 4*group..4*group+3) of the 16 x 32 tile."""
+    g, h = lane // 4, lane % 4
+    if h > 1:
+        return {}  # sparsity selector 0: lanes 4g+2 and 4g+3 supply nothing
+    return {(g + 8 * upper, 4 * h + j): (word >> (16 * upper + 4 * j)) & 0xF
+            for upper in range(2) for j in range(4)}
+
+
+def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:
+    """[N, K/4, 2] positions back from the words, lane by lane through `word_nibbles`."""
+    tiles_r, tiles_c, _ = metadata.shape
+    positions = torch.empty(tiles_r * 16, tiles_c * 8, 2, dtype=torch.long)
+    for r, c in itertools.product(range(tiles_r), range(tiles_c)):
+        for lane in range(32):
+            word = int(metadata[r, c, 2 * (lane // 4) + lane % 4]) & 0xFFFFFFFF if lane % 4 < 2 else 0
+            for (row, group), nib in word_nibbles(word, lane).items():
+                positions[16 * r + row, 8 * c + group] = torch.tensor([nib & 3, nib >> 2])
+    return positions
+
+
+def decompress(values: torch.Tensor, metadata: torch.Tensor, shape) -> torch.Tensor:
+    """The dense [N, K] tensor (vectorized: the kernels' own reading is tested elsewhere)."""
+    n, k = shape
+    positions = _unpack_fast(metadata, n, k)
+    dense = torch.zeros(n, k // 4, 4, dtype=values.dtype, device=values.device)
+    return dense.scatter_(-1, positions, values.reshape(n, k // 4, 2)).reshape(n, k)
+
+
+def _unpack_fast(metadata: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of pack_metadata, vectorized."""
+    words = (metadata.to(torch.int64) & 0xFFFFFFFF).reshape(n // 16, k // 32, 8, 2)  # [R, J, g, h]
+    nib = (words[..., None] >> 4 * torch.arange(8, device=metadata.device)) & 0xF     # [R, J, g, h, 8]
+    nib = nib.reshape(n // 16, k // 32, 8, 2, 2, 4).permute(0, 4, 2, 1, 3, 5)       # [R, u, g, J, h, j]
+    nib = nib.reshape(n, k // 4)
+    return torch.stack([nib & 3, nib >> 2], dim=-1)
+
+
+def prune(w: torch.Tensor, method: str = "magnitude", mask: torch.Tensor | None = None,
+          generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the pruned weight, its mask) by `method` or the given `mask`."""
+    if mask is not None:
+        return w, check_mask(mask, w.shape)
+    if method == "magnitude":
+        return w, magnitude_mask(w)
+    if method == "transposable":
+        return w, transposable_mask(w)
+    if method == "mvue":
+        sampled = mvue(w, generator)
+        return sampled, _pair_mask(sampled)
+    raise InputError(f"Expected method in ['magnitude', 'mvue', 'transposable'] or a mask. Got {method!r}.")
+
+
+def _pair_mask(sampled: torch.Tensor) -> torch.Tensor:
+    """MVUE keeps one element per pair, even where it is zero: one True per pair."""
+    pairs = sampled.reshape(sampled.shape[0], -1, 2)
+    first = pairs[..., 0] != 0
+    return torch.stack([first, ~first], dim=-1).reshape(sampled.shape)

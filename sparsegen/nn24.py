@@ -1,0 +1,87 @@
+"""Sparse24Linear: a drop-in nn.Linear whose weight is 2:4 semi-structured."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+from .autograd24 import _uses_kernel, eager_sp24_linear, sp24_linear, sp24_reference
+from .errors import expect
+from .layouts import semi24
+from .nn import autocast_inputs
+
+
+class Sparse24Linear(nn.Module):
+    """y = x W^T + b with W [out, in] 2:4 along rows: `values` [out, in/2] (the parameter)
+    and `metadata` (a buffer in the layout mma.sp reads). fp16/bf16 run the generated
+    mma.sp kernel on the GPU; float32 (or a CPU) runs the PyTorch reference.
+
+    Training keeps the mask fixed and trains the kept values (as BlockSparseLinear does);
+    `method` ("magnitude", "transposable") picks the mask from the initial weights.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 method: str = "magnitude"):
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        semi24.check_shape((self.out_features, self.in_features))
+        dense = nn.Linear(self.in_features, self.out_features, bias=bias, device=device, dtype=dtype)
+        self._adopt(dense.weight.detach(), dense.bias, method, None)
+
+    def _adopt(self, weight: torch.Tensor, bias, method: str, mask) -> None:
+        semi24.check_dtype(weight.dtype)
+        with torch.no_grad():
+            pruned, keep = semi24.prune(weight, method, mask)
+            values, metadata = semi24.compress(pruned.contiguous(), keep.to(weight.device).contiguous())
+        self.values = nn.Parameter(values)
+        self.register_buffer("metadata", metadata)
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, method: str = "magnitude", mask: torch.Tensor | None = None):
+        """Prune `linear.weight` to 2:4 by `method` (or the given `mask`) and keep the kept values."""
+        expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
+        semi24.check_shape(tuple(linear.weight.shape))
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer._adopt(linear.weight.detach(), linear.bias, method, mask)
+        return layer
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.sparse_weight().mask
+
+    def sparse_weight(self):
+        from .sparse24 import Sparse24Tensor
+
+        return Sparse24Tensor(self.values.detach(), self.metadata, (self.out_features, self.in_features))
+
+    def to_dense_weight(self) -> torch.Tensor:
+        return semi24.decompress(self.values.detach(), self.metadata, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, values, bias = autocast_inputs(x, self.values, self.bias)
+        ops.check_inputs(x, values, bias, self.in_features)
+        if torch.compiler.is_compiling():
+            return sp24_linear(x, values, self.metadata, bias, self.out_features)
+        if not _uses_kernel(x):
+            return sp24_reference(x, values, self.metadata, bias, self.out_features)
+        if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad):
+            return eager_sp24_linear(x, values, self.metadata, bias, self.out_features)
+        return ops.sp24_dds(x, values, self.metadata, bias, self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        """A dense nn.Linear with this layer's (2:4) weight."""
+        weight = self.values.detach()
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.to_dense_weight())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "
+                f"bias={self.bias is not None}")

@@ -1,0 +1,66 @@
+"""Sparse24Tensor: a 2:4 semi-structured matrix as the mma.sp kernels read it."""
+from __future__ import annotations
+
+import torch
+
+from .errors import expect
+from .layouts import semi24
+
+
+class Sparse24Tensor:
+    """W [N, K], 2:4 along rows: `values` [N, K/2] and `metadata` [N/16, K/32, 16] int32
+    (layouts/semi24.py). Build one with `sparsegen.to_sparse24`."""
+
+    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, shape: tuple[int, int]):
+        self.values, self.metadata, self.shape = values, metadata, tuple(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Where the stored elements sit (the dense positions kept, zeros included)."""
+        n, k = self.shape
+        positions = semi24._unpack_fast(self.metadata, n, k)
+        mask = torch.zeros(n, k // 4, 4, dtype=torch.bool, device=self.device)
+        return mask.scatter_(-1, positions, True).reshape(n, k)
+
+    def to_dense(self) -> torch.Tensor:
+        return semi24.decompress(self.values, self.metadata, self.shape)
+
+    def t(self) -> "Sparse24Tensor":
+        """W^T as a Sparse24Tensor: only when the mask is 2:4 along columns too
+        (method="transposable" gives such masks)."""
+        dense, mask = self.to_dense().t(), self.mask.t()
+        semi24.check_shape(dense.shape, "transposed weight")
+        expect(bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) <= 2).all()),
+               "a mask that is 2:4 along columns as well (to_sparse24(..., method='transposable'))",
+               "a mask with more than 2 kept in some group of 4 rows")
+        return Sparse24Tensor(*semi24.compress(dense.contiguous(), mask.contiguous()), dense.shape)
+
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.metadata.numel() * 4
+
+    def __repr__(self) -> str:
+        return f"Sparse24Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def to_sparse24(tensor: torch.Tensor, method: str = "magnitude", mask: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> Sparse24Tensor:
+    """Prune a 2-D fp16/bf16 tensor to 2:4 and compress it.
+
+    method: "magnitude" (keep the 2 largest of every 4), "mvue" (random, unbiased:
+    E[to_dense()] = tensor), "transposable" (2:4 along rows and columns, so .t() works);
+    or pass a boolean `mask` (validated: at most 2 kept in every group of 4)."""
+    expect(isinstance(tensor, torch.Tensor), "a torch.Tensor", type(tensor).__name__)
+    semi24.check_shape(tensor.shape, "tensor")
+    semi24.check_dtype(tensor.dtype)
+    with torch.no_grad():
+        pruned, keep = semi24.prune(tensor.detach(), method, mask, generator)
+        values, metadata = semi24.compress(pruned.contiguous(), keep.contiguous())
+    return Sparse24Tensor(values, metadata, tensor.shape)

@@ -1,0 +1,105 @@
+"""2:4 semi-structured kernels on the GPU against float64 references (pytest -m gpu)."""
+import pytest
+import torch
+
+import sparsegen
+from sparsegen import ops
+from sparsegen.layouts import semi24
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def relative_error(out, ref) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poisoned(m, n, dtype):
+    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 7, 64, 65, 1000, 2049])
+@pytest.mark.parametrize("n, k", [(16, 32), (128, 128), (336, 160), (1024, 4096)])
+@pytest.mark.parametrize("method", ["magnitude", "transposable"])
+def test_sp24_forward_matches_float64(dtype, m, n, k, method):
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    sparse = sparsegen.to_sparse24(w, method)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    out = poisoned(m, n, dtype)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out)
+    want = x.double() @ sparse.to_dense().double().t() + bias.double()
+    assert not out.isnan().any()
+    assert relative_error(out, want) < TOLERANCE[dtype]
+
+
+def test_sp24_metadata_layout_element_by_element():
+    """One stored element at a time: a weight with a single nonzero reproduces exactly the
+    column of X that the metadata names, so a wrong nibble or lane shows up as a wrong
+    position, not as a small error."""
+    n, k = 16, 32
+    torch.manual_seed(0)
+    mask = semi24.magnitude_mask(torch.randn(n, k))
+    x = torch.eye(k, device="cuda", dtype=torch.bfloat16)  # Y = W^T row by row
+    for row in range(n):
+        w = torch.zeros(n, k)
+        w[row] = torch.arange(1, k + 1, dtype=torch.float32)
+        sparse = sparsegen.to_sparse24((w * mask).to("cuda", torch.bfloat16), mask=mask.cuda())
+        y = ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
+        assert torch.equal(y.t()[row].float().cpu(), (w * mask)[row]), f"row {row}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_forward_with_batch_dims_and_one_token(dtype):
+    layer = sparsegen.linear(256, 96, sparsity="2:4", device="cuda", dtype=dtype)
+    weight = layer.to_dense_weight().double()
+    for shape in [(3, 77, 256), (1, 256), (256,)]:
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        out = layer(x)
+        assert out.shape == (*shape[:-1], 96)
+        want = x.double() @ weight.t() + layer.bias.double()
+        assert relative_error(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_gradients_match_float64(dtype):
+    layer = sparsegen.linear(320, 160, sparsity="2:4", device="cuda", dtype=dtype)
+    x = torch.randn(2, 333, 320, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 333, 160, device="cuda", dtype=dtype)
+    layer(x).backward(dy)
+    weight = layer.to_dense_weight().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    (x64 @ weight.t() + layer.bias.detach().double()).backward(dy.double())
+    assert relative_error(x.grad, x64.grad) < TOLERANCE[dtype]
+    assert relative_error(layer.values.grad.flatten(), weight.grad[layer.mask]) < TOLERANCE[dtype]
+    assert relative_error(layer.bias.grad, dy.double().sum((0, 1))) < TOLERANCE[dtype]
+
+
+def test_autocast_and_float32_parameters():
+    layer = sparsegen.linear(128, 64, sparsity="2:4", device="cuda")  # float32 parameters
+    x = torch.randn(50, 128, device="cuda")
+    want = x.double() @ layer.to_dense_weight().double().t() + layer.bias.double()
+    assert relative_error(layer(x), want) < 1e-5   # float32 runs the reference
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and relative_error(out, want) < TOLERANCE[torch.bfloat16]
+
+
+def test_torch_compile_matches_eager_on_gpu():
+    layer = sparsegen.linear(256, 128, sparsity="2:4", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert relative_error(compiled(x), layer(x).double()) < 1e-3
+
+
+def test_transposable_weight_transposes_on_gpu():
+    w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w, "transposable")
+    wt = sparse.t()
+    x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    out = ops.sp24_dds(x, wt.values, wt.metadata, None, 128)
+    assert relative_error(out, x.double() @ sparse.to_dense().double()) < TOLERANCE[torch.bfloat16]

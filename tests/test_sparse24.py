@@ -1,0 +1,135 @@
+"""2:4 format on the CPU: pruning methods, compression, the mma.sp metadata layout checked
+element by element against a CPU model of how the instruction reads it, and bad input."""
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.errors import InputError
+from sparsegen.layouts import semi24
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def groups_kept(mask: torch.Tensor) -> torch.Tensor:
+    return mask.reshape(mask.shape[0], -1, 4).sum(-1)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "transposable", "mvue"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (32, 160)])
+def test_round_trip_keeps_two_of_four(method, dtype, shape):
+    w = torch.randn(shape, dtype=dtype)
+    sparse = sparsegen.to_sparse24(w, method)
+    assert sparse.values.shape == (shape[0], shape[1] // 2)
+    assert sparse.metadata.shape == (shape[0] // 16, shape[1] // 32, 16)
+    assert (groups_kept(sparse.mask) == 2).all()
+    dense = sparse.to_dense()
+    assert (groups_kept(dense != 0) <= 2).all()
+    if method != "mvue":
+        assert torch.equal(dense, w * sparse.mask)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_metadata_matches_the_cpu_model_element_by_element(seed):
+    """Every stored element: the (row, group) nibble that the lane model of mma.sp reads from
+    the packed words names exactly the positions the value came from."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 96, generator=gen).to(torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w)
+    positions = semi24.unpack_metadata(sparse.metadata)       # lane by lane, word_nibbles
+    for row in range(32):
+        for group in range(24):
+            kept = torch.nonzero(sparse.mask[row, 4 * group:4 * group + 4]).flatten().tolist()
+            assert positions[row, group].tolist() == kept, (row, group)
+            want = w[row, [4 * group + p for p in kept]]
+            assert torch.equal(sparse.values[row, 2 * group:2 * group + 2], want)
+
+
+def test_each_lane_word_covers_its_rows_and_half():
+    seen = {}
+    for lane in range(32):
+        for (row, group), _ in semi24.word_nibbles(0, lane).items():
+            assert (row, group) not in seen
+            seen[(row, group)] = lane
+    assert len(seen) == 16 * 8  # every (row, group) of the 16 x 32 tile exactly once
+
+
+def test_magnitude_keeps_the_two_largest():
+    w = torch.tensor([[1.0, -4.0, 3.0, 2.0] * 8] * 16, dtype=torch.float16)
+    mask = sparsegen.to_sparse24(w).mask
+    assert mask[0, :4].tolist() == [False, True, True, False]
+
+
+def test_transposable_mask_is_24_both_ways_and_beats_nothing_worse():
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w, "transposable")
+    assert (groups_kept(sparse.mask) == 2).all() and (groups_kept(sparse.mask.t().contiguous()) == 2).all()
+    wt = sparse.t()
+    assert torch.equal(wt.to_dense(), sparse.to_dense().t())
+    # no transposable pattern keeps more magnitude in any 4x4 tile than the chosen one
+    patterns = semi24._transposable_patterns()
+    assert patterns.shape == (90, 16)
+    tiles = w.abs().float().reshape(16, 4, 16, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    chosen = sparse.mask.float().reshape(16, 4, 16, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    assert torch.allclose((tiles * chosen).sum(-1), (tiles @ patterns.t()).max(-1).values)
+
+
+def test_mvue_is_unbiased():
+    """The mean of many draws converges to the input: |mean - w| within 5 standard errors."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=gen)
+    draws = torch.stack([semi24.mvue(w, gen) for _ in range(4000)])
+    assert (groups_kept(draws[0] != 0) <= 2).all()
+    stderr = draws.std(0) / 4000 ** 0.5
+    assert ((draws.mean(0) - w).abs() <= 5 * stderr + 1e-6).all()
+
+
+def test_user_mask_is_validated():
+    w = torch.randn(16, 32, dtype=torch.float16)
+    mask = torch.zeros(16, 32, dtype=torch.bool)
+    mask[:, ::2] = True
+    assert torch.equal(sparsegen.to_sparse24(w, mask=mask).mask, mask)
+    mask[3, 5] = True  # three kept in the group at row 3, columns 4..7
+    with pytest.raises(InputError, match="row 3, columns 4..7"):
+        sparsegen.to_sparse24(w, mask=mask)
+    with pytest.raises(InputError, match="boolean"):
+        sparsegen.to_sparse24(w, mask=mask.float())
+    with pytest.raises(InputError, match="shape"):
+        sparsegen.to_sparse24(w, mask=mask[:8])
+
+
+def test_sparser_user_mask_stores_zeros():
+    w = torch.randn(16, 32, dtype=torch.bfloat16)
+    mask = torch.zeros(16, 32, dtype=torch.bool)
+    mask[:, 0] = True  # one kept per first group, none elsewhere
+    dense = sparsegen.to_sparse24(w, mask=mask).to_dense()
+    assert torch.equal(dense, w * mask)
+
+
+def test_transpose_of_a_row_only_mask_is_a_clear_error():
+    w = torch.zeros(32, 32, dtype=torch.bfloat16)
+    w[:4, 0] = 1.0  # column 0 keeps 4 of rows 0..3
+    with pytest.raises(InputError, match="2:4 along columns"):
+        sparsegen.to_sparse24(w).t()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.randn(16, 30, dtype=torch.float16), "multiple of 16 and columns of 32"),
+    (torch.randn(8, 32, dtype=torch.float16), "multiple of 16"),
+    (torch.randn(2, 16, 32, dtype=torch.float16), "2-D"),
+    (torch.randint(0, 5, (16, 32), dtype=torch.int8), "int8 and fp8"),
+])
+def test_bad_tensors_are_clear_errors(bad, match):
+    with pytest.raises(InputError, match=match):
+        sparsegen.to_sparse24(bad)
+
+
+def test_unknown_method():
+    with pytest.raises(InputError, match="method"):
+        sparsegen.to_sparse24(torch.randn(16, 32, dtype=torch.float16), "random")
+
+
+def test_weight_memory_is_at_most_057_of_dense():
+    w = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w)
+    assert sparse.nbytes() / (w.numel() * w.element_size()) <= 0.57

@@ -1,0 +1,119 @@
+"""2:4 semi-structured benchmark: sparsegen's mma.sp kernel vs dense cuBLAS vs PyTorch's
+to_sparse_semi_structured (cuSPARSELt, eager F.linear), side by side in one process.
+
+GPU: PYTHONPATH=. python tools/bench24.py [--quick] [--markdown out.md]
+Ratios are dense time / method time (above 1 = faster than dense).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sparsegen  # noqa: E402
+from bench import median_ms  # noqa: E402
+from sparsegen import ops  # noqa: E402
+
+WEIGHTS = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]  # N x K
+TOKENS = [16, 128, 1024, 4096, 16384]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cusparselt_ms(w: torch.Tensor, x: torch.Tensor) -> float | None:
+    from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
+
+    SparseSemiStructuredTensor._FORCE_CUTLASS = False  # CUTLASS refuses sm_90; cuSPARSELt runs
+    try:
+        w_sparse = to_sparse_semi_structured(w)
+        return median_ms(lambda: F.linear(x, w_sparse))
+    except Exception as error:  # record the peer's refusal and go on
+        print(f"  cuSPARSELt failed: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        return None
+
+
+def forward_rows(dtype_names, weights, tokens) -> list[str]:
+    rows = []
+    for name in dtype_names:
+        dtype = DTYPES[name]
+        for n, k in weights:
+            w = torch.randn(n, k, device="cuda", dtype=dtype)
+            sparse = sparsegen.to_sparse24(w)
+            dense_w = sparse.to_dense()
+            for m in tokens:
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                dense = statistics.median(median_ms(lambda: F.linear(x, w)) for _ in range(3))
+                ours = median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n))
+                peer = cusparselt_ms(dense_w, x)
+                target = 1.15 if m >= 1024 else 0.9
+                ok = ours <= dense / target and (peer is None or ours < peer or m < 1024)
+                rows.append(f"| {name} | {n}x{k} | {m} | {dense:.4f} | {ours:.4f} | {dense / ours:.2f} | "
+                            f"{'-' if peer is None else f'{dense / peer:.2f}'} | {target} | {'yes' if ok else 'NO'} |")
+                print(rows[-1], flush=True)
+    return ["| dtype | weight N x K | M | dense ms | sparsegen ms | sparsegen x dense | cuSPARSELt x dense "
+            "| target | met |", "|---|---|---|---|---|---|---|---|---|"] + rows
+
+
+def prune_compress_ms(n: int = 4096, k: int = 11008) -> dict:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    return {method: median_ms(lambda: sparsegen.to_sparse24(w, method)) for method in ("magnitude", "transposable", "mvue")}
+
+
+def training_row(m: int = 8192, k: int = 4096, n: int = 11008) -> list[str]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = sparsegen.Sparse24Linear.from_dense(dense)
+    dense_ms, ours = median_ms(lambda: dense(x).backward(dy)), median_ms(lambda: layer(x).backward(dy))
+    return [f"- fwd+bwd of one linear ({m}, {k}, {n}), bf16: dense {dense_ms:.3f} ms, 2:4 {ours:.3f} ms "
+            f"({dense_ms / ours:.2f}x dense)"]
+
+
+def tune() -> None:
+    """Time tile configurations and K splits of the sp24 kernel (bf16) against dense."""
+    from sparsegen.spec import TileConfig
+
+    big = [TileConfig(128, 4, 2, 3), TileConfig(128, 2, 4, 4), TileConfig(64, 4, 1, 4), TileConfig(256, 4, 2, 2),
+           TileConfig(128, 2, 2, 4)]
+    small = [(TileConfig(64, 2, 2, 3), None), (TileConfig(64, 2, 2, 3), 1), (TileConfig(64, 1, 2, 4), None),
+             (TileConfig(16, 2, 1, 4), None), (TileConfig(32, 2, 1, 4), None), (TileConfig(16, 1, 1, 6), None)]
+    for (n, k), m in [((4096, 4096), 4096), ((11008, 4096), 16384), ((4096, 11008), 4096), ((4096, 4096), 16),
+                      ((11008, 4096), 128), ((4096, 11008), 16), ((8192, 8192), 128)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        sparse, x = sparsegen.to_sparse24(w), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        dense = median_ms(lambda: F.linear(x, w))
+        for tile, splits in ([(t, None) for t in big] if m > 256 else small):
+            ms = median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, tile=tile, splits=splits))
+            print(f"{n}x{k} M={m} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="bf16, two weights")
+    parser.add_argument("--markdown", type=Path, help="write the section here")
+    parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
+    args = parser.parse_args(argv)
+    if args.tune:
+        return tune()
+    dtypes, weights = (["bf16"], WEIGHTS[1:3]) if args.quick else (list(DTYPES), WEIGHTS)
+    lines = [f"GPU: {torch.cuda.get_device_name()} - date: {datetime.date.today()} - torch {torch.__version__} "
+             f"- command: `python tools/bench24.py{' --quick' if args.quick else ''}`\n"]
+    lines += forward_rows(dtypes, weights, TOKENS)
+    times = prune_compress_ms()
+    lines += ["", "- prune + compress a 4096x11008 bf16 weight on the GPU (torch ops): " +
+              ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())]
+    lines += training_row()
+    w = torch.randn(11008, 4096, dtype=torch.bfloat16)
+    lines.append(f"- weight memory / dense: {sparsegen.to_sparse24(w).nbytes() / (w.numel() * 2):.4f}")
+    print("\n".join(lines))
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
