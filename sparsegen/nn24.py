@@ -9,6 +9,7 @@ from .autograd24 import _uses_kernel, eager_sp24_linear, sp24_linear, sp24_refer
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
+from .sparse24 import Sparse24Tensor, prune_and_compress
 
 
 class Sparse24Linear(nn.Module):
@@ -30,9 +31,7 @@ class Sparse24Linear(nn.Module):
 
     def _adopt(self, weight: torch.Tensor, bias, method: str, mask) -> None:
         semi24.check_dtype(weight.dtype)
-        with torch.no_grad():
-            pruned, keep = semi24.prune(weight, method, mask)
-            values, metadata = semi24.compress(pruned.contiguous(), keep.to(weight.device).contiguous())
+        values, metadata = prune_and_compress(weight, method, mask)
         self.values = nn.Parameter(values)
         self.register_buffer("metadata", metadata)
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
@@ -52,9 +51,7 @@ class Sparse24Linear(nn.Module):
     def mask(self) -> torch.Tensor:
         return self.sparse_weight().mask
 
-    def sparse_weight(self):
-        from .sparse24 import Sparse24Tensor
-
+    def sparse_weight(self) -> Sparse24Tensor:
         return Sparse24Tensor(self.values.detach(), self.metadata, (self.out_features, self.in_features))
 
     def to_dense_weight(self) -> torch.Tensor:

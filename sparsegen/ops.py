@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, TMA_INSTRS, forward_spec, sdd_spec, sp24_spec
+from .spec import ARCHS, TMA_INSTRS, forward_spec, sdd_spec, sp24_compress_spec, sp24_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -239,3 +239,26 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     if partial is not None:
         y.copy_(partial if bias is None else partial.add_(bias))
     return shaped
+
+
+@functools.lru_cache(maxsize=None)
+def _sp24_compress_kernel(dtype: torch.dtype, device_index: int):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch), device_index)
+
+
+def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K/2], metadata [N/16, K/32, 16] int32) of a contiguous 16-bit CUDA
+    weight pruned to 2:4 on the GPU: the 2 largest |w| of every 4, or `mask`'s positions."""
+    w, (n, k) = w.contiguous(), w.shape
+    if w.data_ptr() % 16:  # the kernel reads rows 16 bytes at a time
+        w = w.clone()
+    values = torch.empty(n, k // 2, dtype=w.dtype, device=w.device)
+    metadata = torch.empty(n // 16, k // 32, 16, dtype=torch.int32, device=w.device)
+    kern = _sp24_compress_kernel(w.dtype, w.device.index or 0)
+    words = metadata.numel()
+    mask_bytes = None if mask is None else mask.contiguous().view(torch.uint8)
+    mask_ptr = 0 if mask_bytes is None else mask_bytes.data_ptr()
+    kern.launch((-(-words // kern.threads), 1, 1), (), (w.data_ptr(), mask_ptr, values.data_ptr(), metadata.data_ptr()),
+                (n, k))
+    return values, metadata

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .errors import expect
 from .layouts import semi24
 
@@ -60,7 +61,21 @@ def to_sparse24(tensor: torch.Tensor, method: str = "magnitude", mask: torch.Ten
     expect(isinstance(tensor, torch.Tensor), "a torch.Tensor", type(tensor).__name__)
     semi24.check_shape(tensor.shape, "tensor")
     semi24.check_dtype(tensor.dtype)
-    with torch.no_grad():
-        pruned, keep = semi24.prune(tensor.detach(), method, mask, generator)
-        values, metadata = semi24.compress(pruned.contiguous(), keep.contiguous())
-    return Sparse24Tensor(values, metadata, tensor.shape)
+    return Sparse24Tensor(*prune_and_compress(tensor, method, mask, generator), tensor.shape)
+
+
+def _on_kernel(w: torch.Tensor) -> bool:
+    return (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and ops.has_kernels(w.device.index or 0))
+
+
+@torch.no_grad()
+def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, generator=None):
+    """(values, metadata) of w pruned by `method` or `mask`. On the GPU the generated
+    sp24_compress kernel packs them (and picks magnitude masks itself); elsewhere PyTorch."""
+    w = w.detach()
+    if _on_kernel(w) and method == "magnitude" and mask is None:
+        return ops.sp24_compress(w)
+    pruned, keep = semi24.prune(w, method, mask, generator)
+    if _on_kernel(w):
+        return ops.sp24_compress(pruned, keep.to(w.device))
+    return semi24.compress(pruned.contiguous(), keep.to(w.device).contiguous())

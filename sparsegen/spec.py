@@ -18,10 +18,11 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # bsr_dds: Y = X W^T (W block-sparse; the forward, and dX on W^T). bsr_sdd: dW = dY^T X
 # sampled at W's stored blocks (the weight gradient). stk's naming: output, lhs, rhs.
 # sp24_dds: Y = X W^T with W 2:4 semi-structured (mma.sp); its "block" is the instruction's
-# 16 x 32 tile of W, the granule its shapes come in.
-OPS = ("bsr_dds", "bsr_sdd", "sp24_dds")
+# 16 x 32 tile of W, the granule its shapes come in. sp24_compress: prune a dense W to 2:4
+# and pack values and metadata (one thread per metadata word; tile gives the block size).
+OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress")
 TRANSPOSES = ("nt", "tn")
-OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt"}  # each op's operand layouts
+OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt"}  # operand layouts
 SP24_BLOCK = (16, 32)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
@@ -120,6 +121,8 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
+        if self.op == "sp24_compress":
+            return 0
         if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 of metadata per W row
             return self.tile.stages * (self.tile.tile_m * 256 + 64 * self.tile.warps_m * 144)
         rows = self.tile.tile_m + self.block[0]
@@ -140,7 +143,7 @@ class KernelSpec:
                repr(self.trans), SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
-        if self.op == "sp24_dds":
+        if self.op in ("sp24_dds", "sp24_compress"):
             _validate_sp24(self)
         _validate_tile(self)
         if self.instr in HOPPER_INSTRS:
@@ -282,6 +285,12 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
                       instr="mma")
 
 
+def sp24_compress_spec(dtype: str, arch: int) -> KernelSpec:
+    """256 threads a block, one metadata word each."""
+    return KernelSpec(op="sp24_compress", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch,
+                      tile=TileConfig(64, 4, 2, 2), instr="mma")
+
+
 def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     """The set `sparsegen precompile` builds: every square block plus common rectangles."""
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
@@ -290,4 +299,5 @@ def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
     semi = [sp24_spec(d, arch, rows=rows) for d in dtypes if d != "fp32" for rows in (None, 128, 1)]
+    semi += [sp24_compress_spec(d, arch) for d in dtypes if d != "fp32"]
     return list(dict.fromkeys(forward + backward + semi))

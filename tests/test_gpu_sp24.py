@@ -103,3 +103,35 @@ def test_transposable_weight_transposes_on_gpu():
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     out = ops.sp24_dds(x, wt.values, wt.metadata, None, 128)
     assert relative_error(out, x.double() @ sparse.to_dense().double()) < TOLERANCE[torch.bfloat16]
+
+
+def distinct_magnitudes(n, k, dtype):
+    """Each group of 4 holds magnitudes 1, 1.25, 1.5, 1.75 in random order and sign: no ties."""
+    order = torch.rand(n * k // 4, 4).argsort(-1).float()
+    signs = torch.randint(0, 2, (n * k // 4, 4)) * 2 - 1
+    return ((1 + order / 4) * signs).reshape(n, k).to("cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (512, 1024)])
+def test_gpu_compress_kernel_matches_the_pytorch_path(dtype, n, k):
+    w = distinct_magnitudes(n, k, dtype)
+    values, metadata = ops.sp24_compress(w)
+    want_values, want_meta = semi24.compress(w.cpu(), semi24.magnitude_mask(w.cpu()))
+    assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
+    mask = torch.rand(n, k) < 0.3
+    mask &= semi24._groups(mask).cumsum(-1).reshape(n, k) <= 2  # at most 2 kept, some groups fewer
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    values, metadata = ops.sp24_compress(w, mask.cuda())
+    want_values, want_meta = semi24.compress(w.cpu(), mask)
+    assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "transposable", "mvue"])
+def test_to_sparse24_on_gpu_is_24_and_round_trips(method):
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w, method)
+    dense = sparse.to_dense()
+    assert ((dense != 0).reshape(256, -1, 4).sum(-1) <= 2).all()
+    if method != "mvue":
+        assert torch.equal(dense, w * sparse.mask)
