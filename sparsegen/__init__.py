@@ -6,7 +6,9 @@ from . import topology
 from .patching import patch
 from .spec import KernelSpec, TileConfig
 from .sparse24 import Sparse24Tensor, to_sparse24
+from .train24 import Sparse24TrainingLinear, dense_finetune_, masked_decay_
 
 __version__ = "0.1.0"
 __all__ = ["BlockSparseLinear", "linear", "patch", "topology", "KernelSpec", "TileConfig", "SparsegenError",
-           "SpecError", "CompileError", "InputError", "Sparse24Linear", "Sparse24Tensor", "to_sparse24", "__version__"]
+           "SpecError", "CompileError", "InputError", "Sparse24Linear", "Sparse24Tensor", "Sparse24TrainingLinear", "to_sparse24",
+           "masked_decay_", "dense_finetune_", "__version__"]

@@ -9,8 +9,9 @@ from torch import nn
 from .errors import InputError, expect
 from .nn import BlockSparseLinear
 from .nn24 import Sparse24Linear
+from .train24 import Sparse24TrainingLinear
 
-_SETTINGS = ("block", "density", "layout", "sparsity", "method")
+_SETTINGS = ("block", "density", "layout", "sparsity", "method", "training")
 
 
 def patch(model: nn.Module, rules: dict, from_dense: bool = True) -> list[str]:
@@ -18,7 +19,8 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True) -> list[str]:
     fully matches a pattern of `rules` by a BlockSparseLinear built with that pattern's
     settings ({"block": (32, 32), "density": 0.5} or {"layout": mask}), or by a
     Sparse24Linear for {"sparsity": "2:4"} (optional "method": "magnitude" or
-    "transposable"; always pruned from the dense weights); the first matching pattern wins.
+    "transposable"; always pruned from the dense weights), or a Sparse24TrainingLinear for
+    {"sparsity": "2:4", "training": {options}}; the first matching pattern wins.
     With from_dense, the blocks of largest norm keep their pretrained values.
     Returns the replaced names. Every rule is checked before anything changes.
     """
@@ -71,6 +73,8 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
     block = tuple(settings.get("block", (32, 32)))
     try:
         if settings.get("sparsity", "block") == "2:4":  # 2:4 always prunes the given weights
+            if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products
+                return Sparse24TrainingLinear.from_dense(linear, **dict(settings["training"]))
             return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
         expect(settings.get("sparsity", "block") == "block", "sparsity 'block' or '2:4'",
                repr(settings.get("sparsity")))

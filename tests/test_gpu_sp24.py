@@ -135,3 +135,30 @@ def test_to_sparse24_on_gpu_is_24_and_round_trips(method):
     assert ((dense != 0).reshape(256, -1, 4).sum(-1) <= 2).all()
     if method != "mvue":
         assert torch.equal(dense, w * sparse.mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_features", [192, 176])  # 176: dX falls back to cuBLAS (not a multiple of 32)
+def test_training_layer_matches_float64(dtype, out_features):
+    layer = sparsegen.Sparse24TrainingLinear(256, out_features, device="cuda", dtype=dtype)
+    x = torch.randn(3, 111, 256, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 111, out_features, device="cuda", dtype=dtype)
+    out = layer(x)
+    sparse = (layer.weight.detach() * layer.mask).double()
+    x64 = x.detach().double()
+    assert relative_error(out, x64 @ sparse.t() + layer.bias.detach().double()) < TOLERANCE[dtype]
+    out.backward(dy)
+    assert relative_error(x.grad, dy.double() @ sparse) < TOLERANCE[dtype]
+    dw = dy.double().reshape(-1, out_features).t() @ x64.reshape(-1, 256)
+    assert relative_error(layer.weight.grad, dw) < TOLERANCE[dtype]
+
+
+def test_training_layer_under_autocast():
+    layer = sparsegen.Sparse24TrainingLinear(128, 64, device="cuda")
+    x = torch.randn(40, 128, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x)
+    want = x.double() @ (layer.weight.detach() * layer.mask).double().t() + layer.bias.detach().double()
+    assert out.dtype == torch.bfloat16 and relative_error(out, want) < TOLERANCE[torch.bfloat16]
+    out.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32

@@ -1,0 +1,172 @@
+"""2:4 training as the 2by4-pretrain toolkit does it: dense weights, 2:4 products.
+
+`Sparse24TrainingLinear` keeps a dense `weight` and a 2:4 `mask` (transposable by default,
+refreshed from |weight| every `mask_interval` training steps). Each step:
+- forward: Y = X (W * mask)^T on the mma.sp kernel (the masked weight is compressed on the
+  GPU by the generated sp24_compress kernel);
+- dX = dY (W * mask): with a transposable mask, (W * mask)^T is 2:4 too and runs on the same
+  kernel; otherwise cuBLAS on the masked weight;
+- dW = dY^T X for every weight (straight-through: pruned weights keep learning, so the mask
+  can change), or with `dw_sparse=True` from an MVUE-sparsified dY^T (unbiased; the product
+  itself still runs on cuBLAS here).
+`soft_threshold=True` is S-STE: each group keeps sign(w) * (|w| - t) for its two largest,
+t its third largest magnitude, times a per-tensor scale fixed at each mask refresh.
+`masked_decay_` adds weight decay to the pruned weights' gradients only, and
+`dense_finetune_` switches layers to plain dense products for the last phase.
+Under torch.compile the layer traces as PyTorch (masked F.linear) and does not count
+steps: call `refresh_mask()` yourself there.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .errors import expect
+from .layouts import semi24
+from .nn import autocast_inputs
+from .sparse24 import _on_kernel
+
+MASK_METHODS = ("transposable", "magnitude")
+
+
+def soft_threshold(w: torch.Tensor) -> torch.Tensor:
+    """S-STE's 2:4 soft threshold: the two largest |w| of each group, each less the third."""
+    groups = w.reshape(w.shape[0], -1, 4)
+    third = groups.abs().sort(-1).values[..., 1:2]  # the third largest = the second smallest
+    return (groups.sign() * (groups.abs() - third).clamp_min(0)).reshape(w.shape)
+
+
+class _Sparse24STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, sparse_weight, mask, kernel_dx: bool, dw_sparse: bool):
+        ctx.save_for_backward(x, sparse_weight, mask)
+        ctx.flags = (kernel_dx, dw_sparse, bias is not None)
+        return _sparse_product(x, sparse_weight, mask, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, sparse_weight, mask = ctx.saved_tensors
+        kernel_dx, dw_sparse, has_bias = ctx.flags
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = dw = dbias = None
+        if ctx.needs_input_grad[0]:
+            # (W * mask)^T is 2:4 when the mask is transposable: the same kernel runs dX.
+            dx = (_sparse_product(dy, sparse_weight.t(), mask.t()) if kernel_dx and _on_kernel(dy)
+                  else dy @ sparse_weight)
+        if ctx.needs_input_grad[1]:
+            dw = (_mvue_rows(dy2.t()) if dw_sparse else dy2.t()) @ x2
+        if has_bias and ctx.needs_input_grad[2]:
+            dbias = dy2.sum(0)
+        return dx, dw, dbias, None, None, None, None
+
+
+def _sparse_product(x: torch.Tensor, sparse_weight: torch.Tensor, mask: torch.Tensor, bias=None) -> torch.Tensor:
+    """x @ sparse_weight^T (+ bias) where sparse_weight is 2:4 along rows within mask."""
+    if not _on_kernel(x):
+        return F.linear(x, sparse_weight, bias)
+    values, metadata = ops.sp24_compress(sparse_weight.contiguous(), mask.contiguous())
+    return ops.sp24_dds(x, values, metadata, bias, sparse_weight.shape[0])
+
+
+def _mvue_rows(t: torch.Tensor) -> torch.Tensor:
+    """MVUE 2:4 along the rows of t (dY^T: along tokens); a token count not a multiple of
+    4 leaves the last columns dense."""
+    whole = t.shape[1] // 4 * 4
+    if whole == 0:
+        return t
+    return torch.cat([semi24.mvue(t[:, :whole].contiguous()), t[:, whole:]], dim=1)
+
+
+class Sparse24TrainingLinear(nn.Module):
+    """nn.Linear trained with 2:4 sparse products (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 mask_interval: int = 100, method: str = "transposable", dw_sparse: bool = False,
+                 soft_threshold: bool = False):
+        super().__init__()
+        semi24.check_shape((out_features, in_features))
+        expect(method in MASK_METHODS, f"method in {MASK_METHODS}", repr(method))
+        expect(int(mask_interval) >= 1, "mask_interval >= 1", mask_interval)
+        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.weight, self.bias = dense.weight, dense.bias
+        self.mask_interval, self.method = int(mask_interval), method
+        self.dw_sparse, self.soft_threshold, self.dense = dw_sparse, soft_threshold, False
+        self.register_buffer("mask", torch.zeros(out_features, in_features, dtype=torch.bool, device=device))
+        self.register_buffer("scale", torch.ones((), device=device))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
+        self.refresh_mask()
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, **options) -> "Sparse24TrainingLinear":
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    linear.weight.device, linear.weight.dtype, **options)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        layer.refresh_mask()
+        return layer
+
+    @torch.no_grad()
+    def refresh_mask(self) -> None:
+        """A new mask from |weight| (and, for S-STE, the scale that keeps the norm)."""
+        w = self.weight.detach()
+        self.mask.copy_(semi24.transposable_mask(w) if self.method == "transposable" else semi24.magnitude_mask(w))
+        if self.soft_threshold:
+            soft = soft_threshold(w.float())
+            self.scale.copy_((w.float() * soft).sum() / soft.square().sum().clamp_min(1e-30))
+
+    def sparse_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The 2:4 weight the products use: masked, or S-STE's scaled soft threshold."""
+        if self.soft_threshold:
+            return (soft_threshold(weight) * self.scale.to(weight.dtype)) * self.mask
+        return weight * self.mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and not torch.compiler.is_compiling():
+            if int(self.steps) > 0 and int(self.steps) % self.mask_interval == 0:
+                self.refresh_mask()
+            self.steps += 1
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        ops.check_inputs(x, weight, bias, self.in_features)
+        if self.dense:
+            return F.linear(x, weight, bias)
+        sparse = self.sparse_weight(weight)
+        if torch.compiler.is_compiling():  # traceable PyTorch; the kernels run in eager mode
+            return F.linear(x, sparse, bias)
+        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return _sparse_product(x, sparse, self.mask, bias)
+        # Straight-through: the dense weight gets dY^T X, whatever the mask.
+        kernel_dx = self.method == "transposable" and self.out_features % semi24.COL_GRANULE == 0
+        return _Sparse24STE.apply(x, weight, bias, sparse.detach(), self.mask, kernel_dx, self.dw_sparse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4 "
+                f"({'dense fine-tuning' if self.dense else self.method + ' mask'}), "
+                f"mask_interval={self.mask_interval}, dw_sparse={self.dw_sparse}, "
+                f"soft_threshold={self.soft_threshold}")
+
+
+def _training_layers(model: nn.Module) -> list[Sparse24TrainingLinear]:
+    return [m for m in model.modules() if isinstance(m, Sparse24TrainingLinear)]
+
+
+@torch.no_grad()
+def masked_decay_(model: nn.Module, decay: float) -> None:
+    """2by4-pretrain's masked decay: grad += decay * W where the mask prunes, for every
+    Sparse24TrainingLinear in model. Call between backward() and the optimizer step."""
+    for layer in _training_layers(model):
+        if layer.weight.grad is not None:
+            layer.weight.grad.add_(layer.weight * ~layer.mask, alpha=decay)
+
+
+def dense_finetune_(model: nn.Module) -> int:
+    """Switch every Sparse24TrainingLinear in model to dense products (the recipe's last
+    phase). Returns how many layers switched."""
+    layers = _training_layers(model)
+    for layer in layers:
+        layer.dense = True
+    return len(layers)

@@ -1,0 +1,133 @@
+"""2by4-pretrain style 2:4 training on the CPU: straight-through gradients, mask refresh,
+masked decay, dense fine-tuning, S-STE, MVUE dW, save/load, compile."""
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen.errors import InputError
+from sparsegen.layouts import semi24
+from sparsegen.train24 import soft_threshold
+
+
+def is_24(t: torch.Tensor) -> bool:
+    return bool(((t != 0).reshape(t.shape[0], -1, 4).sum(-1) <= 2).all())
+
+
+def make(**options):
+    torch.manual_seed(0)
+    return sparsegen.Sparse24TrainingLinear(64, 32, dtype=torch.float64, **options)
+
+
+def test_forward_uses_the_masked_weight_and_backward_is_straight_through():
+    layer = make()
+    assert is_24(layer.weight * layer.mask) and is_24((layer.weight * layer.mask).t().contiguous())
+    x = torch.randn(3, 7, 64, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(3, 7, 32, dtype=torch.float64)
+    out = layer(x)
+    sparse = layer.weight.detach() * layer.mask
+    torch.testing.assert_close(out, x @ sparse.t() + layer.bias)
+    out.backward(dy)
+    torch.testing.assert_close(x.grad, dy @ sparse)
+    dy2, x2 = dy.reshape(-1, 32), x.detach().reshape(-1, 64)
+    torch.testing.assert_close(layer.weight.grad, dy2.t() @ x2)  # every weight, pruned or not
+    torch.testing.assert_close(layer.bias.grad, dy2.sum(0))
+
+
+def test_mask_refreshes_every_interval_in_training_only():
+    layer = make(mask_interval=3)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    first = layer.mask.clone()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn_like(layer.weight))  # a new magnitude order
+    layer.eval()
+    for _ in range(5):
+        layer(x)
+    assert torch.equal(layer.mask, first)
+    layer.train()
+    for _ in range(3):
+        layer(x)
+    assert torch.equal(layer.mask, first)  # steps 0, 1, 2 use the old mask
+    layer(x)                               # step 3 refreshes
+    assert not torch.equal(layer.mask, first)
+    assert torch.equal(layer.mask, semi24.transposable_mask(layer.weight.detach()))
+
+
+def test_masked_decay_touches_only_pruned_weights():
+    model = nn.Sequential(make(), nn.ReLU())
+    layer = model[0]
+    layer(torch.randn(2, 64, dtype=torch.float64)).sum().backward()
+    before = layer.weight.grad.clone()
+    sparsegen.masked_decay_(model, 0.1)
+    expected = before + 0.1 * layer.weight.detach() * ~layer.mask
+    torch.testing.assert_close(layer.weight.grad, expected)
+    assert torch.equal(layer.weight.grad[layer.mask], before[layer.mask])
+
+
+def test_dense_finetune_switch():
+    model = nn.Sequential(make(), nn.ReLU(), make())
+    assert sparsegen.dense_finetune_(model) == 2
+    x = torch.randn(5, 64, dtype=torch.float64)
+    torch.testing.assert_close(model[0](x), x @ model[0].weight.t() + model[0].bias)
+    assert "dense fine-tuning" in repr(model[0])
+
+
+def test_soft_threshold_is_24_and_matches_the_formula():
+    w = torch.tensor([[4.0, -1.0, 3.0, 2.0] * 8] * 16, dtype=torch.float64)
+    soft = soft_threshold(w)
+    assert soft[0, :4].tolist() == [2.0, 0.0, 1.0, 0.0]  # each of the top two, less the third (2)
+    layer = make(soft_threshold=True, method="magnitude")
+    sparse = layer.sparse_weight(layer.weight.detach())
+    assert is_24(sparse) and float(layer.scale) > 1.0  # the threshold shrinks; the scale restores
+    x = torch.randn(4, 64, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ sparse.t() + layer.bias)
+
+
+def test_dw_sparse_is_an_unbiased_estimate():
+    layer = make(dw_sparse=True)
+    x = torch.randn(64, 64, dtype=torch.float64)
+    dy = torch.randn(64, 32, dtype=torch.float64)
+    grads = []
+    for _ in range(400):
+        layer.weight.grad = None
+        layer(x).backward(dy)
+        grads.append(layer.weight.grad.clone())
+    grads = torch.stack(grads)
+    exact = dy.t() @ x
+    stderr = grads.std(0) / 400 ** 0.5
+    assert ((grads.mean(0) - exact).abs() <= 5 * stderr + 1e-9).all()
+    assert not torch.allclose(grads[0], exact)  # each draw is sparse, not the exact product
+
+
+def test_state_dict_round_trip_and_patch_rule():
+    layer = make(mask_interval=7)
+    other = make(mask_interval=7)
+    with torch.no_grad():
+        other.weight.zero_()
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other.mask, layer.mask) and torch.equal(other.weight, layer.weight)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False).mask, layer.mask)
+    model = nn.Sequential(nn.Linear(64, 32))
+    sparsegen.patch(model, {"0": {"sparsity": "2:4", "training": {"mask_interval": 5, "dw_sparse": True}}})
+    assert isinstance(model[0], sparsegen.Sparse24TrainingLinear) and model[0].dw_sparse
+
+
+def test_compile_fullgraph():
+    layer = make()
+    x = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_bad_options():
+    with pytest.raises(InputError, match="method"):
+        sparsegen.Sparse24TrainingLinear(64, 32, method="mvue")
+    with pytest.raises(InputError, match="mask_interval"):
+        sparsegen.Sparse24TrainingLinear(64, 32, mask_interval=0)
+    with pytest.raises(InputError, match="multiple of 16"):
+        sparsegen.Sparse24TrainingLinear(64, 24)
