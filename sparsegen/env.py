@@ -21,3 +21,10 @@ def dump_dir() -> Path:
 def disable_disk_cache() -> bool:
     """SPARSEGEN_NO_DISK_CACHE=1 compiles every kernel fresh (template development)."""
     return os.environ.get("SPARSEGEN_NO_DISK_CACHE", "") not in ("", "0")
+
+
+def compress_kernel() -> bool:
+    """SPARSEGEN_COMPRESS_KERNEL=1 packs 2:4 weights on the GPU with the generated
+    sp24_compress kernel instead of PyTorch ops. Off by default until it has run on a GPU
+    (it compiles in CI; no GPU time was left to run it in the session that wrote it)."""
+    return os.environ.get("SPARSEGEN_COMPRESS_KERNEL", "") not in ("", "0")

@@ -17,6 +17,17 @@ from .layouts import bsr
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
+def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:
+    """An nn.Linear holding copies of a dense weight [out, in] and bias (for to_linear)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                       dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
 def autocast_inputs(x: torch.Tensor, values: torch.Tensor, bias):
     """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
     dtype (float32 parameters get float32 gradients back through the cast)."""
@@ -148,14 +159,7 @@ class BlockSparseLinear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         """A dense nn.Linear with this layer's weights (zeros where blocks are absent)."""
-        weight = self.values.detach()
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(self.to_dense_weight())
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
+        return dense_linear(self.to_dense_weight(), self.bias)
 
     def extra_repr(self) -> str:
         nnz, total = int(self.layout.sum()), self.layout.numel()

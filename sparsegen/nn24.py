@@ -8,7 +8,7 @@ from . import ops
 from .autograd24 import _uses_kernel, eager_sp24_linear, sp24_linear, sp24_reference
 from .errors import expect
 from .layouts import semi24
-from .nn import autocast_inputs
+from .nn import autocast_inputs, dense_linear
 from .sparse24 import Sparse24Tensor, prune_and_compress
 
 
@@ -70,14 +70,7 @@ class Sparse24Linear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         """A dense nn.Linear with this layer's (2:4) weight."""
-        weight = self.values.detach()
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(self.to_dense_weight())
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
+        return dense_linear(self.to_dense_weight(), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "

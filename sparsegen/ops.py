@@ -105,15 +105,20 @@ def _output(out, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     return out.view(m, n)
 
 
+def _operands_and_output(x: torch.Tensor, out, out_features: int):
+    """(X as contiguous 2-D rows, Y [M, N] to write, Y in x's leading shape)."""
+    x2 = _rows_2d(x)
+    y = _output(out, x2.shape[0], out_features, x)
+    return x2, y, y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+
 def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,
             instr=None):
     """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
     `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
     default TileConfig and `instr` the tensor-core instruction ("mma" or "wgmma")."""
-    x2 = _rows_2d(x)
+    x2, y, shaped = _operands_and_output(x, out, out_features)
     m, k = x2.shape
-    y = _output(out, m, out_features, x)
-    shaped = y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
     if m == 0:
         return shaped
     if values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
@@ -214,28 +219,30 @@ def _k_splits(blocks: int, k: int, device_index: int) -> int:
     return max(1, min(stages, (2 * runtime.sm_count(device_index)) // max(blocks, 1)))
 
 
+def _sp24_grid(tile, m: int, k: int, n: int, device_index: int, splits: int | None):
+    """(grid, dense K per split): output tiles in x and y, K splits (whole stages) in z."""
+    tiles_n, tiles_m = -(-n // (64 * tile.warps_m)), -(-m // tile.tile_m)
+    wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index) if m <= 256 else 1)
+    k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
+    return (tiles_n, tiles_m, -(-k // k_split)), k_split
+
+
 def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
              out=None, tile=None, splits: int | None = None) -> torch.Tensor:
     """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
     split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
-    x2 = _rows_2d(x)
+    x2, y, shaped = _operands_and_output(x, out, out_features)
     m, k = x2.shape
-    y = _output(out, m, out_features, x)
-    shaped = y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
     if m == 0:
         return shaped
     device_index = x.device.index or 0
     kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile)
-    t = kern.spec.tile
-    grid = [-(-out_features // (64 * t.warps_m)), -(-m // t.tile_m), 1]
-    grid[2] = splits or (_k_splits(grid[0] * grid[1], k, device_index) if m <= 256 else 1)
-    k_split = -(-k // (grid[2] * SP24_STAGE_K)) * SP24_STAGE_K
-    grid[2] = -(-k // k_split)
+    grid, k_split = _sp24_grid(kern.spec.tile, m, k, out_features, device_index, splits)
     partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
     bias_ptr = bias.data_ptr() if bias is not None else 0
-    kern.launch(tuple(grid), (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr(), bias_ptr, y.data_ptr(),
-                                  0 if partial is None else partial.data_ptr()), (m, k, out_features, k_split))
+    kern.launch(grid, (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr(), bias_ptr, y.data_ptr(),
+                           0 if partial is None else partial.data_ptr()), (m, k, out_features, k_split))
     if partial is not None:
         y.copy_(partial if bias is None else partial.add_(bias))
     return shaped

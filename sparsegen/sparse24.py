@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import env, ops
 from .errors import expect
 from .layouts import semi24
 
@@ -70,12 +70,14 @@ def _on_kernel(w: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, generator=None):
-    """(values, metadata) of w pruned by `method` or `mask`. On the GPU the generated
-    sp24_compress kernel packs them (and picks magnitude masks itself); elsewhere PyTorch."""
+    """(values, metadata) of w pruned by `method` or `mask`, in PyTorch ops (any device);
+    with SPARSEGEN_COMPRESS_KERNEL=1, the generated sp24_compress kernel packs them on the GPU
+    (and picks magnitude masks itself)."""
     w = w.detach()
-    if _on_kernel(w) and method == "magnitude" and mask is None:
+    fused = _on_kernel(w) and env.compress_kernel()
+    if fused and method == "magnitude" and mask is None:
         return ops.sp24_compress(w)
     pruned, keep = semi24.prune(w, method, mask, generator)
-    if _on_kernel(w):
+    if fused:
         return ops.sp24_compress(pruned, keep.to(w.device))
     return semi24.compress(pruned.contiguous(), keep.to(w.device).contiguous())

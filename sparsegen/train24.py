@@ -2,8 +2,8 @@
 
 `Sparse24TrainingLinear` keeps a dense `weight` and a 2:4 `mask` (transposable by default,
 refreshed from |weight| every `mask_interval` training steps). Each step:
-- forward: Y = X (W * mask)^T on the mma.sp kernel (the masked weight is compressed on the
-  GPU by the generated sp24_compress kernel);
+- forward: Y = X (W * mask)^T on the mma.sp kernel (the masked weight is compressed each
+  step: PyTorch ops, or the sp24_compress kernel with SPARSEGEN_COMPRESS_KERNEL=1);
 - dX = dY (W * mask): with a transposable mask, (W * mask)^T is 2:4 too and runs on the same
   kernel; otherwise cuBLAS on the masked weight;
 - dW = dY^T X for every weight (straight-through: pruned weights keep learning, so the mask
@@ -26,7 +26,7 @@ from . import ops
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
-from .sparse24 import _on_kernel
+from .sparse24 import _on_kernel, prune_and_compress
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -66,7 +66,7 @@ def _sparse_product(x: torch.Tensor, sparse_weight: torch.Tensor, mask: torch.Te
     """x @ sparse_weight^T (+ bias) where sparse_weight is 2:4 along rows within mask."""
     if not _on_kernel(x):
         return F.linear(x, sparse_weight, bias)
-    values, metadata = ops.sp24_compress(sparse_weight.contiguous(), mask.contiguous())
+    values, metadata = prune_and_compress(sparse_weight, mask=mask)
     return ops.sp24_dds(x, values, metadata, bias, sparse_weight.shape[0])
 
 

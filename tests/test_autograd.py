@@ -17,15 +17,21 @@ def random_layout(rows, cols, density=0.5, empty_row=None):
     return mask
 
 
-@pytest.mark.parametrize("block", [(2, 3), (4, 2), (1, 1)])
-def test_gradcheck_float64(block):
-    mask = random_layout(3, 4, empty_row=1)
+def gradcheck_on_3x4_blocks(linear, block, empty_row) -> bool:
+    """float64 gradcheck of linear(x, values, bias, index, block, out_features) on a 3 x 4
+    block grid with one empty block row and leading batch dims."""
+    mask = random_layout(3, 4, empty_row=empty_row)
     index = IndexTensors.of(mask).as_tuple()
     x = torch.randn(2, 5, 4 * block[1], dtype=torch.float64, requires_grad=True)
     values = torch.randn(int(mask.sum()), *block, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3 * block[0], dtype=torch.float64, requires_grad=True)
-    op = lambda x, v, b: autograd.block_sparse_linear(x, v, b, index, block, 3 * block[0])
-    assert torch.autograd.gradcheck(op, (x, values, bias))
+    op = lambda x, v, b: linear(x, v, b, index, block, 3 * block[0])
+    return torch.autograd.gradcheck(op, (x, values, bias))
+
+
+@pytest.mark.parametrize("block", [(2, 3), (4, 2), (1, 1)])
+def test_gradcheck_float64(block):
+    assert gradcheck_on_3x4_blocks(autograd.block_sparse_linear, block, empty_row=1)
 
 
 def kernel_stand_in(x, values, row_offsets, col_indices, bias, block, out_features):
@@ -40,13 +46,7 @@ def test_eager_gpu_function_gradcheck_float64(block, monkeypatch):
     """The eager GPU training path (an autograd.Function straight to the kernels), with the
     kernel replaced by the reference so its wiring is checked here too."""
     monkeypatch.setattr(sparsegen.ops, "bsr_dds", kernel_stand_in)
-    mask = random_layout(3, 4, empty_row=2)
-    index = IndexTensors.of(mask).as_tuple()
-    x = torch.randn(2, 5, 4 * block[1], dtype=torch.float64, requires_grad=True)
-    values = torch.randn(int(mask.sum()), *block, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(3 * block[0], dtype=torch.float64, requires_grad=True)
-    op = lambda x, v, b: autograd.eager_block_sparse_linear(x, v, b, index, block, 3 * block[0])
-    assert torch.autograd.gradcheck(op, (x, values, bias))
+    assert gradcheck_on_3x4_blocks(autograd.eager_block_sparse_linear, block, empty_row=2)
 
 
 def test_op_matches_masked_dense_reference():

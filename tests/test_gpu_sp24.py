@@ -115,6 +115,8 @@ def distinct_magnitudes(n, k, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (512, 1024)])
 def test_gpu_compress_kernel_matches_the_pytorch_path(dtype, n, k):
+    """The generated sp24_compress kernel (opt-in through SPARSEGEN_COMPRESS_KERNEL) packs
+    exactly what the PyTorch path packs."""
     w = distinct_magnitudes(n, k, dtype)
     values, metadata = ops.sp24_compress(w)
     want_values, want_meta = semi24.compress(w.cpu(), semi24.magnitude_mask(w.cpu()))
@@ -127,8 +129,10 @@ def test_gpu_compress_kernel_matches_the_pytorch_path(dtype, n, k):
     assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
 
 
+@pytest.mark.parametrize("kernel", ["0", "1"])
 @pytest.mark.parametrize("method", ["magnitude", "transposable", "mvue"])
-def test_to_sparse24_on_gpu_is_24_and_round_trips(method):
+def test_to_sparse24_on_gpu_is_24_and_round_trips(method, kernel, monkeypatch):
+    monkeypatch.setenv("SPARSEGEN_COMPRESS_KERNEL", kernel)
     w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     sparse = sparsegen.to_sparse24(w, method)
     dense = sparse.to_dense()

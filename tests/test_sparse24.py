@@ -133,3 +133,19 @@ def test_weight_memory_is_at_most_057_of_dense():
     w = torch.randn(4096, 1024, dtype=torch.bfloat16)
     sparse = sparsegen.to_sparse24(w)
     assert sparse.nbytes() / (w.numel() * w.element_size()) <= 0.57
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (16, 11008, 4096), (200, 160, 336), (300, 4096, 4096),
+                                     (7, 32, 16)])
+def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch):
+    from sparsegen import ops, runtime
+    from sparsegen.spec import sp24_spec
+
+    monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
+    tile = sp24_spec("bf16", 90, rows=m).tile
+    (tiles_n, tiles_m, splits), k_split = ops._sp24_grid(tile, m, k, n, 0, None)
+    assert tiles_n * 64 * tile.warps_m >= n and tiles_m * tile.tile_m >= m
+    assert k_split % ops.SP24_STAGE_K == 0 and k_split * (splits - 1) < k <= k_split * splits
+    if m > 256:
+        assert splits == 1
+    assert ops._sp24_grid(tile, m, k, n, 0, 3)[0][2] <= 3

@@ -1,7 +1,8 @@
 """2:4 semi-structured benchmark: sparsegen's mma.sp kernel vs dense cuBLAS vs PyTorch's
 to_sparse_semi_structured (cuSPARSELt, eager F.linear), side by side in one process.
 
-GPU: PYTHONPATH=. python tools/bench24.py [--quick] [--markdown out.md]
+GPU: PYTHONPATH=. python tools/bench24.py [--quick] [--markdown out.md] [--plot out.png]
+Plot a table again, no GPU: python tools/bench24.py --replot out.md --plot out.png
 Ratios are dense time / method time (above 1 = faster than dense).
 """
 from __future__ import annotations
@@ -95,12 +96,49 @@ def tune() -> None:
             print(f"{n}x{k} M={m} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
 
 
+def table_rows(markdown: str) -> list[dict]:
+    """The forward table of a markdown file this script wrote, as dicts."""
+    rows = []
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 9 and cells[0] in DTYPES:
+            rows.append(dict(dtype=cells[0], weight=cells[1], m=int(cells[2]), ours=float(cells[5]),
+                             peer=None if cells[6] == "-" else float(cells[6])))
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speedup over dense against tokens M, per weight shape: sparsegen and cuSPARSELt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    weights = list(dict.fromkeys(r["weight"] for r in rows))
+    fig, axes = plt.subplots(1, len(weights), figsize=(4 * len(weights), 3.8), sharey=True)
+    for ax, weight in zip(axes, weights):
+        for dtype, style in (("bf16", "-"), ("fp16", "--")):
+            sel = [r for r in rows if r["weight"] == weight and r["dtype"] == dtype]
+            ax.plot([r["m"] for r in sel], [r["ours"] for r in sel], "o" + style, color="C0", label=f"sparsegen {dtype}")
+            ax.plot([r["m"] for r in sel], [r["peer"] or float("nan") for r in sel], "s" + style, color="C1",
+                    label=f"cuSPARSELt {dtype}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xscale="log", yscale="log", title=f"weight {weight}", xlabel="tokens M", ylabel="x dense")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="bf16, two weights")
     parser.add_argument("--markdown", type=Path, help="write the section here")
     parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
+    parser.add_argument("--plot", type=Path, help="write the speedup plot (PNG) here")
+    parser.add_argument("--replot", type=Path, help="only plot the table of this markdown file (no GPU)")
     args = parser.parse_args(argv)
+    if args.replot:
+        return plot(table_rows(args.replot.read_text()), args.plot or Path("BENCHMARKS-2to4.png"))
     if args.tune:
         return tune()
     dtypes, weights = (["bf16"], WEIGHTS[1:3]) if args.quick else (list(DTYPES), WEIGHTS)
@@ -116,6 +154,8 @@ def main(argv=None) -> None:
     print("\n".join(lines))
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
+    if args.plot:
+        plot(table_rows("\n".join(lines)), args.plot)
 
 
 if __name__ == "__main__":
