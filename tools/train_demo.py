@@ -1,6 +1,7 @@
 """Train a small GPT on the Python standard library's own sources (no download), with a
 dense FFN, block-sparse FFNs at densities 0.5 and 0.25 and a 2:4 FFN (sparsegen.patch), same steps and seed; print and plot
 loss curves and step times. GPU: PYTHONPATH=. python tools/train_demo.py --out out/
+[--benchmarks BENCHMARKS.md] [--models dense,0.5,0.25,2:4,2:4-train]
 CPU smoke run: python tools/train_demo.py --steps 3 --layers 1 --d-model 64 --device cpu"""
 from __future__ import annotations
 
@@ -66,14 +67,23 @@ def batches(data: torch.Tensor, batch: int, context: int, generator: torch.Gener
         yield window[:, :-1], window[:, 1:]
 
 
-def build(args, density: float | None) -> nn.Module:
+# --models names: the FFN rules sparsegen.patch applies (None: dense).
+MODELS = {"dense": None, "0.5": 0.5, "0.25": 0.25, "2:4": "2:4", "2:4-train": "2:4-train"}
+
+
+def ffn_rule(kind, block: int) -> dict:
+    if kind == "2:4":  # fixed magnitude mask, the kept values trained
+        return {"sparsity": "2:4"}
+    if kind == "2:4-train":  # the 2by4-pretrain recipe: dense weights, transposable mask refreshed
+        return {"sparsity": "2:4", "training": {"mask_interval": 100}}
+    return {"block": (block, block), "density": kind}
+
+
+def build(args, kind) -> nn.Module:
     torch.manual_seed(args.seed)
     model = GPT(args.layers, args.d_model, args.heads, args.context)
-    ffn = r"blocks\.\d+\.ffn\.(0|2)"
-    if density == "2:4":
-        sparsegen.patch(model, {ffn: {"sparsity": "2:4"}})
-    elif density is not None:
-        sparsegen.patch(model, {ffn: {"block": (args.block, args.block), "density": density}}, from_dense=True)
+    if kind is not None:
+        sparsegen.patch(model, {r"blocks\.\d+\.ffn\.(0|2)": ffn_rule(kind, args.block)}, from_dense=True)
     return model.to(args.device)
 
 
@@ -93,8 +103,8 @@ def lr_factor(step: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def train(args, density: float | None, train_data, val_data) -> dict:
-    model = build(args, density)
+def train(args, kind, train_data, val_data) -> dict:
+    model = build(args, kind)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     # Linear warmup then cosine decay, and clipped gradients: without them the dense model
     # stalled at a loss of 2.4 at d_model 1024 (the sparse ones did not), which made the
@@ -115,16 +125,15 @@ def train(args, density: float | None, train_data, val_data) -> dict:
         times.append(time.perf_counter() - start)
         if step % args.log_every == 0 or step == args.steps - 1:
             curve.append((step, loss.item(), evaluate(model, val_data, args)))
-            print(f"{label(density)} step {step}: train {curve[-1][1]:.3f} val {curve[-1][2]:.3f} "
+            print(f"{label(kind)} step {step}: train {curve[-1][1]:.3f} val {curve[-1][2]:.3f} "
                   f"step {1e3 * statistics.median(times[-20:]):.1f} ms", flush=True)
-    return dict(label=label(density), curve=curve, step_ms=1e3 * statistics.median(times[len(times) // 4:]),
+    return dict(label=label(kind), curve=curve, step_ms=1e3 * statistics.median(times[len(times) // 4:]),
                 val_loss=curve[-1][2])
 
 
-def label(density) -> str:
-    if density is None or density == "2:4":
-        return "dense" if density is None else "2:4 FFN"
-    return f"block-sparse FFN d={density}"
+def label(kind) -> str:
+    names = {None: "dense", "2:4": "2:4 FFN", "2:4-train": "2:4 FFN (2by4 recipe)"}
+    return names.get(kind, f"block-sparse FFN d={kind}")
 
 
 def report(results: list[dict], args, out: Path) -> None:
@@ -136,8 +145,25 @@ def report(results: list[dict], args, out: Path) -> None:
     print("\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_demo.md").write_text("\n".join(lines) + "\n")
+    if args.benchmarks:
+        write_into(args.benchmarks, lines)
     (out / "train_demo.json").write_text(json.dumps(dict(args=vars(args), results=results), indent=1, default=str))
     plot(results, out / "train_demo.png")
+
+
+MARKS = ("<!-- train_demo.py results: start -->", "<!-- train_demo.py results: end -->")
+
+
+def write_into(path: Path, lines: list[str]) -> None:
+    """Replace the table between MARKS in `path` (BENCHMARKS.md), or append it with them."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{MARKS[0]}\n" + "\n".join(lines) + f"\n{MARKS[1]}"
+    if MARKS[0] in text and MARKS[1] in text:
+        head, rest = text.split(MARKS[0], 1)
+        text = head + block + rest.split(MARKS[1], 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 def plot(results, path: Path) -> None:
@@ -167,6 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("out"))
+    p.add_argument("--models", default="dense,0.5,0.25,2:4",
+                   help=f"comma-separated, dense first, from {', '.join(MODELS)}")
+    p.add_argument("--benchmarks", type=Path, help="also write the table into this file (BENCHMARKS.md)")
     return p.parse_args(argv)
 
 
@@ -174,7 +203,8 @@ def main() -> None:
     args = parse_args()
     data = corpus(args.corpus_mb << 20)
     split = int(0.95 * data.numel())
-    results = [train(args, density, data[:split], data[split:]) for density in (None, 0.5, 0.25, "2:4")]
+    kinds = [MODELS[name] for name in args.models.split(",")]
+    results = [train(args, kind, data[:split], data[split:]) for kind in kinds]
     report(results, args, args.out)
 
 
