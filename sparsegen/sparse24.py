@@ -44,6 +44,21 @@ class Sparse24Tensor:
                "a mask with more than 2 kept in some group of 4 rows")
         return Sparse24Tensor(*semi24.compress(dense.contiguous(), mask.contiguous()), dense.shape)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias): the mma.sp kernel for 16-bit CUDA tensors, else PyTorch."""
+        from .autograd24 import sp24_any_device  # the ops above this module
+
+        ops.check_inputs(x, self.values, bias, self.shape[1])
+        return sp24_any_device(x, self.values, self.metadata, bias, self.shape[0])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """F.linear(x, sparse_weight, bias) works, as with PyTorch's semi-structured tensors."""
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2 and isinstance(args[1], cls):
+            return args[1].linear(args[0], args[2] if len(args) > 2 else kwargs.get("bias"))
+        return NotImplemented
+
     def nbytes(self) -> int:
         return self.values.numel() * self.values.element_size() + self.metadata.numel() * 4
 

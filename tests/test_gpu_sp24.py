@@ -166,3 +166,11 @@ def test_training_layer_under_autocast():
     assert out.dtype == torch.bfloat16 and relative_error(out, want) < TOLERANCE[torch.bfloat16]
     out.float().sum().backward()
     assert layer.weight.grad.dtype == torch.float32
+
+
+def test_f_linear_with_a_sparse24_weight_on_gpu():
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w)
+    x = torch.randn(2, 99, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.nn.functional.linear(x, sparse)
+    assert relative_error(out, x.double() @ sparse.to_dense().double().t()) < TOLERANCE[torch.bfloat16]

@@ -149,3 +149,15 @@ def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch
     if m > 256:
         assert splits == 1
     assert ops._sp24_grid(tile, m, k, n, 0, 3)[0][2] <= 3
+
+
+def test_f_linear_accepts_a_sparse24_weight():
+    import torch.nn.functional as F
+
+    w = torch.randn(32, 64, dtype=torch.float64)
+    sparse = sparsegen.to_sparse24(w)
+    x, bias = torch.randn(3, 5, 64, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    torch.testing.assert_close(F.linear(x, sparse, bias), x @ sparse.to_dense().t() + bias)
+    torch.testing.assert_close(F.linear(x, sparse), x @ sparse.to_dense().t())
+    with pytest.raises(InputError, match=r"shape \(\.\.\., 64\)"):
+        F.linear(torch.randn(2, 60, dtype=torch.float64), sparse)
