@@ -84,6 +84,15 @@ def _on_kernel(w: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
+def compress_masked(w: torch.Tensor, mask: torch.Tensor):
+    """(values, metadata) of w at a mask already known to be 2:4 (no check, no host sync):
+    the training layers' per-step path."""
+    if _on_kernel(w) and env.compress_kernel():
+        return ops.sp24_compress(w, mask)
+    return semi24.compress(w.detach().contiguous(), mask.contiguous())
+
+
+@torch.no_grad()
 def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, generator=None):
     """(values, metadata) of w pruned by `method` or `mask`, in PyTorch ops (any device);
     with SPARSEGEN_COMPRESS_KERNEL=1, the generated sp24_compress kernel packs them on the GPU

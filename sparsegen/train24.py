@@ -26,7 +26,7 @@ from . import ops
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
-from .sparse24 import _on_kernel, prune_and_compress
+from .sparse24 import _on_kernel, compress_masked
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -40,9 +40,9 @@ def soft_threshold(w: torch.Tensor) -> torch.Tensor:
 
 class _Sparse24STE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sparse_weight, mask, kernel_dx: bool, dw_sparse: bool):
+    def forward(ctx, x, weight, bias, sparse_weight, mask, kernel_dx: bool, dw_sparse: bool, dw_scale):
         ctx.save_for_backward(x, sparse_weight, mask)
-        ctx.flags = (kernel_dx, dw_sparse, bias is not None)
+        ctx.flags, ctx.dw_scale = (kernel_dx, dw_sparse, bias is not None), dw_scale
         return _sparse_product(x, sparse_weight, mask, bias)
 
     @staticmethod
@@ -57,16 +57,18 @@ class _Sparse24STE(torch.autograd.Function):
                   else dy @ sparse_weight)
         if ctx.needs_input_grad[1]:
             dw = (_mvue_rows(dy2.t()) if dw_sparse else dy2.t()) @ x2
+            if ctx.dw_scale is not None:  # S-STE: straight through the scaled soft threshold
+                dw = dw * ctx.dw_scale.to(dw.dtype)
         if has_bias and ctx.needs_input_grad[2]:
             dbias = dy2.sum(0)
-        return dx, dw, dbias, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None
 
 
 def _sparse_product(x: torch.Tensor, sparse_weight: torch.Tensor, mask: torch.Tensor, bias=None) -> torch.Tensor:
     """x @ sparse_weight^T (+ bias) where sparse_weight is 2:4 along rows within mask."""
     if not _on_kernel(x):
         return F.linear(x, sparse_weight, bias)
-    values, metadata = prune_and_compress(sparse_weight, mask=mask)
+    values, metadata = compress_masked(sparse_weight, mask)
     return ops.sp24_dds(x, values, metadata, bias, sparse_weight.shape[0])
 
 
@@ -96,7 +98,7 @@ class Sparse24TrainingLinear(nn.Module):
         self.dw_sparse, self.soft_threshold, self.dense = dw_sparse, soft_threshold, False
         self.register_buffer("mask", torch.zeros(out_features, in_features, dtype=torch.bool, device=device))
         self.register_buffer("scale", torch.ones((), device=device))
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
+        self.steps = 0  # training forwards so far (a Python int: no GPU sync per step)
         self.refresh_mask()
 
     @classmethod
@@ -127,7 +129,7 @@ class Sparse24TrainingLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and not torch.compiler.is_compiling():
-            if int(self.steps) > 0 and int(self.steps) % self.mask_interval == 0:
+            if self.steps > 0 and self.steps % self.mask_interval == 0:
                 self.refresh_mask()
             self.steps += 1
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
@@ -141,7 +143,8 @@ class Sparse24TrainingLinear(nn.Module):
             return _sparse_product(x, sparse, self.mask, bias)
         # Straight-through: the dense weight gets dY^T X, whatever the mask.
         kernel_dx = self.method == "transposable" and self.out_features % semi24.COL_GRANULE == 0
-        return _Sparse24STE.apply(x, weight, bias, sparse.detach(), self.mask, kernel_dx, self.dw_sparse)
+        return _Sparse24STE.apply(x, weight, bias, sparse.detach(), self.mask, kernel_dx, self.dw_sparse,
+                                  self.scale if self.soft_threshold else None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4 "

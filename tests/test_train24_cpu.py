@@ -82,7 +82,10 @@ def test_soft_threshold_is_24_and_matches_the_formula():
     sparse = layer.sparse_weight(layer.weight.detach())
     assert is_24(sparse) and float(layer.scale) > 1.0  # the threshold shrinks; the scale restores
     x = torch.randn(4, 64, dtype=torch.float64)
-    torch.testing.assert_close(layer(x), x @ sparse.t() + layer.bias)
+    out = layer(x)
+    torch.testing.assert_close(out, x @ sparse.t() + layer.bias)
+    out.sum().backward()  # straight through the scaled threshold: scale * dY^T X
+    torch.testing.assert_close(layer.weight.grad, layer.scale * torch.ones(4, 32, dtype=torch.float64).t() @ x)
 
 
 def test_dw_sparse_is_an_unbiased_estimate():
