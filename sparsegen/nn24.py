@@ -10,6 +10,7 @@ from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs, dense_linear
 from .sparse24 import Sparse24Tensor, prune_and_compress
+from .train24 import Sparse24TrainingLinear
 
 
 class Sparse24Linear(nn.Module):
@@ -37,8 +38,16 @@ class Sparse24Linear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, method: str = "magnitude", mask: torch.Tensor | None = None):
-        """Prune `linear.weight` to 2:4 by `method` (or the given `mask`) and keep the kept values."""
+    def from_dense(cls, linear: nn.Linear, method: str | None = None, mask: torch.Tensor | None = None,
+                   **recipe):
+        """Prune `linear.weight` to 2:4 by `method` (default "magnitude") or the given `mask`,
+        and keep the kept values. With 2by4-pretrain options (mask_interval, dw_sparse,
+        soft_threshold) it returns a Sparse24TrainingLinear instead (default method
+        "transposable")."""
+        if recipe:
+            expect(mask is None, "no mask with training options (the mask follows the weights)", "a mask")
+            return Sparse24TrainingLinear.from_dense(linear, method=method or "transposable", **recipe)
+        method = method or "magnitude"
         expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
         semi24.check_shape(tuple(linear.weight.shape))
         layer = cls.__new__(cls)

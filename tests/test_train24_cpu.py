@@ -134,3 +134,17 @@ def test_bad_options():
         sparsegen.Sparse24TrainingLinear(64, 32, mask_interval=0)
     with pytest.raises(InputError, match="multiple of 16"):
         sparsegen.Sparse24TrainingLinear(64, 24)
+
+
+def test_factory_and_from_dense_with_recipe_options_give_the_training_layer():
+    layer = sparsegen.linear(64, 32, sparsity="2:4", dw_sparse=True, mask_interval=10)
+    assert isinstance(layer, sparsegen.Sparse24TrainingLinear) and layer.dw_sparse and layer.method == "transposable"
+    dense = nn.Linear(64, 32)
+    trained = sparsegen.Sparse24Linear.from_dense(dense, soft_threshold=True)
+    assert isinstance(trained, sparsegen.Sparse24TrainingLinear) and trained.soft_threshold
+    assert torch.equal(trained.weight, dense.weight)
+    assert isinstance(sparsegen.Sparse24Linear.from_dense(dense), sparsegen.Sparse24Linear)
+    with pytest.raises(InputError, match="training options"):
+        sparsegen.linear(64, 32, density=0.5, dw_sparse=True)
+    with pytest.raises(TypeError):
+        sparsegen.linear(64, 32, sparsity="2:4", not_an_option=1)
