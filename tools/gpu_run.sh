@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call of the device tool: GPU tests, then the
-# benchmark. Logs go to $OUT (or ./out). Usage: tools/gpu_run.sh [tests|tune|quick|bench]...
+# benchmark. Logs go to $OUT (or ./out). Usage: tools/gpu_run.sh STEP... (steps: the case labels below)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (diskcache)
@@ -31,6 +31,7 @@ for step in "${steps[@]}"; do
     demo) python3 tools/demo.py 2>&1 | tee "$OUT/demo.log" ;;
     tune24) python3 tools/bench24.py --tune 2>&1 | tee "$OUT/tune24.log" ;;
     tests24) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24.log" ;;
+    tests24k) SPARSEGEN_COMPRESS_KERNEL=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24k.log" ;;
     bench24) python3 tools/bench24.py --markdown "$OUT/bench24.md" --plot "$OUT/bench24.png" 2>&1 | tee "$OUT/bench24.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
