@@ -142,3 +142,15 @@ def test_failed_compile_is_not_cached(monkeypatch):
     assert cache.info()["entries"] == 0
     with pytest.raises(sparsegen.CompileError):
         cache.build(spec)
+
+
+@needs_tools
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compress_kernel_has_no_spills(arch, tmp_path):
+    from sparsegen.spec import sp24_compress_spec
+
+    spec = sp24_compress_spec("bf16", arch)
+    sass, usage = disassemble(spec, tmp_path)
+    assert re.search(rf"\.target\s+{spec.target}\s", sass)
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spill in SASS"
+    assert re.search(rf"Function {spec.name}:\s*REG:\d+ STACK:0 SHARED:\d+ LOCAL:0\b", usage), usage
