@@ -161,3 +161,17 @@ def test_f_linear_accepts_a_sparse24_weight():
     torch.testing.assert_close(F.linear(x, sparse), x @ sparse.to_dense().t())
     with pytest.raises(InputError, match=r"shape \(\.\.\., 64\)"):
         F.linear(torch.randn(2, 60, dtype=torch.float64), sparse)
+
+
+def test_magnitude_ties_keep_the_first_and_positions_cover_every_pattern():
+    import itertools
+
+    w = torch.ones(16, 32, dtype=torch.bfloat16)  # all equal: the first two of each group
+    assert semi24.magnitude_mask(w)[0, :4].tolist() == [True, True, False, False]
+    for bits in itertools.product([False, True], repeat=4):
+        if sum(bits) > 2:
+            continue
+        mask = torch.tensor([list(bits) * 8] * 16)
+        positions = semi24.kept_positions(mask)[0, 0].tolist()
+        kept = [i for i in range(4) if bits[i]]
+        assert positions == sorted(positions) and set(kept) <= set(positions) and len(set(positions)) == 2

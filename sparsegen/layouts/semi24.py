@@ -65,11 +65,18 @@ def check_mask(mask: torch.Tensor, shape) -> torch.Tensor:
     return mask
 
 
+def _ranks(keys: torch.Tensor) -> torch.Tensor:
+    """Per group of 4 (last dim), each element's rank by descending key, ties to the lower
+    index: twelve elementwise comparisons, no sort (sorting 4-element rows is slow on GPUs)."""
+    k = keys.float().unbind(-1)
+    ranks = [sum(((k[j] > k[i]) if j > i else (k[j] >= k[i])).to(torch.uint8) for j in range(4) if j != i)
+             for i in range(4)]
+    return torch.stack(ranks, dim=-1)
+
+
 def magnitude_mask(w: torch.Tensor) -> torch.Tensor:
-    """Keep the 2 largest |w| of every 4."""
-    top = _groups(w.abs()).topk(2, dim=-1).indices
-    mask = torch.zeros_like(_groups(w), dtype=torch.bool).scatter_(-1, top, True)
-    return mask.reshape(w.shape)
+    """Keep the 2 largest |w| of every 4 (the first of equal ones, as the kernel does)."""
+    return (_ranks(_groups(w.abs())) < 2).reshape(w.shape)
 
 
 def mvue(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -103,11 +110,26 @@ def transposable_mask(w: torch.Tensor) -> torch.Tensor:
     return best.reshape(n // 4, k // 4, 4, 4).permute(0, 2, 1, 3).reshape(n, k)
 
 
+def _positions_table() -> torch.Tensor:
+    """[16, 2]: for each 4-bit keep pattern, the 2 positions stored (increasing): the kept
+    ones first, padded with the first unkept ones."""
+    rows = []
+    for code in range(16):
+        kept = [i for i in range(4) if code >> i & 1][:2]
+        kept += [i for i in range(4) if i not in kept][:2 - len(kept)]
+        rows.append(sorted(kept))
+    return torch.tensor(rows)
+
+
+_POSITIONS = _positions_table()
+
+
 def kept_positions(mask: torch.Tensor) -> torch.Tensor:
     """[N, K/4, 2]: the 2 stored positions of each group, increasing. Groups with fewer
-    than 2 kept also store their first unkept positions (as zeros)."""
-    order = torch.argsort((~_groups(mask)).to(torch.int8), dim=-1, stable=True)[..., :2]
-    return order.sort(-1).values
+    than 2 kept also store their first unkept positions (as zeros). A table lookup on each
+    group's 4-bit pattern: no sort."""
+    code = (_groups(mask).to(torch.uint8) << torch.arange(4, device=mask.device, dtype=torch.uint8)).sum(-1)
+    return _POSITIONS.to(mask.device)[code.long()]
 
 
 def compress(w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
