@@ -96,3 +96,21 @@ def test_patch_bert_from_config():
     assert len(names) == 4
     out = net(torch.randint(0, 100, (2, 12))).last_hidden_state
     assert out.shape == (2, 12, 64) and not out.isnan().any()
+
+
+def test_patch_gpt2_with_24_matches_the_pruned_dense_model():
+    """2:4 on transformers' Conv1D (weight stored [in, out]): the patched model computes
+    what the dense model does with its weights pruned 2:4 along each output row."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(config).eval()
+    reference = copy.deepcopy(net)
+    names = sparsegen.patch(net, {r"transformer\.h\.\d+\.mlp\.c_(fc|proj)": {"sparsity": "2:4"}})
+    assert all(isinstance(net.get_submodule(n), sparsegen.Sparse24Linear) for n in names) and len(names) == 4
+    with torch.no_grad():
+        for name in names:
+            conv = reference.get_submodule(name)  # Conv1D: y = x @ weight + bias, weight [in, out]
+            conv.weight.copy_(sparsegen.to_sparse24(conv.weight.t().contiguous()).to_dense().t())
+    ids = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(net(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
