@@ -12,7 +12,7 @@ import jinja2.meta
 import pytest
 
 from sparsegen import codegen
-from sparsegen.spec import INSTRS, KernelSpec, TileConfig, forward_spec
+from sparsegen.spec import INSTRS, OPS, KernelSpec, TileConfig, forward_spec
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 # Pinned tiles (not the tuned defaults), so that only a template change moves a golden file.
@@ -20,6 +20,12 @@ GOLDEN_SPECS = [
     KernelSpec(block=(128, 64), dtype="fp32", arch=80, tile=TileConfig(128, 2, 2, 3), instr="mma"),
     KernelSpec(block=(16, 16), dtype="fp16", arch=90, tile=TileConfig(128, 8, 1, 4), instr="wgmma"),
     KernelSpec(block=(64, 32), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="tma"),
+]
+# The other ops' templates, pinned the same way.
+OTHER_GOLDEN = [
+    KernelSpec(op="bsr_sdd", block=(64, 64), dtype="bf16", trans="tn", arch=80, tile=TileConfig(32, 2, 2, 4)),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(128, 4, 2, 3)),
+    KernelSpec(op="sp24_compress", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
 ]
 SPECS = GOLDEN_SPECS + [
     forward_spec((16, 128), "bf16", 86),
@@ -84,6 +90,21 @@ def test_wgmma_source_issues_the_right_instruction(spec):
     assert instruction in codegen.render(spec)
 
 
+def test_golden_files_cover_every_op():
+    assert {s.op for s in GOLDEN_SPECS + OTHER_GOLDEN} == set(OPS)
+
+
+@pytest.mark.parametrize("spec", OTHER_GOLDEN, ids=ids)
+def test_other_ops_name_their_kernel(spec):
+    source = codegen.render(spec)
+    assert re.search(rf'extern "C" __global__ void __launch_bounds__\({spec.threads}\)\s*{spec.name}\(', source)
+    if spec.op == "sp24_dds":
+        ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
+        assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ptx}.{ptx}.f32" in source
+        assert re.search(rf"sg::Sp24Dds<SpMma, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "
+                         rf"{spec.tile.warps_m}, {spec.tile.warps_n}, {spec.tile.stages}>", source)
+
+
 def test_render_is_deterministic():
     for spec in SPECS:
         assert codegen.render(spec) == codegen.render(spec)
@@ -127,7 +148,7 @@ def test_template_with_undefined_variable_fails_to_render(tmp_path, monkeypatch)
         codegen._environment.cache_clear()
 
 
-@pytest.mark.parametrize("spec", GOLDEN_SPECS, ids=ids)
+@pytest.mark.parametrize("spec", GOLDEN_SPECS + OTHER_GOLDEN, ids=ids)
 def test_matches_golden_file(spec):
     path = GOLDEN_DIR / f"{spec.name}.cu"
     source = codegen.render(spec)
@@ -141,7 +162,7 @@ def test_matches_golden_file(spec):
 
 
 def test_no_stale_golden_files():
-    wanted = {f"{spec.name}.cu" for spec in GOLDEN_SPECS}
+    wanted = {f"{spec.name}.cu" for spec in GOLDEN_SPECS + OTHER_GOLDEN}
     stale = [p for p in GOLDEN_DIR.glob("*.cu") if p.name not in wanted]
     if os.environ.get("SPARSEGEN_UPDATE_GOLDEN", "") not in ("", "0"):
         for path in stale:
