@@ -23,12 +23,8 @@ def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Optional[T
     return F.linear(x, weight, bias)
 
 
-def _uses_kernel(x: Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and ops.has_kernels(x.device.index or 0)
-
-
 def sp24_any_device(x, values, metadata, bias, out_features: int) -> Tensor:
-    if _uses_kernel(x):
+    if ops.runs_16bit_kernels(x):
         return ops.sp24_dds(x, values, metadata, bias, out_features)
     return sp24_reference(x, values, metadata, bias, out_features)
 
@@ -74,8 +70,7 @@ class _EagerSp24Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, values, metadata, bias, out_features):
-        ctx.save_for_backward(x, values, metadata)
-        ctx.has_bias = bias is not None
+        _setup_context(ctx, (x, values, metadata, bias, out_features), None)
         return ops.sp24_dds(x, values, metadata, bias, out_features)
 
     @staticmethod

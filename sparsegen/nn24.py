@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .autograd24 import _uses_kernel, eager_sp24_linear, sp24_linear, sp24_reference
+from .autograd24 import eager_sp24_linear, sp24_linear, sp24_reference
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs, dense_linear
@@ -71,7 +71,7 @@ class Sparse24Linear(nn.Module):
         ops.check_inputs(x, values, bias, self.in_features)
         if torch.compiler.is_compiling():
             return sp24_linear(x, values, self.metadata, bias, self.out_features)
-        if not _uses_kernel(x):
+        if not ops.runs_16bit_kernels(x):
             return sp24_reference(x, values, self.metadata, bias, self.out_features)
         if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad):
             return eager_sp24_linear(x, values, self.metadata, bias, self.out_features)

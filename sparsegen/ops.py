@@ -64,6 +64,11 @@ def has_kernels(device_index: int) -> bool:
     return False
 
 
+def runs_16bit_kernels(t: torch.Tensor) -> bool:
+    """A float16/bfloat16 CUDA tensor on a GPU the templates cover (the 2:4 kernels' domain)."""
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and has_kernels(t.device.index or 0)
+
+
 @torch.library.custom_op("sparsegen::bsr_dds", mutates_args=())
 def bsr_dds_op(x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor],
                row_offsets: torch.Tensor, col_indices: torch.Tensor, flat_index: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import env, ops
+from .autograd24 import sp24_any_device
 from .errors import expect
 from .layouts import semi24
 
@@ -27,7 +28,7 @@ class Sparse24Tensor:
     def mask(self) -> torch.Tensor:
         """Where the stored elements sit (the dense positions kept, zeros included)."""
         n, k = self.shape
-        positions = semi24._unpack_fast(self.metadata, n, k)
+        positions = semi24.stored_positions(self.metadata, n, k)
         mask = torch.zeros(n, k // 4, 4, dtype=torch.bool, device=self.device)
         return mask.scatter_(-1, positions, True).reshape(n, k)
 
@@ -46,8 +47,6 @@ class Sparse24Tensor:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias): the mma.sp kernel for 16-bit CUDA tensors, else PyTorch."""
-        from .autograd24 import sp24_any_device  # the ops above this module
-
         ops.check_inputs(x, self.values, bias, self.shape[1])
         return sp24_any_device(x, self.values, self.metadata, bias, self.shape[0])
 
@@ -79,15 +78,11 @@ def to_sparse24(tensor: torch.Tensor, method: str = "magnitude", mask: torch.Ten
     return Sparse24Tensor(*prune_and_compress(tensor, method, mask, generator), tensor.shape)
 
 
-def _on_kernel(w: torch.Tensor) -> bool:
-    return (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and ops.has_kernels(w.device.index or 0))
-
-
 @torch.no_grad()
 def compress_masked(w: torch.Tensor, mask: torch.Tensor):
     """(values, metadata) of w at a mask already known to be 2:4 (no check, no host sync):
     the training layers' per-step path."""
-    if _on_kernel(w) and env.compress_kernel():
+    if ops.runs_16bit_kernels(w) and env.compress_kernel():
         return ops.sp24_compress(w, mask)
     return semi24.compress(w.detach().contiguous(), mask.contiguous())
 
@@ -98,7 +93,7 @@ def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, ge
     with SPARSEGEN_COMPRESS_KERNEL=1, the generated sp24_compress kernel packs them on the GPU
     (and picks magnitude masks itself)."""
     w = w.detach()
-    fused = _on_kernel(w) and env.compress_kernel()
+    fused = ops.runs_16bit_kernels(w) and env.compress_kernel()
     if fused and method == "magnitude" and mask is None:
         return ops.sp24_compress(w)
     pruned, keep = semi24.prune(w, method, mask, generator)

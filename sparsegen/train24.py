@@ -26,7 +26,7 @@ from . import ops
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
-from .sparse24 import _on_kernel, compress_masked
+from .sparse24 import compress_masked
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -53,7 +53,7 @@ class _Sparse24STE(torch.autograd.Function):
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             # (W * mask)^T is 2:4 when the mask is transposable: the same kernel runs dX.
-            dx = (_sparse_product(dy, sparse_weight.t(), mask.t()) if kernel_dx and _on_kernel(dy)
+            dx = (_sparse_product(dy, sparse_weight.t(), mask.t()) if kernel_dx and ops.runs_16bit_kernels(dy)
                   else dy @ sparse_weight)
         if ctx.needs_input_grad[1]:
             dw = (_mvue_rows(dy2.t()) if dw_sparse else dy2.t()) @ x2
@@ -66,7 +66,7 @@ class _Sparse24STE(torch.autograd.Function):
 
 def _sparse_product(x: torch.Tensor, sparse_weight: torch.Tensor, mask: torch.Tensor, bias=None) -> torch.Tensor:
     """x @ sparse_weight^T (+ bias) where sparse_weight is 2:4 along rows within mask."""
-    if not _on_kernel(x):
+    if not ops.runs_16bit_kernels(x):
         return F.linear(x, sparse_weight, bias)
     values, metadata = compress_masked(sparse_weight, mask)
     return ops.sp24_dds(x, values, metadata, bias, sparse_weight.shape[0])

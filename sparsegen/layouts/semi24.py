@@ -14,6 +14,7 @@ Everything here is plain PyTorch, so it runs on the CPU and, as it is, on the GP
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -45,7 +46,7 @@ def check_dtype(dtype: torch.dtype) -> None:
 def gather_kept(dense: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
     """[N, K/2]: the elements of `dense` at the positions `metadata` stores (a gradient)."""
     n, k = dense.shape
-    return torch.gather(_groups(dense), -1, _unpack_fast(metadata, n, k)).reshape(n, k // 2)
+    return torch.gather(_groups(dense), -1, stored_positions(metadata, n, k)).reshape(n, k // 2)
 
 
 def _groups(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,7 @@ def mvue(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Ten
     return (torch.where(choice, pairs.sign() * size, torch.zeros_like(pairs))).reshape(w.shape).to(w.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _transposable_patterns() -> torch.Tensor:
     """The 90 4x4 boolean patterns with exactly 2 kept in every row and every column."""
     rows = [r for r in itertools.product([0, 1], repeat=4) if sum(r) == 2]
@@ -180,13 +182,13 @@ def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:
 def decompress(values: torch.Tensor, metadata: torch.Tensor, shape) -> torch.Tensor:
     """The dense [N, K] tensor (vectorized: the kernels' own reading is tested elsewhere)."""
     n, k = shape
-    positions = _unpack_fast(metadata, n, k)
+    positions = stored_positions(metadata, n, k)
     dense = torch.zeros(n, k // 4, 4, dtype=values.dtype, device=values.device)
     return dense.scatter_(-1, positions, values.reshape(n, k // 4, 2)).reshape(n, k)
 
 
-def _unpack_fast(metadata: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of pack_metadata, vectorized."""
+def stored_positions(metadata: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """[N, K/4, 2]: the positions the metadata stores (pack_metadata's inverse, vectorized)."""
     words = (metadata.to(torch.int64) & 0xFFFFFFFF).reshape(n // 16, k // 32, 8, 2)  # [R, J, g, h]
     nib = (words[..., None] >> 4 * torch.arange(8, device=metadata.device)) & 0xF     # [R, J, g, h, 8]
     nib = nib.reshape(n // 16, k // 32, 8, 2, 2, 4).permute(0, 4, 2, 1, 3, 5)       # [R, u, g, J, h, j]
