@@ -5,6 +5,7 @@ import functools
 from pathlib import Path
 
 from . import env
+from .layouts.semi24 import ROW_PAIRS, TRANSPOSABLE_PATTERNS
 from .spec import KernelSpec
 
 _MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
@@ -40,7 +41,8 @@ def template_context(spec: KernelSpec) -> dict:
     return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch,
                 bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages,
-                threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype])
+                threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype],
+                pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS)
 
 
 def environment():

@@ -24,7 +24,6 @@ def disable_disk_cache() -> bool:
 
 
 def compress_kernel() -> bool:
-    """SPARSEGEN_COMPRESS_KERNEL=1 packs 2:4 weights on the GPU with the generated
-    sp24_compress kernel instead of PyTorch ops. Off by default until it has run on a GPU
-    (it compiles in CI; no GPU time was left to run it in the session that wrote it)."""
-    return os.environ.get("SPARSEGEN_COMPRESS_KERNEL", "") not in ("", "0")
+    """2:4 pruning and packing of CUDA 16-bit weights runs on the generated sp24_compress
+    and sp24_mask kernels; SPARSEGEN_COMPRESS_KERNEL=0 falls back to PyTorch ops."""
+    return os.environ.get("SPARSEGEN_COMPRESS_KERNEL", "1") not in ("", "0")

@@ -204,14 +204,27 @@ def _(dy2, x2, flat_index, block_rows, block_cols):
 
 
 @functools.lru_cache(maxsize=None)
-def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None):
+def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket), device_index)
+    return runtime.kernel(sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr), device_index)
 
 
 def _rows_bucket(m: int) -> int | None:
     """The batch sizes sp24_spec tells apart (a few cached kernels, not one per M)."""
     return 32 if m <= 32 else 128 if m <= 128 else None
+
+
+def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor) -> tuple[tuple, tuple]:
+    """(TMA descriptors, pointers) of X, W's values and metadata as the kernel reads them:
+    per stage, 64 columns of X, 32 kept values and 2 k32 tiles of metadata words per row."""
+    if spec.instr != "tma":
+        return (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr())
+    values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
+    (m, k), n, w_rows = x2.shape, values.shape[0], 16 * spec.tile.warps_m
+    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m, 64)
+    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, k // 2, w_rows, 32)
+    m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, k // 2, w_rows // 16, 32, False)
+    return (x_map, w_map, m_map), ()
 
 
 SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
@@ -224,16 +237,18 @@ def _k_splits(blocks: int, k: int, device_index: int) -> int:
     return max(1, min(stages, (2 * runtime.sm_count(device_index)) // max(blocks, 1)))
 
 
-def _sp24_grid(tile, m: int, k: int, n: int, device_index: int, splits: int | None):
+def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None):
     """(grid, dense K per split): output tiles in x and y, K splits (whole stages) in z."""
-    tiles_n, tiles_m = -(-n // (64 * tile.warps_m)), -(-m // tile.tile_m)
+    tile = spec.tile
+    tile_w = 16 * tile.warps_m if spec.instr == "tma" else 64 * tile.warps_m
+    tiles_n, tiles_m = -(-n // tile_w), -(-m // tile.tile_m)
     wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index) if m <= 256 else 1)
     k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
     return (tiles_n, tiles_m, -(-k // k_split)), k_split
 
 
 def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
-             out=None, tile=None, splits: int | None = None) -> torch.Tensor:
+             out=None, tile=None, splits: int | None = None, instr: str | None = None) -> torch.Tensor:
     """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
     split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
@@ -242,35 +257,56 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     if m == 0:
         return shaped
     device_index = x.device.index or 0
-    kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile)
-    grid, k_split = _sp24_grid(kern.spec.tile, m, k, out_features, device_index, splits)
+    kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile, instr)
+    grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits)
     partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
     bias_ptr = bias.data_ptr() if bias is not None else 0
-    kern.launch(grid, (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr(), bias_ptr, y.data_ptr(),
-                           0 if partial is None else partial.data_ptr()), (m, k, out_features, k_split))
+    maps, operands = _sp24_operands(kern.spec, x2, values, metadata)
+    kern.launch(grid, maps, (*operands, bias_ptr, y.data_ptr(), 0 if partial is None else partial.data_ptr()),
+                (m, k, out_features, k_split))
     if partial is not None:
         y.copy_(partial if bias is None else partial.add_(bias))
     return shaped
 
 
 @functools.lru_cache(maxsize=None)
-def _sp24_compress_kernel(dtype: torch.dtype, device_index: int):
+def _sp24_prune_kernel(op: str, dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch), device_index)
+    return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch, op), device_index)
 
 
-def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values [N, K/2], metadata [N/16, K/32, 16] int32) of a contiguous 16-bit CUDA
-    weight pruned to 2:4 on the GPU: the 2 largest |w| of every 4, or `mask`'s positions."""
-    w, (n, k) = w.contiguous(), w.shape
-    if w.data_ptr() % 16:  # the kernel reads rows 16 bytes at a time
-        w = w.clone()
+def _aligned(w: torch.Tensor) -> torch.Tensor:
+    """w contiguous at a 16-byte aligned address: the prune kernels read rows in 8 or 16 bytes."""
+    w = w.contiguous()
+    return w.clone() if w.data_ptr() % 16 else w
+
+
+_MAGNITUDE, _MASKED, _MVUE = 0, 1, 2  # sp24_compress's modes
+
+
+def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
+                  mvue_seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K/2], metadata [N/16, K/32, 16] int32) of a 16-bit CUDA weight pruned
+    to 2:4 on the GPU: the 2 largest |w| of every 4, `mask`'s positions, or (given a seed)
+    an MVUE sample."""
+    w, (n, k) = _aligned(w), w.shape
     values = torch.empty(n, k // 2, dtype=w.dtype, device=w.device)
     metadata = torch.empty(n // 16, k // 32, 16, dtype=torch.int32, device=w.device)
-    kern = _sp24_compress_kernel(w.dtype, w.device.index or 0)
-    words = metadata.numel()
-    mask_bytes = None if mask is None else mask.contiguous().view(torch.uint8)
-    mask_ptr = 0 if mask_bytes is None else mask_bytes.data_ptr()
-    kern.launch((-(-words // kern.threads), 1, 1), (), (w.data_ptr(), mask_ptr, values.data_ptr(), metadata.data_ptr()),
-                (n, k))
+    kern = _sp24_prune_kernel("sp24_compress", w.dtype, w.device.index or 0)
+    mask_ptr = 0 if mask is None else mask.contiguous().view(torch.uint8).data_ptr()
+    mode = _MVUE if mvue_seed is not None else _MAGNITUDE if mask is None else _MASKED
+    seed = (mvue_seed or 0) % 2**64
+    kern.launch((-(-metadata.numel() // kern.threads), 1, 1), (),
+                (w.data_ptr(), mask_ptr, values.data_ptr(), metadata.data_ptr(), seed), (n, k, mode))
     return values, metadata
+
+
+def sp24_transposable_mask(w: torch.Tensor) -> torch.Tensor:
+    """The transposable 2:4 mask (bool, w's shape) of a 16-bit CUDA weight, on the GPU: what
+    layouts.semi24.transposable_mask computes."""
+    w, (n, k) = _aligned(w), w.shape
+    mask = torch.empty(n, k, dtype=torch.bool, device=w.device)
+    kern = _sp24_prune_kernel("sp24_mask", w.dtype, w.device.index or 0)
+    tiles = (n // 4) * (k // 4)
+    kern.launch((-(-tiles // kern.threads), 1, 1), (), (w.data_ptr(), mask.data_ptr()), (n, k))
+    return mask

@@ -118,23 +118,26 @@ _kernel_params = functools.lru_cache(maxsize=128)(_Params)
 
 
 # CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values from cuda.h.
-_TMA_DTYPES = {torch.float16: 6, torch.bfloat16: 9}
+_TMA_DTYPES = {torch.int32: 3, torch.float16: 6, torch.bfloat16: 9}
 _SWIZZLE = {32: 1, 64: 2, 128: 3}
 _L2_PROMOTE_256B = 3
 
 
 class TensorMap:
     """A TMA descriptor of a row-major 2-D tensor at `ptr`, read in boxes of box_rows x
-    box_cols into shared memory swizzled to the box's row width (32, 64 or 128 bytes)."""
+    box_cols into shared memory swizzled to the box's row width (32, 64 or 128 bytes), or
+    as they are (swizzle=False)."""
 
-    def __init__(self, ptr: int, dtype: torch.dtype, rows: int, cols: int, box_rows: int, box_cols: int):
+    def __init__(self, ptr: int, dtype: torch.dtype, rows: int, cols: int, box_rows: int, box_cols: int,
+                 swizzle: bool = True):
         size = dtype.itemsize
         self._storage = ctypes.create_string_buffer(128 + 64)  # the driver wants 64-byte alignment
         self.address = (ctypes.addressof(self._storage) + 63) & ~63
         u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint * 2
         status = _libcuda().cuTensorMapEncodeTiled(
             self.address, _TMA_DTYPES[dtype], 2, ptr, u64x2(cols, rows), u64x2(cols * size, 0),
-            u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE[box_cols * size], _L2_PROMOTE_256B, 0)
+            u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE[box_cols * size] if swizzle else 0,
+            _L2_PROMOTE_256B, 0)
         if status != 0:
             raise LaunchError(f"cuTensorMapEncodeTiled failed: CUresult {status} "
                               f"(rows {rows}, cols {cols}, box {box_rows}x{box_cols})")

@@ -79,24 +79,46 @@ def to_sparse24(tensor: torch.Tensor, method: str = "magnitude", mask: torch.Ten
 
 
 @torch.no_grad()
+def _on_kernels(w: torch.Tensor) -> bool:
+    """Prune and pack with the generated kernels (a CUDA 16-bit weight), else PyTorch ops."""
+    return ops.runs_16bit_kernels(w) and env.compress_kernel()
+
+
 def compress_masked(w: torch.Tensor, mask: torch.Tensor):
     """(values, metadata) of w at a mask already known to be 2:4 (no check, no host sync):
     the training layers' per-step path."""
-    if ops.runs_16bit_kernels(w) and env.compress_kernel():
-        return ops.sp24_compress(w, mask)
+    if _on_kernels(w):
+        return ops.sp24_compress(w.detach(), mask)
     return semi24.compress(w.detach().contiguous(), mask.contiguous())
+
+
+def prune_mask(w: torch.Tensor, method: str) -> torch.Tensor:
+    """The "magnitude" or "transposable" 2:4 mask of w (the transposable one by a kernel on
+    the GPU)."""
+    if method == "transposable":
+        return ops.sp24_transposable_mask(w) if _on_kernels(w) else semi24.transposable_mask(w)
+    return semi24.magnitude_mask(w)
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    """A 64-bit seed for the MVUE kernel, drawn from `generator` (else torch's default CPU
+    generator, so torch.manual_seed makes runs repeat)."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(-2**63, 2**63 - 1, (), generator=generator, device=device))
 
 
 @torch.no_grad()
 def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, generator=None):
-    """(values, metadata) of w pruned by `method` or `mask`, in PyTorch ops (any device);
-    with SPARSEGEN_COMPRESS_KERNEL=1, the generated sp24_compress kernel packs them on the GPU
-    (and picks magnitude masks itself)."""
+    """(values, metadata) of w pruned by `method` or `mask`: for a CUDA 16-bit weight by the
+    generated sp24_mask / sp24_compress kernels, otherwise in PyTorch ops (any device)."""
     w = w.detach()
-    fused = ops.runs_16bit_kernels(w) and env.compress_kernel()
-    if fused and method == "magnitude" and mask is None:
-        return ops.sp24_compress(w)
-    pruned, keep = semi24.prune(w, method, mask, generator)
-    if fused:
-        return ops.sp24_compress(pruned, keep.to(w.device))
-    return semi24.compress(pruned.contiguous(), keep.to(w.device).contiguous())
+    if mask is None:
+        semi24.check_method(method)
+    if not _on_kernels(w):
+        pruned, keep = semi24.prune(w, method, mask, generator)
+        return semi24.compress(pruned.contiguous(), keep.to(w.device).contiguous())
+    if mask is not None:
+        return ops.sp24_compress(w, semi24.check_mask(mask, w.shape).to(w.device))
+    if method == "mvue":
+        return ops.sp24_compress(w, mvue_seed=_seed(generator))
+    return ops.sp24_compress(w, prune_mask(w, method) if method == "transposable" else None)

@@ -20,9 +20,11 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # sp24_dds: Y = X W^T with W 2:4 semi-structured (mma.sp); its "block" is the instruction's
 # 16 x 32 tile of W, the granule its shapes come in. sp24_compress: prune a dense W to 2:4
 # and pack values and metadata (one thread per metadata word; tile gives the block size).
-OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress")
+# sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
+OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress", "sp24_mask")
+SP24_OPS = ("sp24_dds", "sp24_compress", "sp24_mask")
 TRANSPOSES = ("nt", "tn")
-OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt"}  # operand layouts
+OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt", "sp24_mask": "nt"}  # operand layouts
 SP24_BLOCK = (16, 32)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
@@ -121,8 +123,11 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
-        if self.op == "sp24_compress":
+        if self.op in ("sp24_compress", "sp24_mask"):
             return 0
+        if self.op == "sp24_dds" and self.instr == "tma":  # stage K 64: 128 bytes per X row, 64 + 8 per W row
+            w_rows = 16 * self.tile.warps_m  # 64 per consumer warpgroup
+            return self.tile.stages * (self.tile.tile_m * 128 + w_rows * 72) + 1024 + 16 * self.tile.stages
         if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 of metadata per W row
             return self.tile.stages * (self.tile.tile_m * 256 + 64 * self.tile.warps_m * 144)
         rows = self.tile.tile_m + self.block[0]
@@ -143,10 +148,10 @@ class KernelSpec:
                repr(self.trans), SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
-        if self.op in ("sp24_dds", "sp24_compress"):
+        if self.op in SP24_OPS:
             _validate_sp24(self)
         _validate_tile(self)
-        if self.instr in HOPPER_INSTRS:
+        if self.instr in HOPPER_INSTRS and self.op not in SP24_OPS:
             _validate_wgmma(self)
 
 
@@ -160,9 +165,16 @@ def _validate_sdd(spec: KernelSpec) -> None:
 
 def _validate_sp24(spec: KernelSpec) -> None:
     t = spec.tile
-    expect(spec.instr == "mma" and spec.dtype in ("bf16", "fp16"),
-           "instr 'mma' (mma.sp) and a 16-bit dtype for sp24_dds", f"{spec.instr}, {spec.dtype}", SpecError)
-    expect(spec.block == SP24_BLOCK, f"block {SP24_BLOCK} (the mma.sp tile) for sp24_dds", spec.block, SpecError)
+    hopper = spec.op == "sp24_dds" and spec.arch == 90
+    expect(spec.instr == "mma" or (hopper and spec.instr == "tma"),
+           "instr 'mma' (mma.sp), or 'tma' (wgmma.sp) for sp24_dds on sm_90", repr(spec.instr), SpecError)
+    expect(spec.dtype in ("bf16", "fp16"), "a 16-bit dtype for 2:4 kernels", spec.dtype, SpecError)
+    expect(spec.block == SP24_BLOCK, f"block {SP24_BLOCK} (the mma.sp tile) for {spec.op}", spec.block, SpecError)
+    if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
+        expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
+               "warps_n = 1, whole warpgroups (warps_m % 4 == 0) and tile_m <= 256 for tma",
+               t.tag, SpecError)
+        return
     expect(t.tile_m % (8 * t.warps_n) == 0, f"tile_m a multiple of 8 x warps_n = {8 * t.warps_n}",
            t.tile_m, SpecError)
 
@@ -267,27 +279,33 @@ def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> Ke
                       tile=tile, instr="mma")
 
 
-def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None) -> KernelSpec:
-    """The 2:4 forward. Each warp owns 64 output features (warps_m of them) and
-    tile_m / warps_n tokens. From tools/bench24.py --tune on an H200: 256 x 128 per block
-    (64 x 64 per warp: sparse math doubles the operand traffic per FLOP, so warp tiles are
-    large) for big batches; 128 x 64 up to 128 tokens and 128 x 32 up to 32 (the host
-    splits K across blocks there); 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory."""
-    big_smem = SMEM_LIMIT[arch] > 160 * 1024
+def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
+              instr: str | None = None) -> KernelSpec:
+    """The 2:4 forward. On sm_90 (from tools/bench24.py --tune on an H200): wgmma.sp fed by
+    TMA, two consumer warpgroups of 64 W rows, 256 tokens per block (1.3-1.6x dense at
+    M >= 1024, where mma.sp reached 0.6x), 64 tokens up to M = 128 and 32 up to 32 (the host
+    splits K across blocks there). Elsewhere mma.sp: each warp owns 64 output features
+    (warps_m of them) and tile_m / warps_n tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB
+    of shared memory, 64 and 32 tokens for small batches."""
+    big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
+    if instr is None:  # Hopper: wgmma.sp for every batch size
+        instr = "tma" if tile is None and arch == 90 else "mma"
     if tile is None:
-        if rows is not None and rows <= 32:
+        if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
+            tile = TileConfig(256, 8, 1, 5) if many_rows else TileConfig(32 if rows <= 32 else 64, 8, 1, 6)
+        elif rows is not None and rows <= 32:
             tile = TileConfig(32, 2, 1, 4 if big_smem else 3)
-        elif (rows is not None and rows <= 128) or not big_smem:
+        elif not many_rows or not big_smem:
             tile = TileConfig(64, 2, 2, 3 if big_smem else 2)
         else:
             tile = TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3)
     return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr="mma")
+                      instr=instr)
 
 
-def sp24_compress_spec(dtype: str, arch: int) -> KernelSpec:
-    """256 threads a block, one metadata word each."""
-    return KernelSpec(op="sp24_compress", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch,
+def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> KernelSpec:
+    """256 threads a block, one metadata word (or, for op sp24_mask, one 4 x 4 tile) each."""
+    return KernelSpec(op=op, block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch,
                       tile=TileConfig(64, 4, 2, 2), instr="mma")
 
 
@@ -299,5 +317,5 @@ def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
     semi = [sp24_spec(d, arch, rows=rows) for d in dtypes if d != "fp32" for rows in (None, 128, 1)]
-    semi += [sp24_compress_spec(d, arch) for d in dtypes if d != "fp32"]
+    semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     return list(dict.fromkeys(forward + backward + semi))

@@ -26,7 +26,7 @@ from . import ops
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
-from .sparse24 import compress_masked
+from .sparse24 import compress_masked, prune_mask
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -116,7 +116,7 @@ class Sparse24TrainingLinear(nn.Module):
     def refresh_mask(self) -> None:
         """A new mask from |weight| (and, for S-STE, the scale that keeps the norm)."""
         w = self.weight.detach()
-        self.mask.copy_(semi24.transposable_mask(w) if self.method == "transposable" else semi24.magnitude_mask(w))
+        self.mask.copy_(prune_mask(w, self.method))
         if self.soft_threshold:
             soft = soft_threshold(w.float())
             self.scale.copy_((w.float() * soft).sum() / soft.square().sum().clamp_min(1e-30))

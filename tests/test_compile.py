@@ -56,6 +56,8 @@ def expected_mma(spec: KernelSpec) -> str:
     """The SASS mnemonic: fp32 accumulate; wgmma -> HGMMA 64xBMx16; mma.sync k16 (16-bit
     inputs, fp16 has no type suffix) or k8 (tf32)."""
     suffix = {"bf16": ".BF16", "fp16": "", "fp32": ".TF32"}[spec.dtype]
+    if spec.op == "sp24_dds" and spec.instr == "tma":  # 2:4 on Hopper: wgmma.sp m64 x tokens x k32
+        return f"HGMMA.SP.64x{spec.tile.tile_m}x32.F32{suffix}"
     if spec.op == "sp24_dds":  # 2:4: mma.sp m16n8k32
         return f"HMMA.SP.16832.F32{suffix}"
     if spec.instr != "mma":  # wgmma and tma
@@ -66,6 +68,8 @@ def expected_mma(spec: KernelSpec) -> str:
 def mma_per_stage(spec: KernelSpec) -> int:
     """A 128-byte stage of K is 4 mma steps, each over every tile a warp (group) owns."""
     t = spec.tile
+    if spec.op == "sp24_dds" and spec.instr == "tma":  # a stage of K 64: 2 k32 steps
+        return 2
     if spec.op == "sp24_dds":  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
         return 4 * 4 * (t.tile_m // t.warps_n // 8)
     if spec.instr != "mma":  # each consumer warpgroup owns tile_m / groups rows, m64 at a time
@@ -91,7 +95,7 @@ def largest_per_kind(specs):
     return [s for _, s in largest.values()]
 
 
-SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.op != "sp24_compress"])  # no tensor cores there
+SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.op not in ("sp24_compress", "sp24_mask")])  # no MMAs there
 # How each instruction family moves a stage into shared memory, as SASS spells it.
 STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG"}
 
@@ -145,11 +149,13 @@ def test_failed_compile_is_not_cached(monkeypatch):
 
 
 @needs_tools
+@pytest.mark.parametrize("op", ["sp24_compress", "sp24_mask"])
 @pytest.mark.parametrize("arch", [80, 90])
-def test_compress_kernel_has_no_spills(arch, tmp_path):
+def test_prune_kernels_have_no_spills(arch, op, tmp_path):
+    """Their per-group choices index small arrays; unrolled, those stay in registers."""
     from sparsegen.spec import sp24_compress_spec
 
-    spec = sp24_compress_spec("bf16", arch)
+    spec = sp24_compress_spec("bf16", arch, op)
     sass, usage = disassemble(spec, tmp_path)
     assert re.search(rf"\.target\s+{spec.target}\s", sass)
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spill in SASS"

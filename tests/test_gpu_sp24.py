@@ -22,7 +22,7 @@ def poisoned(m, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 7, 64, 65, 1000, 2049])
+@pytest.mark.parametrize("m", [1, 7, 64, 65, 200, 1000, 2049])
 @pytest.mark.parametrize("n, k", [(16, 32), (128, 128), (336, 160), (1024, 4096)])
 @pytest.mark.parametrize("method", ["magnitude", "transposable"])
 def test_sp24_forward_matches_float64(dtype, m, n, k, method):
@@ -127,6 +127,54 @@ def test_gpu_compress_kernel_matches_the_pytorch_path(dtype, n, k):
     values, metadata = ops.sp24_compress(w, mask.cuda())
     want_values, want_meta = semi24.compress(w.cpu(), mask)
     assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
+
+
+def tile_scores(w, mask):
+    """|w| kept per 4 x 4 tile, in float64."""
+    n, k = w.shape
+    kept = (w.abs().double() * mask).reshape(n // 4, 4, k // 4, 4)
+    return kept.sum((1, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (272, 160), (1024, 2048)])
+def test_gpu_transposable_mask_kernel_picks_the_best_pattern(dtype, n, k):
+    """The sp24_mask kernel's mask is 2:4 along rows and columns and keeps as much |w| per
+    4 x 4 tile as the CPU's exhaustive search (the same pattern but for exact ties)."""
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    mask = ops.sp24_transposable_mask(w)
+    want = semi24.transposable_mask(w.cpu())
+    assert (semi24._groups(mask).sum(-1) == 2).all() and (semi24._groups(mask.t()).sum(-1) == 2).all()
+    torch.testing.assert_close(tile_scores(w, mask).cpu(), tile_scores(w.cpu(), want), rtol=1e-6, atol=0)
+    assert (mask.cpu() != want).float().mean() < 1e-3  # ties aside, the very same patterns
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_mvue_kernel_is_unbiased(dtype):
+    """Mean of 4000 MVUE samples from the sp24_compress kernel within 5 standard errors of w
+    everywhere (each element is sign(a) (|a| + |b|) with probability |a| / (|a| + |b|))."""
+    w = torch.randn(32, 64, device="cuda", dtype=dtype)
+    w[0, :4] = 0  # a zero pair stays zero
+    draws = 4000
+    total = torch.zeros(32, 64, device="cuda", dtype=torch.float64)
+    for _ in range(draws):
+        sample = sparsegen.to_sparse24(w, "mvue").to_dense()
+        assert (semi24._groups(sample != 0).sum(-1) <= 2).all()
+        total += sample.double()
+    pairs = w.double().abs().reshape(32, 32, 2)
+    size = pairs.sum(-1, keepdim=True).expand(-1, -1, 2).reshape(32, 64)
+    variance = (size * w.double().abs() - w.double() ** 2).clamp_min(0)
+    error = (total / draws - w.double()).abs()
+    # plus the rounding of |a| + |b| to the dtype: a bias of at most half an ulp
+    assert (error <= 5 * (variance / draws).sqrt() + 2**-8 * size).all()
+    assert torch.equal(total[0, :4], torch.zeros(4, device="cuda", dtype=torch.float64))
+
+
+def test_gpu_mvue_kernel_follows_the_generator():
+    w = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    samples = [sparsegen.to_sparse24(w, "mvue", generator=torch.Generator().manual_seed(seed)).to_dense()
+               for seed in (1, 1, 2)]
+    assert torch.equal(samples[0], samples[1]) and not torch.equal(samples[0], samples[2])
 
 
 @pytest.mark.parametrize("kernel", ["0", "1"])

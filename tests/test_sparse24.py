@@ -142,13 +142,14 @@ def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch
     from sparsegen.spec import sp24_spec
 
     monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
-    tile = sp24_spec("bf16", 90, rows=m).tile
-    (tiles_n, tiles_m, splits), k_split = ops._sp24_grid(tile, m, k, n, 0, None)
-    assert tiles_n * 64 * tile.warps_m >= n and tiles_m * tile.tile_m >= m
+    spec = sp24_spec("bf16", 90, rows=m)
+    (tiles_n, tiles_m, splits), k_split = ops._sp24_grid(spec, m, k, n, 0, None)
+    tile_w = 16 * spec.tile.warps_m if spec.instr == "tma" else 64 * spec.tile.warps_m
+    assert tiles_n * tile_w >= n and tiles_m * spec.tile.tile_m >= m
     assert k_split % ops.SP24_STAGE_K == 0 and k_split * (splits - 1) < k <= k_split * splits
     if m > 256:
         assert splits == 1
-    assert ops._sp24_grid(tile, m, k, n, 0, 3)[0][2] <= 3
+    assert ops._sp24_grid(spec, m, k, n, 0, 3)[0][2] <= 3
 
 
 def test_f_linear_accepts_a_sparse24_weight():

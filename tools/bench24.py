@@ -82,18 +82,22 @@ def tune() -> None:
     """Time tile configurations and K splits of the sp24 kernel (bf16) against dense."""
     from sparsegen.spec import TileConfig
 
-    big = [TileConfig(128, 4, 2, 3), TileConfig(128, 2, 4, 4), TileConfig(64, 4, 1, 4), TileConfig(256, 4, 2, 2),
-           TileConfig(128, 2, 2, 4)]
-    small = [(TileConfig(64, 2, 2, 3), None), (TileConfig(64, 2, 2, 3), 1), (TileConfig(64, 1, 2, 4), None),
-             (TileConfig(16, 2, 1, 4), None), (TileConfig(32, 2, 1, 4), None), (TileConfig(16, 1, 1, 6), None)]
-    for (n, k), m in [((4096, 4096), 4096), ((11008, 4096), 16384), ((4096, 11008), 4096), ((4096, 4096), 16),
-                      ((11008, 4096), 128), ((4096, 11008), 16), ((8192, 8192), 128)]:
+    big = [(TileConfig(128, 4, 2, 3), None, "mma"), (TileConfig(256, 8, 1, 5), None, "tma"),
+           (TileConfig(256, 8, 1, 4), None, "tma"), (TileConfig(128, 8, 1, 6), None, "tma"),
+           (TileConfig(192, 8, 1, 5), None, "tma")]
+    small = [(TileConfig(64, 2, 2, 3), None, "mma"), (TileConfig(64, 2, 2, 3), 1, "mma"),
+             (TileConfig(32, 2, 1, 4), None, "mma"), (TileConfig(128, 8, 1, 6), None, "tma"),
+             (TileConfig(64, 8, 1, 6), None, "tma"), (TileConfig(128, 4, 1, 6), None, "tma"),
+             (TileConfig(32, 8, 1, 6), None, "tma")]
+    for (n, k), m in [((4096, 4096), 4096), ((11008, 4096), 16384), ((4096, 11008), 4096), ((8192, 8192), 1024),
+                      ((4096, 4096), 16), ((11008, 4096), 128), ((4096, 11008), 16), ((8192, 8192), 128)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         sparse, x = sparsegen.to_sparse24(w), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         dense = median_ms(lambda: F.linear(x, w))
-        for tile, splits in ([(t, None) for t in big] if m > 256 else small):
-            ms = median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, tile=tile, splits=splits))
-            print(f"{n}x{k} M={m} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
+        for tile, splits, instr in (big if m > 256 else small):
+            ms = median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, tile=tile,
+                                                splits=splits, instr=instr))
+            print(f"{n}x{k} M={m} {instr} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
 
 
 def table_rows(markdown: str) -> list[dict]:
@@ -146,7 +150,7 @@ def main(argv=None) -> None:
              f"- command: `python tools/bench24.py{' --quick' if args.quick else ''}`\n"]
     lines += forward_rows(dtypes, weights, TOKENS)
     times = prune_compress_ms()
-    lines += ["", "- prune + compress a 4096x11008 bf16 weight on the GPU (torch ops): " +
+    lines += ["", "- prune + compress a 4096x11008 bf16 weight on the GPU (sp24_mask / sp24_compress kernels): " +
               ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())]
     lines += training_row()
     w = torch.randn(11008, 4096, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ import itertools
 
 import torch
 
-from ..errors import InputError, expect
+from ..errors import expect
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # kernels: the 16-bit ones
 ROW_GRANULE, COL_GRANULE = 16, 32  # one mma.sp m16n8k32 A tile
@@ -93,12 +93,19 @@ def mvue(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Ten
     return (torch.where(choice, pairs.sign() * size, torch.zeros_like(pairs))).reshape(w.shape).to(w.dtype)
 
 
+# The 6 ways a group of 4 keeps 2, as position pairs, and the 90 transposable 4 x 4 patterns
+# as one pair index per row (2 kept in every column too). The order is the argmax order, so
+# the CPU path and the generated sp24_mask kernel break ties alike.
+ROW_PAIRS = tuple((i, j) for i, j in reversed(list(itertools.combinations(range(4), 2))))
+TRANSPOSABLE_PATTERNS = tuple(p for p in itertools.product(range(6), repeat=4)
+                              if all(sum(c in ROW_PAIRS[r] for r in p) == 2 for c in range(4)))
+
+
 @functools.lru_cache(maxsize=None)
 def _transposable_patterns() -> torch.Tensor:
-    """The 90 4x4 boolean patterns with exactly 2 kept in every row and every column."""
-    rows = [r for r in itertools.product([0, 1], repeat=4) if sum(r) == 2]
-    found = [p for p in itertools.product(rows, repeat=4) if all(sum(col) == 2 for col in zip(*p))]
-    return torch.tensor(found, dtype=torch.float32).reshape(len(found), 16)
+    """TRANSPOSABLE_PATTERNS as [90, 16] 0/1 rows (a tile's elements, row-major)."""
+    dense = [[float(c in ROW_PAIRS[r]) for r in pattern for c in range(4)] for pattern in TRANSPOSABLE_PATTERNS]
+    return torch.tensor(dense)
 
 
 def transposable_mask(w: torch.Tensor) -> torch.Tensor:
@@ -196,6 +203,13 @@ def stored_positions(metadata: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.stack([nib & 3, nib >> 2], dim=-1)
 
 
+METHODS = ("magnitude", "mvue", "transposable")
+
+
+def check_method(method) -> None:
+    expect(method in METHODS, f"method in {list(METHODS)} or a mask", repr(method))
+
+
 def prune(w: torch.Tensor, method: str = "magnitude", mask: torch.Tensor | None = None,
           generator=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the pruned weight, its mask) by `method` or the given `mask`."""
@@ -205,10 +219,9 @@ def prune(w: torch.Tensor, method: str = "magnitude", mask: torch.Tensor | None 
         return w, magnitude_mask(w)
     if method == "transposable":
         return w, transposable_mask(w)
-    if method == "mvue":
-        sampled = mvue(w, generator)
-        return sampled, _pair_mask(sampled)
-    raise InputError(f"Expected method in ['magnitude', 'mvue', 'transposable'] or a mask. Got {method!r}.")
+    check_method(method)
+    sampled = mvue(w, generator)
+    return sampled, _pair_mask(sampled)
 
 
 def _pair_mask(sampled: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,34 @@
 // Prune a dense bf16 W [N, K] to 2:4 and compress it: values [N, K/2] and the mma.sp
 // metadata words [N/16, K/32, 16] (layouts/semi24.py). Each thread makes one metadata word:
 // lane slot (g, h) of a 16 x 32 tile covers rows g and g + 8, columns 16h..16h+15 - four
-// groups of 4 in each row. Without a mask, the 2 largest |w| of each group are kept (the
-// first of equal ones); with one, its kept positions (padded with the first unkept).
+// groups of 4 in each row. Modes: MAGNITUDE keeps the 2 largest |w| of each group (the
+// first of equal ones); MASKED, the mask's kept positions (padded with the first unkept);
+// MVUE, one element of each pair (a, b), a with probability |a| / (|a| + |b|), scaled to
+// sign * (|a| + |b|) - 2by4-pretrain's unbiased estimator, drawn from a counter-based hash
+// of (seed, pair index) so any launch shape gives the same sample.
 #include "sg_mma.cuh"
 
 using Elem = unsigned short;
+enum Mode { MAGNITUDE = 0, MASKED = 1, MVUE = 2 };
 
 __device__ __forceinline__ float magnitude(Elem v) { return fabsf(sg::Bf16::to_float(v)); }
+
+// A uniform float in [0, 1) from (seed, counter): splitmix64's finalizer, 24 bits kept.
+__device__ __forceinline__ float uniform(unsigned long long seed, unsigned long long counter) {
+  unsigned long long z = seed + (counter + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<float>((z ^ (z >> 31)) >> 40) * 0x1p-24f;
+}
+
+// MVUE on the pair (a, b): which one stays (0 or 1) and its new value.
+__device__ __forceinline__ int sample_pair(Elem a, Elem b, float u, Elem& kept) {
+  const float size = magnitude(a) + magnitude(b);
+  const bool first = u < (size > 0.0f ? magnitude(a) / size : 0.5f);
+  const float sign = sg::Bf16::to_float(first ? a : b) < 0.0f ? -1.0f : 1.0f;
+  kept = static_cast<Elem>(sg::Bf16::pack(sign * size, 0.0f) & 0xFFFF);
+  return first ? 0 : 1;
+}
 
 // v[i] for a runtime i without indexing a local array (that would put it in local memory).
 __device__ __forceinline__ Elem pick(const Elem (&v)[4], int i) {
@@ -44,17 +65,34 @@ __device__ __forceinline__ Elem element(const uint4 (&raw)[2], int e) {
   return static_cast<Elem>(e % 2 ? w >> 16 : w & 0xFFFF);
 }
 
+// MVUE's stored positions and values for one group (pair index `pair` of the whole tensor).
+__device__ __forceinline__ unsigned sample_group(const Elem (&v)[4], unsigned long long seed,
+                                                 unsigned long long pair, unsigned& packed) {
+  Elem lo, hi;
+  const int i0 = sample_pair(v[0], v[1], uniform(seed, pair), lo);
+  const int i1 = 2 + sample_pair(v[2], v[3], uniform(seed, pair + 1), hi);
+  packed = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+  return i0 | (i1 << 2);
+}
+
 // One row's 16 columns: 4 groups -> 8 stored values (one 16-byte store) and 16 bits of metadata.
-__device__ __forceinline__ unsigned compress_row(const Elem* w, const unsigned char* mask, Elem* out) {
+// `first` is the index of the row's first element here in the whole tensor (MVUE's counter).
+__device__ __forceinline__ unsigned compress_row(const Elem* w, const unsigned char* mask, Elem* out, int mode,
+                                                 unsigned long long seed, unsigned long long first) {
   const uint4 raw[2] = {reinterpret_cast<const uint4*>(w)[0], reinterpret_cast<const uint4*>(w)[1]};
   unsigned bits = 0, kept[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const Elem group[4] = {element(raw, 4 * j), element(raw, 4 * j + 1), element(raw, 4 * j + 2),
                            element(raw, 4 * j + 3)};
-    const unsigned nib = choose(group, mask ? mask + 4 * j : nullptr);
+    if (mode == MVUE) {
+      bits |= sample_group(group, seed, (first + 4 * j) / 2, kept[j]) << (4 * j);
+      continue;
+    }
+    const unsigned char* group_mask = mode == MASKED ? mask + 4 * j : nullptr;
+    const unsigned nib = choose(group, group_mask);
     const int i0 = nib & 3, i1 = nib >> 2;
-    const bool keep0 = !mask || mask[4 * j + i0], keep1 = !mask || mask[4 * j + i1];
+    const bool keep0 = !group_mask || group_mask[i0], keep1 = !group_mask || group_mask[i1];
     const unsigned lo = keep0 ? pick(group, i0) : 0u, hi = keep1 ? pick(group, i1) : 0u;
     kept[j] = lo | (hi << 16);
     bits |= nib << (4 * j);
@@ -65,7 +103,7 @@ __device__ __forceinline__ unsigned compress_row(const Elem* w, const unsigned c
 
 extern "C" __global__ void __launch_bounds__(256)
 sp24_compress_b16x32_bf16_nt_sm80_mma_t64w4x2s2(const Elem* __restrict__ w, const unsigned char* __restrict__ mask, Elem* __restrict__ values,
-           unsigned* __restrict__ metadata, int N, int K) {
+           unsigned* __restrict__ metadata, unsigned long long seed, int N, int K, int mode) {
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long tiles_k = K / 32, words = (long long)N / 16 * tiles_k * 16;
   if (t >= words) return;
@@ -76,8 +114,8 @@ sp24_compress_b16x32_bf16_nt_sm80_mma_t64w4x2s2(const Elem* __restrict__ w, cons
 #pragma unroll
   for (int upper = 0; upper < 2; ++upper) {
     const long long r = row + 8 * upper;
-    word |= compress_row(w + r * K + col, mask ? mask + r * K + col : nullptr, values + r * (K / 2) + col / 2)
-            << (16 * upper);
+    word |= compress_row(w + r * K + col, mask ? mask + r * K + col : nullptr, values + r * (K / 2) + col / 2,
+                         mode, seed, r * K + col) << (16 * upper);
   }
   metadata[t] = word;
 }
