@@ -47,40 +47,75 @@ struct Sp24DdsTma {
     }
   }
 
-  // Consumer warpgroup c: rows 64c.. of the W tile. Lanes 4g + h (h = 0, 1) supply word
-  // 2g + h of their warp's 16-row tile (sparsity selector 0); the other two lanes pass the
-  // same. Each stage's products finish before the next stage's metadata is loaded: the
-  // tensor cores read the metadata registers while the products run (seen on an H200: a
-  // word reloaded while the previous stage was in flight corrupted its second product), and
-  // ptxas serializes every wgmma when the registers alternate between stages. The other
-  // consumer warpgroup's products keep the tensor cores busy meanwhile.
-  __device__ static void consume(u32 smem, u32 bars, int stages, int c, float (&acc)[ACC]) {
+  // Consumer warpgroup c (rows 64c.. of the W tile): the metadata words of stage `stage`.
+  // Lanes 4g + h (h = 0, 1) supply word 2g + h of their warp's 16-row tile (sparsity
+  // selector 0); the other two lanes pass the same.
+  __device__ static void load_meta(u32 stage, int c, u32 (&e)[2]) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int word = 2 * (lane >> 2) + (lane & 1);
-    for (int s = 0; s < stages; ++s) {
-      const int buf = s % STAGES;
-      mbar_wait(bars + 8 * buf, (s / STAGES) & 1);
-      const u32 stage = smem + buf * STAGE_BYTES, meta = stage + X_BYTES + W_BYTES + (4 * c + warp) * 128;
-      u32 e[2];
+    const u32 meta = stage + X_BYTES + W_BYTES + (4 * c + warp) * 128;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e[j]) : "r"(meta + 4 * (16 * j + word)));
-        // Past N or K the copies were zero-filled: values 0, but metadata 0 names position 0
-        // twice (undefined). Packed words never are 0 (a nibble's positions increase), so
-        // such a word becomes positions {0, 1}. No branch around the wgmma: a divergent
-        // path makes ptxas serialize every wgmma of the kernel.
-        e[j] = e[j] ? e[j] : 0x44444444u;
-      }
-      pin(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        WgmmaSp::mma(acc, descriptor<64>(stage + X_BYTES + c * 64 * 64 + 32 * j), descriptor<128>(stage + 64 * j), e[j]);
-      wgmma_commit();
-      pin(acc);
-      wgmma_wait<0>();
-      if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + buf));  // the buffer goes back
+    for (int j = 0; j < 2; ++j) {
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e[j]) : "r"(meta + 4 * (16 * j + 2 * (lane >> 2) + (lane & 1))));
+      // Past N or K the copies were zero-filled: values 0, but metadata 0 names position 0
+      // twice (undefined). Packed words never are 0 (a nibble's positions increase), so
+      // such a word becomes positions {0, 1}. No branch around the wgmma: a divergent
+      // path makes ptxas serialize every wgmma of the kernel.
+      e[j] = e[j] ? e[j] : 0x44444444u;
     }
+  }
+
+  // The stage's two k32 products, issued and committed as one group.
+  __device__ static void stage_products(u32 stage, int c, float (&acc)[ACC], const u32 (&e)[2]) {
+    pin(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      WgmmaSp::mma(acc, descriptor<64>(stage + X_BYTES + c * 64 * 64 + 32 * j), descriptor<128>(stage + 64 * j), e[j]);
+    wgmma_commit();
+    pin(acc);
+  }
+
+  __device__ static u32 wait_stage(u32 smem, u32 bars, int s) {
+    const int buf = s % STAGES;
+    mbar_wait(bars + 8 * buf, (s / STAGES) & 1);
+    return smem + buf * STAGE_BYTES;
+  }
+
+  // Keeps metadata registers live (so unreused) until here.
+  __device__ static void keep(const u32 (&e)[2]) { asm volatile("" ::"r"(e[0]), "r"(e[1]) : "memory"); }
+
+  __device__ static void release(u32 bars, int s) {
+    if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + s % STAGES));
+  }
+
+  // Stages in pairs, with one group of products in flight while the next stage is waited
+  // for. The tensor cores read the metadata registers while the products run, not when
+  // they are issued (seen on an H200: a word reloaded while its stage was in flight
+  // corrupted that stage's second product), so even stages use `even`, odd ones `odd`, and
+  // each pair stays live until its stage is known finished (wait_group 1 in the next
+  // stage). tests/test_compile.py checks the SASS for it. A loop that swaps one pair of
+  // registers per stage instead makes ptxas serialize every wgmma.
+  __device__ static void consume(u32 smem, u32 bars, int stages, int c, float (&acc)[ACC]) {
+    u32 even[2], odd[2];
+    int s = 0;
+    for (; s + 1 < stages; s += 2) {
+      u32 stage = wait_stage(smem, bars, s);
+      load_meta(stage, c, even);
+      stage_products(stage, c, acc, even);
+      wgmma_wait<1>();  // stage s-1 is finished: its buffer goes back to the producer
+      if (s > 0) keep(odd), release(bars, s - 1);
+      stage = wait_stage(smem, bars, s + 1);
+      load_meta(stage, c, odd);
+      stage_products(stage, c, acc, odd);
+      wgmma_wait<1>();
+      keep(even), release(bars, s);
+    }
+    if (s < stages) {  // an odd count: the last stage (stage s-1, in flight, used `odd`)
+      const u32 stage = wait_stage(smem, bars, s);
+      load_meta(stage, c, even);
+      stage_products(stage, c, acc, even);
+    }
+    wgmma_wait<0>();
   }
 
   // acc holds Y^T rows (features) 16w + g (+8) and columns (tokens) 8j + 2q (+1): written

@@ -160,3 +160,23 @@ def test_prune_kernels_have_no_spills(arch, op, tmp_path):
     assert re.search(rf"\.target\s+{spec.target}\s", sass)
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spill in SASS"
     assert re.search(rf"Function {spec.name}:\s*REG:\d+ STACK:0 SHARED:\d+ LOCAL:0\b", usage), usage
+
+
+@needs_tools
+@pytest.mark.parametrize("spec", [s for s in DEFAULT_SPECS if s.op == "sp24_dds" and s.instr == "tma"],
+                         ids=lambda s: s.name)
+def test_wgmma_sp_groups_in_flight_keep_their_metadata_registers(spec, tmp_path):
+    """The tensor cores read wgmma.sp's metadata register while the products run, and one
+    group stays in flight while the next is issued: consecutive groups must name disjoint
+    metadata registers (one register reused corrupted results on an H200)."""
+    sass, _ = disassemble(spec, tmp_path)
+    groups, current = [], set()
+    for line in sass.splitlines():
+        found = re.search(r"HGMMA\.SP\.\S+ R\d+, gdesc\[\w+\], R\d+, (R\d+)", line)
+        if found:
+            current.add(found.group(1))
+            if "gsb0" in line:  # the group's last product
+                groups.append(current)
+                current = set()
+    assert len(groups) >= 2, sass
+    assert all(not (a & b) for a, b in zip(groups, groups[1:])), groups
