@@ -284,20 +284,36 @@ def _aligned(w: torch.Tensor) -> torch.Tensor:
 _MAGNITUDE, _MASKED, _MVUE = 0, 1, 2  # sp24_compress's modes
 
 
+def _rows_or_columns(w: torch.Tensor, mask: torch.Tensor | None):
+    """(w, mask, row step, column step) for the compress kernel: a row-major weight, or the
+    transposed view of one (dX's W^T: compressed without a transpose copy). The mask is
+    brought to w's strides; anything else is made contiguous."""
+    transposed = w.dim() == 2 and w.stride() == (1, w.shape[0]) and w.shape[0] > 1
+    if not transposed:
+        w = _aligned(w)
+        return w, None if mask is None else _aligned(mask.to(w.device)), w.shape[1], 1
+    if mask is not None:
+        mask = mask.to(w.device)
+        mask = mask if mask.stride() == w.stride() else mask.t().contiguous().t()
+    return w, mask, 1, w.shape[0]
+
+
 def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
                   mvue_seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N, K/2], metadata [N/16, K/32, 16] int32) of a 16-bit CUDA weight pruned
     to 2:4 on the GPU: the 2 largest |w| of every 4, `mask`'s positions, or (given a seed)
-    an MVUE sample."""
-    w, (n, k) = _aligned(w), w.shape
+    an MVUE sample. w may be a transposed view."""
+    n, k = w.shape
+    w, mask, row_step, col_step = _rows_or_columns(w, mask)
     values = torch.empty(n, k // 2, dtype=w.dtype, device=w.device)
     metadata = torch.empty(n // 16, k // 32, 16, dtype=torch.int32, device=w.device)
     kern = _sp24_prune_kernel("sp24_compress", w.dtype, w.device.index or 0)
-    mask_ptr = 0 if mask is None else mask.contiguous().view(torch.uint8).data_ptr()
+    mask_ptr = 0 if mask is None else mask.view(torch.uint8).data_ptr()
     mode = _MVUE if mvue_seed is not None else _MAGNITUDE if mask is None else _MASKED
     seed = (mvue_seed or 0) % 2**64
     kern.launch((-(-metadata.numel() // kern.threads), 1, 1), (),
-                (w.data_ptr(), mask_ptr, values.data_ptr(), metadata.data_ptr(), seed), (n, k, mode))
+                (w.data_ptr(), mask_ptr, values.data_ptr(), metadata.data_ptr(), seed, row_step, col_step),
+                (n, k, mode))
     return values, metadata
 
 

@@ -95,10 +95,22 @@ class Kernel:
             with torch.cuda.device(self.device_index):
                 return self.launch(grid, maps, pointers, ints)
         params = _kernel_params(maps, pointers, ints)
-        status = self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
-                                 _current_stream(self.device_index), params.array, None)
+        status = self._launch_raw(grid, params)
+        if status == _CUDA_ERROR_INVALID_CONTEXT:
+            # A thread that has not touched CUDA through torch yet - autograd's backward
+            # thread when a kernel is its first GPU work - has no current context.
+            _ensure_context(self.device_index)
+            status = self._launch_raw(grid, params)
         if status != 0:
             raise LaunchError(f"launch of {self.spec.name} failed: CUresult {status}")
+
+
+    def _launch_raw(self, grid, params) -> int:
+        return self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
+                               _current_stream(self.device_index), params.array, None)
+
+
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 class _Params:

@@ -2,8 +2,8 @@
 
 `Sparse24TrainingLinear` keeps a dense `weight` and a 2:4 `mask` (transposable by default,
 refreshed from |weight| every `mask_interval` training steps). Each step:
-- forward: Y = X (W * mask)^T on the mma.sp kernel (the masked weight is compressed each
-  step: PyTorch ops, or the sp24_compress kernel with SPARSEGEN_COMPRESS_KERNEL=1);
+- forward: Y = X (W * mask)^T on the 2:4 kernel (W is compressed at the mask each step, by
+  the sp24_compress kernel on a GPU);
 - dX = dY (W * mask): with a transposable mask, (W * mask)^T is 2:4 too and runs on the same
   kernel; otherwise cuBLAS on the masked weight;
 - dW = dY^T X for every weight (straight-through: pruned weights keep learning, so the mask
@@ -39,22 +39,25 @@ def soft_threshold(w: torch.Tensor) -> torch.Tensor:
 
 
 class _Sparse24STE(torch.autograd.Function):
+    """Products with (operand * mask); the operand is the weight, or S-STE's thresholded one."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, sparse_weight, mask, kernel_dx: bool, dw_sparse: bool, dw_scale):
-        ctx.save_for_backward(x, sparse_weight, mask)
+    def forward(ctx, x, weight, bias, operand, mask, kernel_dx: bool, dw_sparse: bool, dw_scale):
+        ctx.save_for_backward(x, operand, mask)
         ctx.flags, ctx.dw_scale = (kernel_dx, dw_sparse, bias is not None), dw_scale
-        return _sparse_product(x, sparse_weight, mask, bias)
+        return _sparse_product(x, operand, mask, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        x, sparse_weight, mask = ctx.saved_tensors
+        x, operand, mask = ctx.saved_tensors
         kernel_dx, dw_sparse, has_bias = ctx.flags
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            # (W * mask)^T is 2:4 when the mask is transposable: the same kernel runs dX.
-            dx = (_sparse_product(dy, sparse_weight.t(), mask.t()) if kernel_dx and ops.runs_16bit_kernels(dy)
-                  else dy @ sparse_weight)
+            # (W * mask)^T is 2:4 when the mask is transposable: the same kernel runs dX,
+            # compressing the transposed views as they are (no transpose copy).
+            dx = (_sparse_product(dy, operand.t(), mask.t()) if kernel_dx and ops.runs_16bit_kernels(dy)
+                  else dy @ (operand * mask))
         if ctx.needs_input_grad[1]:
             dw = (_mvue_rows(dy2.t()) if dw_sparse else dy2.t()) @ x2
             if ctx.dw_scale is not None:  # S-STE: straight through the scaled soft threshold
@@ -64,12 +67,13 @@ class _Sparse24STE(torch.autograd.Function):
         return dx, dw, dbias, None, None, None, None, None
 
 
-def _sparse_product(x: torch.Tensor, sparse_weight: torch.Tensor, mask: torch.Tensor, bias=None) -> torch.Tensor:
-    """x @ sparse_weight^T (+ bias) where sparse_weight is 2:4 along rows within mask."""
+def _sparse_product(x: torch.Tensor, operand: torch.Tensor, mask: torch.Tensor, bias=None) -> torch.Tensor:
+    """x @ (operand * mask)^T (+ bias), mask 2:4 along rows. The kernel path compresses the
+    operand at the mask's positions directly: the masked weight is never materialized."""
     if not ops.runs_16bit_kernels(x):
-        return F.linear(x, sparse_weight, bias)
-    values, metadata = compress_masked(sparse_weight, mask)
-    return ops.sp24_dds(x, values, metadata, bias, sparse_weight.shape[0])
+        return F.linear(x, operand * mask, bias)
+    values, metadata = compress_masked(operand, mask)
+    return ops.sp24_dds(x, values, metadata, bias, operand.shape[0])
 
 
 def _mvue_rows(t: torch.Tensor) -> torch.Tensor:
@@ -123,9 +127,13 @@ class Sparse24TrainingLinear(nn.Module):
 
     def sparse_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The 2:4 weight the products use: masked, or S-STE's scaled soft threshold."""
+        return self._operand(weight) * self.mask
+
+    def _operand(self, weight: torch.Tensor) -> torch.Tensor:
+        """What the mask is applied to: the weight, or S-STE's scaled soft threshold."""
         if self.soft_threshold:
-            return (soft_threshold(weight) * self.scale.to(weight.dtype)) * self.mask
-        return weight * self.mask
+            return soft_threshold(weight) * self.scale.to(weight.dtype)
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and not torch.compiler.is_compiling():
@@ -136,14 +144,14 @@ class Sparse24TrainingLinear(nn.Module):
         ops.check_inputs(x, weight, bias, self.in_features)
         if self.dense:
             return F.linear(x, weight, bias)
-        sparse = self.sparse_weight(weight)
         if torch.compiler.is_compiling():  # traceable PyTorch; the kernels run in eager mode
-            return F.linear(x, sparse, bias)
+            return F.linear(x, self.sparse_weight(weight), bias)
+        operand = self._operand(weight)
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return _sparse_product(x, sparse, self.mask, bias)
+            return _sparse_product(x, operand, self.mask, bias)
         # Straight-through: the dense weight gets dY^T X, whatever the mask.
         kernel_dx = self.method == "transposable" and self.out_features % semi24.COL_GRANULE == 0
-        return _Sparse24STE.apply(x, weight, bias, sparse.detach(), self.mask, kernel_dx, self.dw_sparse,
+        return _Sparse24STE.apply(x, weight, bias, operand.detach(), self.mask, kernel_dx, self.dw_sparse,
                                   self.scale if self.soft_threshold else None)
 
     def extra_repr(self) -> str:

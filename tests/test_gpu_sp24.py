@@ -129,6 +129,32 @@ def test_gpu_compress_kernel_matches_the_pytorch_path(dtype, n, k):
     assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(32, 16), (96, 48), (1024, 272)])
+def test_gpu_compress_kernel_reads_a_transposed_view_in_place(dtype, n, k):
+    """W^T compressed from the transposed view (strided reads, as dX's) packs exactly what
+    compressing a contiguous copy does, with and without a mask."""
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    mask = ops.sp24_transposable_mask(w)
+    for args in [(), (mask.t(),)]:
+        got = ops.sp24_compress(w.t(), *args)
+        want = ops.sp24_compress(w.t().contiguous(), *(a.contiguous() for a in args))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gpu_kernels_launch_from_a_thread_with_no_cuda_context_yet():
+    """Autograd runs backward on its own thread; a generated kernel may be the first CUDA
+    work there (dX of Sparse24TrainingLinear is), before any context is current."""
+    import threading
+
+    w = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    want, got = ops.sp24_compress(w), []
+    thread = threading.Thread(target=lambda: got.append(ops.sp24_compress(w)))
+    thread.start()
+    thread.join()
+    assert len(got) == 1 and torch.equal(got[0][0], want[0]) and torch.equal(got[0][1], want[1])
+
+
 def tile_scores(w, mask):
     """|w| kept per 4 x 4 tile, in float64."""
     n, k = w.shape

@@ -36,16 +36,17 @@ __device__ __forceinline__ Elem pick(const Elem (&v)[4], int i) {
   return i == 0 ? v[0] : i == 1 ? v[1] : i == 2 ? v[2] : v[3];
 }
 
-// Positions (i0 < i1) to store for one group, as the nibble i0 | i1 << 2.
-__device__ __forceinline__ unsigned choose(const Elem (&v)[4], const unsigned char* mask) {
+// Positions (i0 < i1) to store for one group, as the nibble i0 | i1 << 2: the first two set
+// bits of `keep` padded with the first unset ones, or (MAGNITUDE) the two largest |v|.
+__device__ __forceinline__ unsigned choose(const Elem (&v)[4], unsigned keep, int mode) {
   int i0 = -1, i1 = -1;
-  if (mask) {
+  if (mode == MASKED) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      if (mask[i]) { if (i0 < 0) i0 = i; else if (i1 < 0) i1 = i; }
+      if (keep >> i & 1) { if (i0 < 0) i0 = i; else if (i1 < 0) i1 = i; }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      if (i1 < 0 && i != i0 && !mask[i]) { if (i0 < 0) i0 = i; else i1 = i; }
+      if (i1 < 0 && i != i0 && !(keep >> i & 1)) { if (i0 < 0) i0 = i; else i1 = i; }
   } else {
     i0 = 0;
 #pragma unroll
@@ -58,12 +59,37 @@ __device__ __forceinline__ unsigned choose(const Elem (&v)[4], const unsigned ch
   return lo | (hi << 2);
 }
 
-// Element e (0..15) of 16 consecutive 16-bit values held as two uint4.
-__device__ __forceinline__ Elem element(const uint4 (&raw)[2], int e) {
-  const uint4 q = raw[e / 8];
-  const unsigned w = (e % 8) / 2 == 0 ? q.x : (e % 8) / 2 == 1 ? q.y : (e % 8) / 2 == 2 ? q.z : q.w;
-  return static_cast<Elem>(e % 2 ? w >> 16 : w & 0xFFFF);
-}
+// 16 consecutive elements of a row (and, if there is a mask, their kept bits), in registers.
+// A contiguous row takes two 16-byte loads (one for the mask); a strided one - a row of a
+// transposed view, as dX's W^T - one load per element.
+struct Row16 {
+  Elem v[16];
+  unsigned keep = 0xFFFF;
+
+  __device__ void load(const Elem* w, const unsigned char* mask, long long at, long long step) {
+    if (step == 1) {
+      const uint4 q[2] = {reinterpret_cast<const uint4*>(w + at)[0], reinterpret_cast<const uint4*>(w + at)[1]};
+      const unsigned words[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) v[e] = static_cast<Elem>(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xFFFF);
+      if (mask) {
+        const uint4 m = *reinterpret_cast<const uint4*>(mask + at);
+        const unsigned bytes[4] = {m.x, m.y, m.z, m.w};
+        keep = 0;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) keep |= (bytes[e / 4] >> (8 * (e % 4)) & 0xFF ? 1u : 0u) << e;
+      }
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < 16; ++e) v[e] = w[at + e * step];
+    if (mask) {
+      keep = 0;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) keep |= (mask[at + e * step] ? 1u : 0u) << e;
+    }
+  }
+};
 
 // MVUE's stored positions and values for one group (pair index `pair` of the whole tensor).
 __device__ __forceinline__ unsigned sample_group(const Elem (&v)[4], unsigned long long seed,
@@ -75,25 +101,23 @@ __device__ __forceinline__ unsigned sample_group(const Elem (&v)[4], unsigned lo
   return i0 | (i1 << 2);
 }
 
-// One row's 16 columns: 4 groups -> 8 stored values (one 16-byte store) and 16 bits of metadata.
-// `first` is the index of the row's first element here in the whole tensor (MVUE's counter).
-__device__ __forceinline__ unsigned compress_row(const Elem* w, const unsigned char* mask, Elem* out, int mode,
-                                                 unsigned long long seed, unsigned long long first) {
-  const uint4 raw[2] = {reinterpret_cast<const uint4*>(w)[0], reinterpret_cast<const uint4*>(w)[1]};
+// One row's 16 columns: 4 groups -> 8 stored values (one 16-byte store) and 16 bits of
+// metadata. `first` is the index of the row's first element here in the logical [N, K]
+// tensor (MVUE's counter, the same whatever the strides).
+__device__ __forceinline__ unsigned compress_row(const Row16& row, Elem* out, int mode, unsigned long long seed,
+                                                 unsigned long long first) {
   unsigned bits = 0, kept[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const Elem group[4] = {element(raw, 4 * j), element(raw, 4 * j + 1), element(raw, 4 * j + 2),
-                           element(raw, 4 * j + 3)};
+    const Elem group[4] = {row.v[4 * j], row.v[4 * j + 1], row.v[4 * j + 2], row.v[4 * j + 3]};
     if (mode == MVUE) {
       bits |= sample_group(group, seed, (first + 4 * j) / 2, kept[j]) << (4 * j);
       continue;
     }
-    const unsigned char* group_mask = mode == MASKED ? mask + 4 * j : nullptr;
-    const unsigned nib = choose(group, group_mask);
+    const unsigned keep = row.keep >> (4 * j) & 0xF;
+    const unsigned nib = choose(group, keep, mode);
     const int i0 = nib & 3, i1 = nib >> 2;
-    const bool keep0 = !group_mask || group_mask[i0], keep1 = !group_mask || group_mask[i1];
-    const unsigned lo = keep0 ? pick(group, i0) : 0u, hi = keep1 ? pick(group, i1) : 0u;
+    const unsigned lo = keep >> i0 & 1 ? pick(group, i0) : 0u, hi = keep >> i1 & 1 ? pick(group, i1) : 0u;
     kept[j] = lo | (hi << 16);
     bits |= nib << (4 * j);
   }
@@ -101,9 +125,12 @@ __device__ __forceinline__ unsigned compress_row(const Elem* w, const unsigned c
   return bits;
 }
 
+// The logical W [N, K] is w[r * row_step + c * col_step] (and the mask, if any, has the
+// same strides): a contiguous weight, or a transposed view of one.
 extern "C" __global__ void __launch_bounds__(256)
 sp24_compress_b16x32_bf16_nt_sm80_mma_t64w4x2s2(const Elem* __restrict__ w, const unsigned char* __restrict__ mask, Elem* __restrict__ values,
-           unsigned* __restrict__ metadata, unsigned long long seed, int N, int K, int mode) {
+           unsigned* __restrict__ metadata, unsigned long long seed, long long row_step, long long col_step,
+           int N, int K, int mode) {
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long tiles_k = K / 32, words = (long long)N / 16 * tiles_k * 16;
   if (t >= words) return;
@@ -114,8 +141,9 @@ sp24_compress_b16x32_bf16_nt_sm80_mma_t64w4x2s2(const Elem* __restrict__ w, cons
 #pragma unroll
   for (int upper = 0; upper < 2; ++upper) {
     const long long r = row + 8 * upper;
-    word |= compress_row(w + r * K + col, mask ? mask + r * K + col : nullptr, values + r * (K / 2) + col / 2,
-                         mode, seed, r * K + col) << (16 * upper);
+    Row16 elements;
+    elements.load(w, mode == MASKED ? mask : nullptr, r * row_step + col * col_step, col_step);
+    word |= compress_row(elements, values + r * (K / 2) + col / 2, mode, seed, r * K + col) << (16 * upper);
   }
   metadata[t] = word;
 }
