@@ -204,9 +204,11 @@ def _(dy2, x2, flat_index, block_rows, block_cols):
 
 
 @functools.lru_cache(maxsize=None)
-def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None):
+def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
+                 narrow: bool = False):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr), device_index)
+    spec = sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow)
+    return runtime.kernel(spec, device_index)
 
 
 def _rows_bucket(m: int) -> int | None:
@@ -230,11 +232,17 @@ def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch
 SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
 
 
-def _k_splits(blocks: int, k: int, device_index: int) -> int:
-    """Small batches give too few output tiles to fill the GPU: split K until about two
-    blocks per SM run (each split adds its partial sum in float32)."""
+def _k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2) -> int:
+    """Small batches give too few output tiles to fill the GPU: split K until about
+    `per_sm` blocks per SM run (each split adds its partial sum in float32)."""
     stages = -(-k // SP24_STAGE_K)
-    return max(1, min(stages, (2 * runtime.sm_count(device_index)) // max(blocks, 1)))
+    return max(1, min(stages, (per_sm * runtime.sm_count(device_index)) // max(blocks, 1)))
+
+
+def _narrow_tiles(m: int, n: int, device_index: int) -> bool:
+    """33-128 tokens on Hopper: blocks of 64 W rows instead of 128 where 128 would leave SMs
+    idle (tools/bench24.py --tune, H200, 4096x4096 at M 128: 1.10x dense against 0.83x)."""
+    return _rows_bucket(m) == 128 and -(-n // 128) * -(-m // 64) < runtime.sm_count(device_index)
 
 
 def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None):
@@ -242,7 +250,9 @@ def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | No
     tile = spec.tile
     tile_w = 16 * tile.warps_m if spec.instr == "tma" else 64 * tile.warps_m
     tiles_n, tiles_m = -(-n // tile_w), -(-m // tile.tile_m)
-    wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index) if m <= 256 else 1)
+    # wgmma.sp blocks for 33-128 tokens hold one SM each: a second split per SM only adds atomics
+    per_sm = 1 if spec.instr == "tma" and _rows_bucket(m) == 128 else 2
+    wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index, per_sm) if m <= 256 else 1)
     k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
     return (tiles_n, tiles_m, -(-k // k_split)), k_split
 
@@ -257,7 +267,8 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     if m == 0:
         return shaped
     device_index = x.device.index or 0
-    kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile, instr)
+    kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile, instr,
+                        _narrow_tiles(m, out_features, device_index))
     grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits)
     partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
     bias_ptr = bias.data_ptr() if bias is not None else 0

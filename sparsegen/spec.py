@@ -280,11 +280,12 @@ def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> Ke
 
 
 def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-              instr: str | None = None) -> KernelSpec:
+              instr: str | None = None, narrow: bool = False) -> KernelSpec:
     """The 2:4 forward. On sm_90 (from tools/bench24.py --tune on an H200): wgmma.sp fed by
     TMA, two consumer warpgroups of 64 W rows, 256 tokens per block (1.3-1.6x dense at
-    M >= 1024, where mma.sp reached 0.6x), 64 tokens up to M = 128 and 32 up to 32 (the host
-    splits K across blocks there). Elsewhere mma.sp: each warp owns 64 output features
+    M >= 1024, where mma.sp reached 0.6x), 64 tokens up to M = 128 (`narrow`: one consumer
+    warpgroup, for weights too short to fill the GPU with 128-row blocks) and 32 up to 32
+    (the host splits K across blocks there). Elsewhere mma.sp: each warp owns 64 output features
     (warps_m of them) and tile_m / warps_n tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB
     of shared memory, 64 and 32 tokens for small batches."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
@@ -292,7 +293,8 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
         instr = "tma" if tile is None and arch == 90 else "mma"
     if tile is None:
         if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
-            tile = TileConfig(256, 8, 1, 5) if many_rows else TileConfig(32 if rows <= 32 else 64, 8, 1, 6)
+            tile = (TileConfig(256, 8, 1, 5) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
+                    else TileConfig(64, 4, 1, 8) if narrow else TileConfig(64, 8, 1, 6))
         elif rows is not None and rows <= 32:
             tile = TileConfig(32, 2, 1, 4 if big_smem else 3)
         elif not many_rows or not big_smem:
@@ -316,6 +318,7 @@ def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
-    semi = [sp24_spec(d, arch, rows=rows) for d in dtypes if d != "fp32" for rows in (None, 128, 1)]
+    semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
+            for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     return list(dict.fromkeys(forward + backward + semi))

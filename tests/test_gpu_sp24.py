@@ -105,6 +105,21 @@ def test_transposable_weight_transposes_on_gpu():
     assert relative_error(out, x.double() @ sparse.to_dense().double()) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("m, n", [(100, 8448), (128, 16896), (40, 1024)])
+def test_sp24_forward_tiles_for_small_batches(m, n):
+    """33-128 tokens: 128-row blocks for weights tall enough to fill the GPU, 64-row ones
+    (and K splits) otherwise - both against float64."""
+    k = 96
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = poisoned(m, n, torch.bfloat16)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, out=out)
+    want = x.double() @ sparse.to_dense().double().t()
+    assert not out.isnan().any()
+    assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
+
+
 def distinct_magnitudes(n, k, dtype):
     """Each group of 4 holds magnitudes 1, 1.25, 1.5, 1.75 in random order and sign: no ties."""
     order = torch.rand(n * k // 4, 4).argsort(-1).float()
