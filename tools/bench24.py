@@ -84,12 +84,14 @@ def tune() -> None:
 
     big = [(TileConfig(128, 4, 2, 3), None, "mma"), (TileConfig(256, 8, 1, 5), None, "tma"),
            (TileConfig(256, 8, 1, 4), None, "tma"), (TileConfig(128, 8, 1, 6), None, "tma"),
-           (TileConfig(192, 8, 1, 5), None, "tma")]
+           (TileConfig(192, 8, 1, 5), None, "tma"), (TileConfig(128, 12, 1, 6), None, "tma"),
+           (TileConfig(128, 16, 1, 5), None, "tma"), (TileConfig(192, 12, 1, 4), None, "tma")]
     small = [(TileConfig(64, 2, 2, 3), None, "mma"), (TileConfig(64, 2, 2, 3), 1, "mma"),
              (TileConfig(32, 2, 1, 4), None, "mma"), (TileConfig(128, 8, 1, 6), None, "tma"),
              (TileConfig(64, 8, 1, 6), None, "tma"), (TileConfig(128, 4, 1, 6), None, "tma"),
              (TileConfig(32, 8, 1, 6), None, "tma")]
-    for (n, k), m in [((4096, 4096), 4096), ((11008, 4096), 16384), ((4096, 11008), 4096), ((8192, 8192), 1024),
+    for (n, k), m in [((4096, 4096), 4096), ((11008, 4096), 16384), ((4096, 11008), 16384), ((8192, 8192), 16384),
+                      ((8192, 8192), 4096), ((8192, 8192), 1024),
                       ((4096, 4096), 16), ((11008, 4096), 128), ((4096, 11008), 16), ((8192, 8192), 128)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         sparse, x = sparsegen.to_sparse24(w), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

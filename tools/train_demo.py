@@ -83,7 +83,10 @@ def build(args, kind) -> nn.Module:
     torch.manual_seed(args.seed)
     model = GPT(args.layers, args.d_model, args.heads, args.context)
     if kind is not None:
-        sparsegen.patch(model, {r"blocks\.\d+\.ffn\.(0|2)": ffn_rule(kind, args.block)}, from_dense=True)
+        # "pruned": the dense model's initial weights, pruned (block norm / 2:4 magnitude);
+        # "fresh": the sparse layers' own initialization (bounds from the kept fan-in).
+        sparsegen.patch(model, {r"blocks\.\d+\.ffn\.(0|2)": ffn_rule(kind, args.block)},
+                        from_dense=args.init == "pruned")
     return model.to(args.device)
 
 
@@ -196,6 +199,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default="dense,0.5,0.25,2:4",
                    help=f"comma-separated, dense first, from {', '.join(MODELS)}")
     p.add_argument("--benchmarks", type=Path, help="also write the table into this file (BENCHMARKS.md)")
+    p.add_argument("--init", choices=("pruned", "fresh"), default="pruned",
+                   help="sparse FFNs start from the dense init pruned, or from their own init")
     return p.parse_args(argv)
 
 
