@@ -264,7 +264,10 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
     x2, y, shaped = _operands_and_output(x, out, out_features)
     m, k = x2.shape
-    if m == 0:
+    if m == 0 or out_features == 0:
+        return shaped
+    if k == 0:  # an empty sum (and no tensor map describes an empty tensor)
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
     device_index = x.device.index or 0
     kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile, instr,
@@ -318,6 +321,8 @@ def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
     w, mask, row_step, col_step = _rows_or_columns(w, mask)
     values = torch.empty(n, k // 2, dtype=w.dtype, device=w.device)
     metadata = torch.empty(n // 16, k // 32, 16, dtype=torch.int32, device=w.device)
+    if values.numel() == 0:  # nothing to launch over
+        return values, metadata
     kern = _sp24_prune_kernel("sp24_compress", w.dtype, w.device.index or 0)
     mask_ptr = 0 if mask is None else mask.view(torch.uint8).data_ptr()
     mode = _MVUE if mvue_seed is not None else _MAGNITUDE if mask is None else _MASKED
@@ -333,7 +338,9 @@ def sp24_transposable_mask(w: torch.Tensor) -> torch.Tensor:
     layouts.semi24.transposable_mask computes."""
     w, (n, k) = _aligned(w), w.shape
     mask = torch.empty(n, k, dtype=torch.bool, device=w.device)
-    kern = _sp24_prune_kernel("sp24_mask", w.dtype, w.device.index or 0)
     tiles = (n // 4) * (k // 4)
+    if tiles == 0:
+        return mask
+    kern = _sp24_prune_kernel("sp24_mask", w.dtype, w.device.index or 0)
     kern.launch((-(-tiles // kern.threads), 1, 1), (), (w.data_ptr(), mask.data_ptr()), (n, k))
     return mask

@@ -114,7 +114,9 @@ def test_transpose_of_a_row_only_mask_is_a_clear_error():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (torch.randn(16, 30, dtype=torch.float16), "multiple of 16 and columns of 32"),
+    (torch.randn(16, 30, dtype=torch.float16), "positive multiple of 16 and columns of 32"),
+    (torch.randn(0, 32, dtype=torch.float16), "positive multiple"),
+    (torch.randn(16, 0, dtype=torch.bfloat16), "positive multiple"),
     (torch.randn(8, 32, dtype=torch.float16), "multiple of 16"),
     (torch.randn(2, 16, 32, dtype=torch.float16), "2-D"),
     (torch.randint(0, 5, (16, 32), dtype=torch.int8), "int8 and fp8"),

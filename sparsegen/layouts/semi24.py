@@ -33,8 +33,8 @@ ROW_GRANULE, COL_GRANULE = 16, 32  # one mma.sp m16n8k32 A tile
 def check_shape(shape, what: str = "weight") -> None:
     expect(len(shape) == 2, f"a 2-D {what} [out_features, in_features]", tuple(shape))
     n, k = shape
-    expect(n % ROW_GRANULE == 0 and k % COL_GRANULE == 0,
-           f"a {what} whose rows are a multiple of {ROW_GRANULE} and columns of {COL_GRANULE} "
+    expect(n > 0 and k > 0 and n % ROW_GRANULE == 0 and k % COL_GRANULE == 0,
+           f"a {what} whose rows are a positive multiple of {ROW_GRANULE} and columns of {COL_GRANULE} "
            f"(one mma.sp m16n8k32 tile)", tuple(shape))
 
 
