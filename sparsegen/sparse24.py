@@ -43,7 +43,7 @@ class Sparse24Tensor:
         expect(bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) <= 2).all()),
                "a mask that is 2:4 along columns as well (to_sparse24(..., method='transposable'))",
                "a mask with more than 2 kept in some group of 4 rows")
-        return Sparse24Tensor(*semi24.compress(dense.contiguous(), mask.contiguous()), dense.shape)
+        return Sparse24Tensor(*compress_masked(dense, mask), dense.shape)  # the views as they are
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ bias): the mma.sp kernel for 16-bit CUDA tensors, else PyTorch."""

@@ -71,8 +71,9 @@ def training_row(m: int = 8192, k: int = 4096, n: int = 11008) -> list[str]:
     dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     layer = sparsegen.Sparse24Linear.from_dense(dense)
     trained = sparsegen.Sparse24TrainingLinear.from_dense(dense)
-    dense_ms, ours = median_ms(lambda: dense(x).backward(dy)), median_ms(lambda: layer(x).backward(dy))
-    pretrain = median_ms(lambda: trained(x).backward(dy))
+    # Interleaved, three rounds, medians: the clocks drift over a run by more than the margins.
+    rounds = [[median_ms(lambda: model(x).backward(dy)) for model in (dense, layer, trained)] for _ in range(3)]
+    dense_ms, ours, pretrain = (statistics.median(column) for column in zip(*rounds))
     return [f"- fwd+bwd of one linear ({m}, {k}, {n}), bf16: dense {dense_ms:.3f} ms; Sparse24Linear "
             f"(fixed mask, values trained) {ours:.3f} ms ({dense_ms / ours:.2f}x dense); "
             f"Sparse24TrainingLinear (2by4 recipe, transposable mask) {pretrain:.3f} ms ({dense_ms / pretrain:.2f}x dense)"]
