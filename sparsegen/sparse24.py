@@ -100,7 +100,7 @@ def prune_mask(w: torch.Tensor, method: str) -> torch.Tensor:
     return semi24.magnitude_mask(w)
 
 
-def _seed(generator: torch.Generator | None) -> int:
+def draw_seed(generator: torch.Generator | None = None) -> int:
     """A 64-bit seed for the MVUE kernel, drawn from `generator` (else torch's default CPU
     generator, so torch.manual_seed makes runs repeat)."""
     device = generator.device if generator is not None else "cpu"
@@ -120,5 +120,5 @@ def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, ge
     if mask is not None:
         return ops.sp24_compress(w, semi24.check_mask(mask, w.shape).to(w.device))
     if method == "mvue":
-        return ops.sp24_compress(w, mvue_seed=_seed(generator))
+        return ops.sp24_compress(w, mvue_seed=draw_seed(generator))
     return ops.sp24_compress(w, prune_mask(w, method) if method == "transposable" else None)

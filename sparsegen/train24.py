@@ -7,8 +7,9 @@ refreshed from |weight| every `mask_interval` training steps). Each step:
 - dX = dY (W * mask): with a transposable mask, (W * mask)^T is 2:4 too and runs on the same
   kernel; otherwise cuBLAS on the masked weight;
 - dW = dY^T X for every weight (straight-through: pruned weights keep learning, so the mask
-  can change), or with `dw_sparse=True` from an MVUE-sparsified dY^T (unbiased; the product
-  itself still runs on cuBLAS here).
+  can change), or with `dw_sparse=True` from an MVUE-sparsified dY^T (unbiased; on the GPU
+  the product runs on the 2:4 kernel as dW^T = X^T S^T when the token count is a multiple
+  of 32, else on cuBLAS).
 `soft_threshold=True` is S-STE: each group keeps sign(w) * (|w| - t) for its two largest,
 t its third largest magnitude, times a per-tensor scale fixed at each mask refresh.
 `masked_decay_` adds weight decay to the pruned weights' gradients only, and
@@ -26,7 +27,7 @@ from . import ops
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
-from .sparse24 import compress_masked, prune_mask
+from .sparse24 import compress_masked, draw_seed, prune_mask
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -59,7 +60,7 @@ class _Sparse24STE(torch.autograd.Function):
             dx = (_sparse_product(dy, operand.t(), mask.t()) if kernel_dx and ops.runs_16bit_kernels(dy)
                   else dy @ (operand * mask))
         if ctx.needs_input_grad[1]:
-            dw = (_mvue_rows(dy2.t()) if dw_sparse else dy2.t()) @ x2
+            dw = _sparse_weight_grad(dy2, x2) if dw_sparse else dy2.t() @ x2
             if ctx.dw_scale is not None:  # S-STE: straight through the scaled soft threshold
                 dw = dw * ctx.dw_scale.to(dw.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -74,6 +75,16 @@ def _sparse_product(x: torch.Tensor, operand: torch.Tensor, mask: torch.Tensor, 
         return F.linear(x, operand * mask, bias)
     values, metadata = compress_masked(operand, mask)
     return ops.sp24_dds(x, values, metadata, bias, operand.shape[0])
+
+
+def _sparse_weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """dW = S X with S an MVUE 2:4 sample of dY^T along tokens. On the GPU (tokens a multiple
+    of 32) the 2:4 kernel runs it as dW^T = X^T S^T: S is sampled and packed straight from
+    dY's transposed view, X^T is one copy."""
+    if not (ops.runs_16bit_kernels(dy2) and dy2.shape[0] % semi24.COL_GRANULE == 0 and dy2.shape[0] > 0):
+        return _mvue_rows(dy2.t()) @ x2
+    values, metadata = ops.sp24_compress(dy2.contiguous().t(), mvue_seed=draw_seed())
+    return ops.sp24_dds(x2.t().contiguous(), values, metadata, None, dy2.shape[1]).t()
 
 
 def _mvue_rows(t: torch.Tensor) -> torch.Tensor:

@@ -71,12 +71,15 @@ def training_row(m: int = 8192, k: int = 4096, n: int = 11008) -> list[str]:
     dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     layer = sparsegen.Sparse24Linear.from_dense(dense)
     trained = sparsegen.Sparse24TrainingLinear.from_dense(dense)
+    sparse_dw = sparsegen.Sparse24TrainingLinear.from_dense(dense, dw_sparse=True)
     # Interleaved, three rounds, medians: the clocks drift over a run by more than the margins.
-    rounds = [[median_ms(lambda: model(x).backward(dy)) for model in (dense, layer, trained)] for _ in range(3)]
-    dense_ms, ours, pretrain = (statistics.median(column) for column in zip(*rounds))
+    models = (dense, layer, trained, sparse_dw)
+    rounds = [[median_ms(lambda: model(x).backward(dy)) for model in models] for _ in range(3)]
+    dense_ms, ours, pretrain, mvue = (statistics.median(column) for column in zip(*rounds))
     return [f"- fwd+bwd of one linear ({m}, {k}, {n}), bf16: dense {dense_ms:.3f} ms; Sparse24Linear "
             f"(fixed mask, values trained) {ours:.3f} ms ({dense_ms / ours:.2f}x dense); "
-            f"Sparse24TrainingLinear (2by4 recipe, transposable mask) {pretrain:.3f} ms ({dense_ms / pretrain:.2f}x dense)"]
+            f"Sparse24TrainingLinear (2by4 recipe, transposable mask) {pretrain:.3f} ms ({dense_ms / pretrain:.2f}x dense); "
+            f"the same with dw_sparse=True (MVUE dY, dW on the 2:4 kernel) {mvue:.3f} ms ({dense_ms / mvue:.2f}x dense)"]
 
 
 def tune() -> None:
