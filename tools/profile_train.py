@@ -1,5 +1,7 @@
 """Where a training step of the demo GPT goes: step times and a torch.profiler table for the
-dense and the block-sparse-FFN model. GPU: PYTHONPATH=. python tools/profile_train.py"""
+dense and the block-sparse-FFN model. GPU: PYTHONPATH=. python tools/profile_train.py
+[--compare-init]: the latter times the d = 0.5 model built both ways (train_demo --init
+pruned and fresh) in one process, same batch."""
 from __future__ import annotations
 
 import faulthandler
@@ -43,7 +45,8 @@ def profile(args, density, x, y) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    compare_init = "--compare-init" in (sys.argv[1:] if argv is None else argv)
     args = train_demo.parse_args([])
     start = time.perf_counter()
     data = train_demo.corpus(args.corpus_mb << 20)
@@ -53,6 +56,11 @@ def main() -> None:
     x, y = (t.cuda() for t in [next(stream) for _ in range(100)][-1])
     print(f"100 batches: {time.perf_counter() - start:.3f} s", flush=True)
     faulthandler.dump_traceback_later(25, repeat=True)  # where a slow step spends its time
+    if compare_init:
+        for init in ("pruned", "fresh"):
+            print(f"--init {init}")
+            profile(train_demo.parse_args(["--init", init]), 0.5, x, y)
+        return
     for density in (0.5, None, 0.25):
         profile(args, density, x, y)
 
