@@ -48,9 +48,10 @@ def forward_rows(dtype_names, weights, tokens) -> list[str]:
             dense_w = sparse.to_dense()
             for m in tokens:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
-                dense = statistics.median(median_ms(lambda: F.linear(x, w)) for _ in range(3))
-                ours = median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n))
-                peer = cusparselt_ms(dense_w, x)
+                dense, ours, peer = interleaved(
+                    lambda: median_ms(lambda: F.linear(x, w)),
+                    lambda: median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)),
+                    lambda: cusparselt_ms(dense_w, x))
                 target = 1.15 if m >= 1024 else 0.9
                 ok = ours <= dense / target and (peer is None or ours < peer or m < 1024)
                 rows.append(f"| {name} | {n}x{k} | {m} | {dense:.4f} | {ours:.4f} | {dense / ours:.2f} | "
@@ -58,6 +59,14 @@ def forward_rows(dtype_names, weights, tokens) -> list[str]:
                 print(rows[-1], flush=True)
     return ["| dtype | weight N x K | M | dense ms | sparsegen ms | sparsegen x dense | cuSPARSELt x dense "
             "| target | met |", "|---|---|---|---|---|---|---|---|---|"] + rows
+
+
+def interleaved(*timers, rounds: int = 3) -> list:
+    """Each timer's median over `rounds` rounds that take them in turn: the GPU's clocks
+    drift during a run by more than the margins being measured. A timer that returns None
+    (a peer that refused the shape) gives None."""
+    results = [[timer() for timer in timers] for _ in range(rounds)]
+    return [None if None in column else statistics.median(column) for column in zip(*results)]
 
 
 def prune_compress_ms(n: int = 4096, k: int = 11008) -> dict:
@@ -72,10 +81,8 @@ def training_row(m: int = 8192, k: int = 4096, n: int = 11008) -> list[str]:
     layer = sparsegen.Sparse24Linear.from_dense(dense)
     trained = sparsegen.Sparse24TrainingLinear.from_dense(dense)
     sparse_dw = sparsegen.Sparse24TrainingLinear.from_dense(dense, dw_sparse=True)
-    # Interleaved, three rounds, medians: the clocks drift over a run by more than the margins.
-    models = (dense, layer, trained, sparse_dw)
-    rounds = [[median_ms(lambda: model(x).backward(dy)) for model in models] for _ in range(3)]
-    dense_ms, ours, pretrain, mvue = (statistics.median(column) for column in zip(*rounds))
+    step = lambda model: lambda: median_ms(lambda: model(x).backward(dy))  # noqa: E731
+    dense_ms, ours, pretrain, mvue = interleaved(*(step(model) for model in (dense, layer, trained, sparse_dw)))
     return [f"- fwd+bwd of one linear ({m}, {k}, {n}), bf16: dense {dense_ms:.3f} ms; Sparse24Linear "
             f"(fixed mask, values trained) {ours:.3f} ms ({dense_ms / ours:.2f}x dense); "
             f"Sparse24TrainingLinear (2by4 recipe, transposable mask) {pretrain:.3f} ms ({dense_ms / pretrain:.2f}x dense); "
