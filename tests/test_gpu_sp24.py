@@ -120,6 +120,24 @@ def test_sp24_forward_tiles_for_small_batches(m, n):
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma.sp kernels are sm_90 only")
+@pytest.mark.parametrize("instr", ["tma"])
+@pytest.mark.parametrize("m, n, k", [(1000, 336, 160), (2049, 1024, 4096), (300, 16, 32), (200, 384, 512)])
+def test_sp24_hopper_kernels_match_float64(instr, m, n, k):
+    """The wgmma.sp kernel, forced: odd M, N not a multiple of the W tile, K a single k32
+    tile, split K (M = 200)."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    sparse = sparsegen.to_sparse24(w)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = poisoned(m, n, torch.bfloat16)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr=instr)
+    want = x.double() @ sparse.to_dense().double().t() + bias.double()
+    assert not out.isnan().any()
+    assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
+
+
 def distinct_magnitudes(n, k, dtype):
     """Each group of 4 holds magnitudes 1, 1.25, 1.5, 1.75 in random order and sign: no ties."""
     order = torch.rand(n * k // 4, 4).argsort(-1).float()
