@@ -137,6 +137,34 @@ def test_weight_memory_is_at_most_057_of_dense():
     assert sparse.nbytes() / (w.numel() * w.element_size()) <= 0.57
 
 
+@pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 11008, False), (100, 8448, False), (64, 8448, True),
+                                          (33, 8192, True), (32, 4096, False), (1000, 4096, False)])
+def test_small_batches_take_narrow_tiles_only_where_wide_ones_leave_sms_idle(m, n, narrow, monkeypatch):
+    from sparsegen import ops, runtime
+    from sparsegen.spec import TileConfig, sp24_spec
+
+    monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
+    assert ops._narrow_tiles(m, n, 0) == narrow
+    tile = sp24_spec("bf16", 90, rows=ops._rows_bucket(m), narrow=narrow).tile
+    assert (tile == TileConfig(64, 4, 1, 8)) == narrow
+
+
+def test_compress_operands_keep_a_transposed_view_in_place():
+    """The compress kernel reads W^T views where they lie (dX's weight); other layouts are
+    made contiguous, and a mask is brought to the weight's strides."""
+    from sparsegen import ops
+
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    mask = torch.rand(64, 32) < 0.5
+    view, view_mask, row_step, col_step = ops._rows_or_columns(w.t(), mask.t().contiguous())
+    assert view.data_ptr() == w.data_ptr() and (row_step, col_step) == (1, 32)
+    assert view_mask.stride() == view.stride() and torch.equal(view_mask, mask.t())
+    plain, _, row_step, col_step = ops._rows_or_columns(w, None)
+    assert plain.data_ptr() == w.data_ptr() and (row_step, col_step) == (32, 1)
+    sliced, _, row_step, col_step = ops._rows_or_columns(w[:, ::2], None)
+    assert sliced.is_contiguous() and torch.equal(sliced, w[:, ::2]) and (row_step, col_step) == (16, 1)
+
+
 @pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (16, 11008, 4096), (200, 160, 336), (300, 4096, 4096),
                                      (7, 32, 16)])
 def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch):
