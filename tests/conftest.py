@@ -39,3 +39,17 @@ def dense_reference():
         return y if layer.bias is None else y + layer.bias.detach().double()
 
     return reference
+
+
+@pytest.fixture
+def weight_grad_draws():
+    """draws(layer, x, dy, n): layer.weight.grad of n separate backward passes, stacked, in
+    float64 (for the statistical checks of randomized gradients)."""
+    def draws(layer, x, dy, n):
+        grads = []
+        for _ in range(n):
+            layer.weight.grad = None
+            layer(x).backward(dy)
+            grads.append(layer.weight.grad.double())
+        return torch.stack(grads)
+    return draws

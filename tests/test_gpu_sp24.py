@@ -265,18 +265,13 @@ def test_training_layer_matches_float64(dtype, out_features):
 
 
 @pytest.mark.parametrize("tokens", [96, 90])  # 96: dW on the 2:4 kernel; 90: MVUE + cuBLAS
-def test_gpu_dw_sparse_is_an_unbiased_estimate(tokens):
+def test_gpu_dw_sparse_is_an_unbiased_estimate(tokens, weight_grad_draws):
     """dw_sparse: the mean of 300 draws of dW is within 5 standard errors (plus bf16
     rounding) of dY^T X everywhere, and a single draw is not the exact product."""
     layer = sparsegen.Sparse24TrainingLinear(64, 32, device="cuda", dtype=torch.bfloat16, dw_sparse=True)
     x = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, 32, device="cuda", dtype=torch.bfloat16)
-    grads = []
-    for _ in range(300):
-        layer.weight.grad = None
-        layer(x).backward(dy)
-        grads.append(layer.weight.grad.double())
-    grads = torch.stack(grads)
+    grads = weight_grad_draws(layer, x, dy, 300)
     exact = dy.double().t() @ x.double()
     stderr = grads.std(0) / 300 ** 0.5
     assert ((grads.mean(0) - exact).abs() <= 5 * stderr + 2e-2 * exact.abs() + 1e-2).all()

@@ -88,16 +88,11 @@ def test_soft_threshold_is_24_and_matches_the_formula():
     torch.testing.assert_close(layer.weight.grad, layer.scale * torch.ones(4, 32, dtype=torch.float64).t() @ x)
 
 
-def test_dw_sparse_is_an_unbiased_estimate():
+def test_dw_sparse_is_an_unbiased_estimate(weight_grad_draws):
     layer = make(dw_sparse=True)
     x = torch.randn(64, 64, dtype=torch.float64)
     dy = torch.randn(64, 32, dtype=torch.float64)
-    grads = []
-    for _ in range(400):
-        layer.weight.grad = None
-        layer(x).backward(dy)
-        grads.append(layer.weight.grad.clone())
-    grads = torch.stack(grads)
+    grads = weight_grad_draws(layer, x, dy, 400)
     exact = dy.t() @ x
     stderr = grads.std(0) / 400 ** 0.5
     assert ((grads.mean(0) - exact).abs() <= 5 * stderr + 1e-9).all()
