@@ -178,8 +178,7 @@ def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, b
     16-bit GPU tensors at densities up to SDD_MAX_DENSITY run the generated sdd kernel;
     the rest a dense GEMM (cuBLAS) and a gather, which is faster there."""
     blocks = (dy2.shape[1] // block[0]) * (x2.shape[1] // block[1])
-    if not (dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16) and has_kernels(dy2.device.index or 0)
-            and flat_index.numel() <= SDD_MAX_DENSITY * blocks):
+    if not (runs_16bit_kernels(dy2) and flat_index.numel() <= SDD_MAX_DENSITY * blocks):
         return bsr.gather_blocks(dy2.t() @ x2, flat_index, block)
     dy2, x2 = dy2.contiguous(), x2.contiguous()
     dw = torch.empty(flat_index.numel(), *block, dtype=dy2.dtype, device=dy2.device)
@@ -222,7 +221,7 @@ def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch
     if spec.instr != "tma":
         return (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr())
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
-    (m, k), n, w_rows = x2.shape, values.shape[0], 16 * spec.tile.warps_m
+    (m, k), n, w_rows = x2.shape, values.shape[0], spec.sp24_w_rows
     x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m, 64)
     w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, k // 2, w_rows, 32)
     m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, k // 2, w_rows // 16, 32, False)
@@ -241,15 +240,13 @@ def _k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2) -> int:
 
 def _narrow_tiles(m: int, n: int, device_index: int) -> bool:
     """33-128 tokens on Hopper: blocks of 64 W rows instead of 128 where 128 would leave SMs
-    idle (tools/bench24.py --tune, H200, 4096x4096 at M 128: 1.10x dense against 0.83x)."""
+    idle (a one-off tile sweep on an H200, 4096x4096 at M 128: 1.10x dense against 0.83x)."""
     return _rows_bucket(m) == 128 and -(-n // 128) * -(-m // 64) < runtime.sm_count(device_index)
 
 
 def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None):
     """(grid, dense K per split): output tiles in x and y, K splits (whole stages) in z."""
-    tile = spec.tile
-    tile_w = 16 * tile.warps_m if spec.instr == "tma" else 64 * tile.warps_m
-    tiles_n, tiles_m = -(-n // tile_w), -(-m // tile.tile_m)
+    tiles_n, tiles_m = -(-n // spec.sp24_w_rows), -(-m // spec.tile.tile_m)
     # wgmma.sp blocks for 33-128 tokens hold one SM each: a second split per SM only adds atomics
     per_sm = 1 if spec.instr == "tma" and _rows_bucket(m) == 128 else 2
     wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index, per_sm) if m <= 256 else 1)

@@ -104,7 +104,6 @@ class Kernel:
         if status != 0:
             raise LaunchError(f"launch of {self.spec.name} failed: CUresult {status}")
 
-
     def _launch_raw(self, grid, params) -> int:
         return self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
                                _current_stream(self.device_index), params.array, None)

@@ -78,7 +78,6 @@ def to_sparse24(tensor: torch.Tensor, method: str = "magnitude", mask: torch.Ten
     return Sparse24Tensor(*prune_and_compress(tensor, method, mask, generator), tensor.shape)
 
 
-@torch.no_grad()
 def _on_kernels(w: torch.Tensor) -> bool:
     """Prune and pack with the generated kernels (a CUDA 16-bit weight), else PyTorch ops."""
     return ops.runs_16bit_kernels(w) and env.compress_kernel()

@@ -116,6 +116,11 @@ class KernelSpec:
         return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
 
     @property
+    def sp24_w_rows(self) -> int:
+        """sp24_dds: weight rows per block - 64 per consumer warpgroup (tma), per warp (mma)."""
+        return (16 if self.instr == "tma" else 64) * self.tile.warps_m
+
+    @property
     def stage_k(self) -> int:
         """Elements of K one pipeline stage covers (128 bytes' worth)."""
         return STAGE_BYTES_PER_ROW // ELEMENT_BYTES[self.dtype]
@@ -126,10 +131,9 @@ class KernelSpec:
         if self.op in ("sp24_compress", "sp24_mask"):
             return 0
         if self.op == "sp24_dds" and self.instr == "tma":  # stage K 64: 128 bytes per X row, 64 + 8 per W row
-            w_rows = 16 * self.tile.warps_m  # 64 per consumer warpgroup
-            return self.tile.stages * (self.tile.tile_m * 128 + w_rows * 72) + 1024 + 16 * self.tile.stages
+            return self.tile.stages * (self.tile.tile_m * 128 + self.sp24_w_rows * 72) + 1024 + 16 * self.tile.stages
         if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 of metadata per W row
-            return self.tile.stages * (self.tile.tile_m * 256 + 64 * self.tile.warps_m * 144)
+            return self.tile.stages * (self.tile.tile_m * 256 + self.sp24_w_rows * 144)
         rows = self.tile.tile_m + self.block[0]
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
         # full + empty mbarriers per stage, and one that orders ping-pong mainloops
@@ -281,11 +285,11 @@ def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> Ke
 
 def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
               instr: str | None = None, narrow: bool = False) -> KernelSpec:
-    """The 2:4 forward. On sm_90 (from tools/bench24.py --tune on an H200): wgmma.sp fed by
-    TMA, two consumer warpgroups of 64 W rows, 256 tokens per block (1.3-1.6x dense at
-    M >= 1024, where mma.sp reached 0.6x), 64 tokens up to M = 128 (`narrow`: one consumer
-    warpgroup, for weights too short to fill the GPU with 128-row blocks) and 32 up to 32
-    (the host splits K across blocks there). Elsewhere mma.sp: each warp owns 64 output features
+    """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
+    one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
+    256 tokens per block (1.2-1.6x dense at M >= 1024, where mma.sp reached 0.6x), 64 tokens
+    up to M = 128 (`narrow`: one consumer warpgroup, for weights too short to fill the GPU
+    with 128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere mma.sp: each warp owns 64 output features
     (warps_m of them) and tile_m / warps_n tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB
     of shared memory, 64 and 32 tokens for small batches."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
