@@ -40,7 +40,7 @@ def template_context(spec: KernelSpec) -> dict:
     t = spec.tile
     return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch,
                 bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
-                tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages,
+                tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype],
                 pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS)
 

@@ -222,7 +222,7 @@ def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch
         return (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr())
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
     (m, k), n, w_rows = x2.shape, values.shape[0], spec.sp24_w_rows
-    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m, 64)
+    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64)
     w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, k // 2, w_rows, 32)
     m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, k // 2, w_rows // 16, 32, False)
     return (x_map, w_map, m_map), ()
@@ -244,14 +244,21 @@ def _narrow_tiles(m: int, n: int, device_index: int) -> bool:
     return _rows_bucket(m) == 128 and -(-n // 128) * -(-m // 64) < runtime.sm_count(device_index)
 
 
-def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None):
-    """(grid, dense K per split): output tiles in x and y, K splits (whole stages) in z."""
+def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, resident: int | None = None):
+    """(grid, dense K per split): output tiles (mma.sp: in x and y; wgmma.sp: x, no more blocks
+    than `resident` (default: one per SM), each walking tiles x, x + grid x, ...), K splits
+    (whole stages) in z."""
     tiles_n, tiles_m = -(-n // spec.sp24_w_rows), -(-m // spec.tile.tile_m)
     # wgmma.sp blocks for 33-128 tokens hold one SM each: a second split per SM only adds atomics
     per_sm = 1 if spec.instr == "tma" and _rows_bucket(m) == 128 else 2
     wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index, per_sm) if m <= 256 else 1)
     k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
-    return (tiles_n, tiles_m, -(-k // k_split)), k_split
+    k_splits = -(-k // k_split)
+    if spec.instr != "tma":
+        return (tiles_n, tiles_m, k_splits), k_split
+    cluster = spec.tile.cluster  # a cluster's blocks take neighbouring W tiles: work items of `cluster` tiles
+    items, slots = -(-tiles_n // cluster) * tiles_m, (resident or runtime.sm_count(device_index)) // cluster
+    return (cluster * (items if k_splits > 1 else min(items, slots)), 1, k_splits), k_split
 
 
 def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
@@ -269,7 +276,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     device_index = x.device.index or 0
     kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile, instr,
                         _narrow_tiles(m, out_features, device_index))
-    grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits)
+    grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
     bias_ptr = bias.data_ptr() if bias is not None else 0
     maps, operands = _sp24_operands(kern.spec, x2, values, metadata)

@@ -76,6 +76,7 @@ class Kernel:
         with torch.cuda.device(device_index):
             _ensure_context(device_index)
             self._function = self._load(cubin)
+            self.resident_blocks = self._resident_blocks()
         self._handle = int(self._function)
         self._cu_launch = _libcuda().cuLaunchKernel
 
@@ -87,6 +88,20 @@ class Kernel:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(function, attr, self.smem), "cuFuncSetAttribute")
         return function
+
+    def _resident_blocks(self) -> int:
+        """Blocks of this kernel the GPU runs at once (persistent kernels size their grid by it;
+        a block more would wait for a whole one to finish). Clusters must fit whole in a GPC."""
+        driver, cluster = _driver(), self.spec.tile.cluster
+        if cluster == 1:
+            per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, self.threads, self.smem)
+            return max(1, _check(per_sm, "cuOccupancyMaxActiveBlocksPerMultiprocessor")) * sm_count(self.device_index)
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.threads, 1, 1
+        config.sharedMemBytes = self.smem
+        clusters = _check(driver.cuOccupancyMaxActiveClusters(self._function, config), "cuOccupancyMaxActiveClusters")
+        return max(1, clusters) * cluster
 
     def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
         """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""

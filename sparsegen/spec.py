@@ -42,18 +42,21 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # "a" suffix follows from instr, so from_name checks it by rebuilding the name.
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
                       r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)"
-                      r"_t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)")
-_NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES"
+                      r"_t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)(?:c(?P<cluster>\d+))?")
+_NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER]"
+CLUSTER_SIZES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """How one threadblock splits its output tile: rows of X, warp grid, pipeline depth."""
+    """How one threadblock splits its output tile: rows of X, warp grid, pipeline depth, and
+    how many blocks of a cluster share their X tile (sp24_dds on TMA only)."""
 
     tile_m: int = 128
     warps_m: int = 2
     warps_n: int = 2
     stages: int = 3
+    cluster: int = 1
 
     @property
     def threads(self) -> int:
@@ -61,7 +64,8 @@ class TileConfig:
 
     @property
     def tag(self) -> str:
-        return f"t{self.tile_m}w{self.warps_m}x{self.warps_n}s{self.stages}"
+        cluster = f"c{self.cluster}" if self.cluster > 1 else ""
+        return f"t{self.tile_m}w{self.warps_m}x{self.warps_n}s{self.stages}{cluster}"
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,8 @@ class KernelSpec:
         expect(match is not None, "a kernel name like bsr_dds_b32x32_bf16_nt_sm80_mma_t128w4x1s4 "
                f"({_NAME_FORM})", repr(name), SpecError)
         g = match.groupdict()
-        tile = TileConfig(**{k: int(g[k]) for k in ("tile_m", "warps_m", "warps_n", "stages")})
+        tile = TileConfig(**{k: int(g[k]) for k in ("tile_m", "warps_m", "warps_n", "stages")},
+                          cluster=int(g["cluster"] or 1))
         spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
                    trans=g["trans"], arch=int(g["arch"]), tile=tile, instr=g["instr"])
         expect(spec.name == name, f"the name {spec.name} for these fields", repr(name), SpecError)
@@ -131,7 +136,9 @@ class KernelSpec:
         if self.op in ("sp24_compress", "sp24_mask"):
             return 0
         if self.op == "sp24_dds" and self.instr == "tma":  # stage K 64: 128 bytes per X row, 64 + 8 per W row
-            return self.tile.stages * (self.tile.tile_m * 128 + self.sp24_w_rows * 72) + 1024 + 16 * self.tile.stages
+            staging = self.sp24_w_rows * 2 * (64 if self.tile.tile_m >= 128 else 32)  # the store's token chunks
+            ring = self.tile.stages * (self.tile.tile_m * 128 + self.sp24_w_rows * 72)
+            return ring + staging + 1024 + 16 * self.tile.stages
         if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 of metadata per W row
             return self.tile.stages * (self.tile.tile_m * 256 + self.sp24_w_rows * 144)
         rows = self.tile.tile_m + self.block[0]
@@ -178,6 +185,8 @@ def _validate_sp24(spec: KernelSpec) -> None:
         expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
                "warps_n = 1, whole warpgroups (warps_m % 4 == 0) and tile_m <= 256 for tma",
                t.tag, SpecError)
+        expect(t.tile_m % (8 * t.cluster) == 0, "tile_m a multiple of 8 x cluster (each block's share of X)",
+               t.tag, SpecError)
         return
     expect(t.tile_m % (8 * t.warps_n) == 0, f"tile_m a multiple of 8 x warps_n = {8 * t.warps_n}",
            t.tile_m, SpecError)
@@ -204,6 +213,9 @@ def _check_choice(what: str, value, choices) -> None:
 
 def _validate_tile(spec: KernelSpec) -> None:
     t, (bm, _) = spec.tile, spec.block
+    _check_choice("cluster", t.cluster, CLUSTER_SIZES)
+    expect(t.cluster == 1 or (spec.op == "sp24_dds" and spec.instr == "tma"),
+           "cluster 1 (only sp24_dds on TMA shares tiles across a cluster)", t.cluster, SpecError)
     if spec.op == "bsr_dds":  # warps split tile_m rows of X and the block's rows of W
         expect(t.tile_m % (16 * t.warps_m) == 0,
                f"tile_m a multiple of 16 x warps_m = {16 * t.warps_m}", t.tile_m, SpecError)
@@ -287,17 +299,19 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
               instr: str | None = None, narrow: bool = False) -> KernelSpec:
     """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
-    256 tokens per block (1.2-1.6x dense at M >= 1024, where mma.sp reached 0.6x), 64 tokens
-    up to M = 128 (`narrow`: one consumer warpgroup, for weights too short to fill the GPU
-    with 128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere mma.sp: each warp owns 64 output features
-    (warps_m of them) and tile_m / warps_n tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB
-    of shared memory, 64 and 32 tokens for small batches."""
+    256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
+    mma.sp reached 0.6x; the pairs gave 2-4% over single blocks at M = 16384), 64 tokens up
+    to M = 128 (`narrow`: one consumer warpgroup, for weights too short to fill the GPU with
+    128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere
+    mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
+    tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
+    small batches."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
     if instr is None:  # Hopper: wgmma.sp for every batch size
         instr = "tma" if tile is None and arch == 90 else "mma"
     if tile is None:
         if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
-            tile = (TileConfig(256, 8, 1, 5) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
+            tile = (TileConfig(256, 8, 1, 4, cluster=2) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
                     else TileConfig(64, 4, 1, 8) if narrow else TileConfig(64, 8, 1, 6))
         elif rows is not None and rows <= 32:
             tile = TileConfig(32, 2, 1, 4 if big_smem else 3)

@@ -27,7 +27,7 @@ from . import ops
 from .errors import expect
 from .layouts import semi24
 from .nn import autocast_inputs
-from .sparse24 import compress_masked, draw_seed, prune_mask
+from .sparse24 import compress_masked, prune_and_compress, prune_mask
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -83,7 +83,7 @@ def _sparse_weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     dY's transposed view, X^T is one copy."""
     if not (ops.runs_16bit_kernels(dy2) and dy2.shape[0] % semi24.COL_GRANULE == 0 and dy2.shape[0] > 0):
         return _mvue_rows(dy2.t()) @ x2
-    values, metadata = ops.sp24_compress(dy2.contiguous().t(), mvue_seed=draw_seed())
+    values, metadata = prune_and_compress(dy2.contiguous().t(), "mvue")  # the kernel unless turned off
     return ops.sp24_dds(x2.t().contiguous(), values, metadata, None, dy2.shape[1]).t()
 
 

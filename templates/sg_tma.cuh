@@ -37,6 +37,35 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int i
                ::"r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar) : "memory");
 }
 
+// The same, with the box written to every block of the cluster in `cta_mask`, at dst's
+// offset in each, completing the bytes on each block's barrier at bar's offset.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* map, int inner, int outer, u32 bar,
+                                                      unsigned short cta_mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               ::"r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar), "h"(cta_mask) : "memory");
+}
+
+// Arrive on the barrier at `bar`'s offset in block `cta` of the cluster. CTA scope on
+// purpose: .release.cluster makes ptxas put MEMBAR.ALL.GPU before every arrive, which waits
+// for the wgmmas in flight and halved the sp24 kernel's speed (H200). The arrivals here only
+// say "done reading", and wgmma.wait_group has already made that so.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+               "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta) : "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+
+// Every thread of every block of the cluster.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }

@@ -8,6 +8,16 @@
 // (layouts/semi24.py's layout, copied as it is: wgmma.sp reads metadata exactly as mma.sp
 // m16n8k32 does, warp w of a warpgroup for rows 16w..16w+15). The accumulators go through
 // shared memory so that Y [M, N] is written in its own row-major layout - no transpose pass.
+//
+// Persistent: a block walks output tiles blockIdx.x, + gridDim.x, ... so the producer loads
+// the next tile's stages while the consumers store this one (the store has its own
+// shared-memory buffer, apart from the ring).
+//
+// CLUSTER > 1: the blocks of a cluster take neighbouring W tiles of the same tokens, and
+// each copies 1/CLUSTER of the X box and multicasts it to all - X crosses L2 once per
+// cluster. A buffer is refilled only when the consumers of every block have released it.
+// (ncu on an H200, 8192x8192 fp16 at M 16384: without it this kernel took fewer cycles
+// than cuSPARSELt's but ran at 1.36 GHz against 1.65 - the L2 traffic costs clock.)
 #pragma once
 #include "bsr_dds_wgmma.cuh"
 #include "sg_tma.cuh"
@@ -15,15 +25,26 @@
 namespace sg {
 
 // WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x k32.
-template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES>
+template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1), CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int TILE_W = 64 * CONSUMERS, ACC = TILE_T / 2, STAGE_K = 64;
   static constexpr int X_BYTES = TILE_T * 128, W_BYTES = TILE_W * 64, META_BYTES = (TILE_W / 16) * 128;
-  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + META_BYTES;
-  static constexpr int OUT_STRIDE = TILE_W + 8;  // staged output row, padded against bank conflicts
-  static_assert(TILE_T % 8 == 0 && TILE_T <= 256 && TILE_T * OUT_STRIDE * 2 <= STAGES * STAGE_BYTES, "tile shape");
-  static_assert(X_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "swizzle atoms stay 1024-aligned");
+  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + META_BYTES, X_PART = X_BYTES / CLUSTER;
+  // Big accumulators (TILE_T 256: 128 floats a thread) want more than an even share of the
+  // registers; small ones are better off with two blocks an SM, so they keep what ptxas gives.
+  static constexpr bool REBALANCE = ACC >= 128;
+  // setmaxnreg moves registers within the block's allocation: ptxas gives a kernel that uses it
+  // the most its launch bounds allow (64K / THREADS, in 8s); the producer keeps 40 per
+  // thread, the consumers take the rest. Asking for more than the pool holds would hang.
+  static constexpr int POOL = (65536 / THREADS) / 8 * 8 * THREADS;
+  static constexpr int CONSUMER_REGISTERS = (POOL - 128 * 40) / CONSUMER_THREADS / 8 * 8 > 240
+                                                ? 240 : (POOL - 128 * 40) / CONSUMER_THREADS / 8 * 8;
+  // The store goes through shared memory CHUNK_T tokens at a time: per consumer, rows of
+  // 64 features (128 bytes) per token. Small tiles stage 32 so that two blocks fit an SM.
+  static constexpr int CHUNK_T = TILE_T >= 128 ? 64 : 32, STAGING_BYTES = CONSUMERS * CHUNK_T * 128;
+  static_assert(TILE_T % 16 == 0 && TILE_T <= 256 && TILE_T % CHUNK_T == 0, "tile shape");
+  static_assert(X_PART % 1024 == 0 && W_BYTES % 1024 == 0, "swizzle atoms stay 1024-aligned");
 
   // K-major operand descriptor: rows of `row_bytes` (64 or 128) with the matching swizzle;
   // 8-row groups are 8 rows apart (the leading offset is unused when swizzled).
@@ -35,13 +56,18 @@ struct Sp24DdsTma {
   }
 
   __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
-                                 u32 smem, u32 bars, int stages, int k_begin, int m0, int n0) {
-    for (int s = 0; s < stages; ++s) {
-      const int buf = s % STAGES, k = k_begin + s * STAGE_K;
+                                 u32 smem, u32 bars, int s0, int stages, int k_begin, int m0, int n0, u32 rank) {
+    for (int s = s0; s < s0 + stages; ++s) {
+      const int buf = s % STAGES, k = k_begin + (s - s0) * STAGE_K;
       const u32 full = bars + 8 * buf, stage = smem + buf * STAGE_BYTES;
-      mbar_wait(bars + 8 * (STAGES + buf), ((s / STAGES) & 1) ^ 1);  // fresh barriers count as emptied
+      const u32 empty = bars + 8 * (STAGES + buf);
+      const int emptied = ((s / STAGES) & 1) ^ 1;  // fresh barriers count as emptied
+      mbar_wait(empty, emptied);
       mbar_expect_bytes(full, STAGE_BYTES);  // boxes past the edges are zero-filled, counted in full
-      tma_load_2d(stage, x_map, k, m0, full);
+      if constexpr (CLUSTER == 1)
+        tma_load_2d(stage, x_map, k, m0, full);
+      else  // this block's share of the X rows, to every block of the cluster
+        tma_load_2d_multicast(stage + rank * X_PART, x_map, k, m0 + rank * (TILE_T / CLUSTER), full, (1 << CLUSTER) - 1);
       tma_load_2d(stage + X_BYTES, w_map, k / 2, n0, full);
       tma_load_2d(stage + X_BYTES + W_BYTES, m_map, k / 2, n0 / 16, full);  // 16 words per k32 = k / 2
     }
@@ -84,8 +110,16 @@ struct Sp24DdsTma {
   // Keeps metadata registers live (so unreused) until here.
   __device__ static void keep(const u32 (&e)[2]) { asm volatile("" ::"r"(e[0]), "r"(e[1]) : "memory"); }
 
+  // Buffer s % STAGES is read: tell this block's producer, and with a cluster every block's
+  // (each multicasts into it).
   __device__ static void release(u32 bars, int s) {
-    if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + s % STAGES));
+    if (threadIdx.x % 128 != 0) return;
+    const u32 empty = bars + 8 * (STAGES + s % STAGES);
+    if constexpr (CLUSTER == 1)
+      mbar_arrive(empty);
+    else
+#pragma unroll
+      for (int cta = 0; cta < CLUSTER; ++cta) mbar_arrive_cluster(empty, cta);
   }
 
   // Stages in pairs, with one group of products in flight while the next stage is waited
@@ -95,56 +129,84 @@ struct Sp24DdsTma {
   // each pair stays live until its stage is known finished (wait_group 1 in the next
   // stage). tests/test_compile.py checks the SASS for it. A loop that swaps one pair of
   // registers per stage instead makes ptxas serialize every wgmma.
-  __device__ static void consume(u32 smem, u32 bars, int stages, int c, float (&acc)[ACC]) {
+  // Stages s0 .. s0 + stages - 1 of the block's running count (buffer and barrier phase).
+  __device__ static void consume(u32 smem, u32 bars, int s0, int stages, int c, float (&acc)[ACC]) {
     u32 even[2], odd[2];
-    int s = 0;
-    for (; s + 1 < stages; s += 2) {
+    int s = s0;
+    for (; s + 1 < s0 + stages; s += 2) {
       u32 stage = wait_stage(smem, bars, s);
       load_meta(stage, c, even);
       stage_products(stage, c, acc, even);
       wgmma_wait<1>();  // stage s-1 is finished: its buffer goes back to the producer
-      if (s > 0) keep(odd), release(bars, s - 1);
+      if (s > s0) keep(odd), release(bars, s - 1);
       stage = wait_stage(smem, bars, s + 1);
       load_meta(stage, c, odd);
       stage_products(stage, c, acc, odd);
       wgmma_wait<1>();
       keep(even), release(bars, s);
     }
-    if (s < stages) {  // an odd count: the last stage (stage s-1, in flight, used `odd`)
+    if (s < s0 + stages) {  // an odd count: the last stage (stage s-1, in flight, used `odd`)
       const u32 stage = wait_stage(smem, bars, s);
       load_meta(stage, c, even);
       stage_products(stage, c, acc, even);
     }
     wgmma_wait<0>();
+    // The buffers not given back yet, so the producer can fill them with the next tile's
+    // stages during the store: the last one, and with an odd count the one before it.
+    if ((stages & 1) && stages > 1) release(bars, s0 + stages - 2);
+    release(bars, s0 + stages - 1);
   }
 
-  // acc holds Y^T rows (features) 16w + g (+8) and columns (tokens) 8j + 2q (+1): written
-  // transposed into a [TILE_T][TILE_W] tile in the drained ring, then copied out by rows.
-  __device__ static void store(unsigned char* smem_raw, float (&acc)[ACC], const Elem* bias, Elem* y,
+  // acc holds Y^T rows (features) 16w + g (+8) and columns (tokens) 8j + 2q (+1): stmatrix
+  // .trans writes them as token rows of this consumer's 64 features, CHUNK_T tokens at a
+  // time, which its threads then copy out to Y in 16-byte pieces.
+  __device__ static void store(u32 staging, float (&acc)[ACC], const Elem* bias, Elem* y,
                                int m0, int n0, int M, int N, int c) {
-    Elem* out = reinterpret_cast<Elem*>(smem_raw);
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, g = lane >> 2, q = lane & 3;
-    named_barrier_sync();  // every consumer is done reading the ring
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, f = n0 + c * 64 + warp * 16 + (lane >> 2);
+    const float b[2] = {bias && f < N ? Mma::to_float(bias[f]) : 0.f,
+                        bias && f + 8 < N ? Mma::to_float(bias[f + 8]) : 0.f};
+    const u32 buf = staging + c * CHUNK_T * 128;
+    // This lane's row address: matrix lane / 8 of an x4 is (tokens 8 (j + lane / 16),
+    // features 16w + 8 ((lane / 8) % 2)); its row lane % 8 is one token.
+    const int row = 8 * (lane >> 4) + (lane & 7), chunk = 2 * warp + ((lane >> 3) & 1);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int f = c * 64 + warp * 16 + g + 8 * half;
-      const float b = bias && n0 + f < N ? Mma::to_float(bias[n0 + f]) : 0.f;
+    for (int t0 = 0; t0 < TILE_T; t0 += CHUNK_T) {
 #pragma unroll
-      for (int j = 0; j < TILE_T / 8; ++j)
+      for (int j = t0 / 8; j < (t0 + CHUNK_T) / 8; j += 2) {
+        u32 r[4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const u32 packed = Mma::pack(acc[4 * j + 2 * half + i] + b, 0.f);
-          out[(8 * j + 2 * q + i) * OUT_STRIDE + f] = static_cast<Elem>(packed & 0xFFFF);
-        }
+        for (int i = 0; i < 4; ++i) r[i] = Mma::pack(acc[4 * j + 2 * i] + b[i & 1], acc[4 * j + 2 * i + 1] + b[i & 1]);
+        stmatrix_x4_trans(staged(buf, 8 * j - t0 + row, chunk), r);
+      }
+      consumer_barrier(c);
+      copy_out(buf, y, m0 + t0, n0 + c * 64, M, N);
+      consumer_barrier(c);  // read before the next chunk overwrites it
     }
-    named_barrier_sync();
-    const int tid = threadIdx.x - 128;
-    for (int i = tid; i < TILE_T * (TILE_W / 8); i += CONSUMER_THREADS) {
-      const int t = i / (TILE_W / 8), col = i % (TILE_W / 8);
-      if (m0 + t < M && n0 + 8 * col < N)
-        *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * N + n0 + 8 * col) =
-            *reinterpret_cast<const uint4*>(out + t * OUT_STRIDE + 8 * col);
+  }
+
+  // Token row t's 16-byte piece p (features 8p..8p+7), XOR-swizzled by row so that the 8
+  // rows of one stmatrix land in different banks.
+  __device__ static u32 staged(u32 buf, int t, int p) { return buf + t * 128 + ((p ^ (t & 7)) << 4); }
+
+  __device__ static void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  }
+
+  __device__ static void copy_out(u32 buf, Elem* y, int m0, int f0, int M, int N) {
+    for (int i = threadIdx.x % 128; i < CHUNK_T * 8; i += 128) {
+      const int t = i / 8, p = i % 8;
+      if (m0 + t >= M || f0 + 8 * p >= N) continue;
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(staged(buf, t, p)));
+      *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * N + f0 + 8 * p) = v;
     }
+  }
+
+  // One consumer warpgroup's own barrier (ids 2, 3, ...; 0 is __syncthreads').
+  __device__ static void consumer_barrier(int c) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + c) : "memory");
   }
 
   // Split K: the block's partial tile of Y^T is added into a float32 buffer.
@@ -159,41 +221,70 @@ struct Sp24DdsTma {
       }
   }
 
-  // Only the consumer warpgroups (barrier 1; 0 is __syncthreads').
-  __device__ static void named_barrier_sync() {
-    asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMER_THREADS) : "memory");
-  }
+  // Work items: CLUSTER neighbouring W tiles of one token tile, one per block of a cluster.
+  // Items go GROUP_T token tiles at a time, token tile fastest, so the blocks running at once
+  // share a few X tiles and a few W tiles: both stay in L2 instead of W streaming from DRAM
+  // once per token tile (memory traffic costs power, and this kernel is power-bound).
+  struct Raster {
+    static constexpr int GROUP_T = 8;
+    int tiles_t, groups_n, items;
+    __device__ Raster(int M, int N)
+        : tiles_t((M + TILE_T - 1) / TILE_T), groups_n(((N + TILE_W - 1) / TILE_W + CLUSTER - 1) / CLUSTER),
+          items(tiles_t * groups_n) {}
+    __device__ int rows(int item) const {  // token tiles in item's group (the last may have fewer)
+      const int first = item / (GROUP_T * groups_n) * GROUP_T;
+      return min(GROUP_T, tiles_t - first);
+    }
+    __device__ int m0(int item) const {
+      return (item / (GROUP_T * groups_n) * GROUP_T + item % (GROUP_T * groups_n) % rows(item)) * TILE_T;
+    }
+    __device__ int n0(int item, u32 rank) const {
+      return (item % (GROUP_T * groups_n) / rows(item) * CLUSTER + rank) * TILE_W;
+    }
+  };
 
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
                              const Elem* bias, Elem* y, float* partial, int M, int K, int N, int k_split) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_ptr(smem_raw), smem = (base + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
-    unsigned char* ring = smem_raw + (smem - base);
-    const u32 bars = smem + STAGES * STAGE_BYTES;  // full[STAGES], then empty[STAGES]
-    const int n0 = blockIdx.x * TILE_W, m0 = blockIdx.y * TILE_T, wg = threadIdx.x / 128;
-    const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split);
+    const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + STAGING_BYTES;  // full[STAGES], empty[STAGES]
+    const u32 rank = CLUSTER == 1 ? 0 : cluster_rank();
+    const Raster raster(M, N);
+    const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
+    const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split), wg = threadIdx.x / 128;
     const int stages = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     if (threadIdx.x == 0) {
       for (int i = 0; i < STAGES; ++i) {
         mbar_init(bars + 8 * i, 1);
-        mbar_init(bars + 8 * (STAGES + i), CONSUMERS);
+        mbar_init(bars + 8 * (STAGES + i), CONSUMERS * CLUSTER);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
       tma_prefetch_map(x_map);
       tma_prefetch_map(w_map);
       tma_prefetch_map(m_map);
     }
-    __syncthreads();
+    if constexpr (CLUSTER == 1) __syncthreads(); else cluster_sync();  // partners' barriers are ready
+    int s0 = 0;  // the block's running stage count
     if (wg == 0) {
-      if (threadIdx.x == 0) produce(x_map, w_map, m_map, smem, bars, stages, k_begin, m0, n0);
-      return;
+      // The producer needs few registers: hand them to the consumers' accumulators.
+      if constexpr (REBALANCE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+      if (threadIdx.x == 0)
+        for (int item = first; item < raster.items; item += step, s0 += stages)
+          produce(x_map, w_map, m_map, smem, bars, s0, stages, k_begin, raster.m0(item), raster.n0(item, rank), rank);
+    } else {
+      if constexpr (REBALANCE) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS));
+      for (int item = first; item < raster.items; item += step, s0 += stages) {
+        const int m0 = raster.m0(item), n0 = raster.n0(item, rank);
+        float acc[ACC] = {};
+        consume(smem, bars, s0, stages, wg - 1, acc);
+        if (partial)
+          add_partial(acc, partial, m0, n0, M, N, wg - 1);
+        else
+          store(staging, acc, bias, y, m0, n0, M, N, wg - 1);
+      }
     }
-    float acc[ACC] = {};
-    consume(smem, bars, stages, wg - 1, acc);
-    if (partial)
-      add_partial(acc, partial, m0, n0, M, N, wg - 1);
-    else
-      store(ring, acc, bias, y, m0, n0, M, N, wg - 1);
+    // No block may leave while another still arrives on its barriers or copies into it.
+    if constexpr (CLUSTER > 1) cluster_sync();
   }
 };
 

@@ -25,8 +25,8 @@ GOLDEN_SPECS = [
 OTHER_GOLDEN = [
     KernelSpec(op="bsr_sdd", block=(64, 64), dtype="bf16", trans="tn", arch=80, tile=TileConfig(32, 2, 2, 4)),
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(128, 4, 2, 3)),
-    KernelSpec(op="sp24_dds", block=(16, 32), dtype="bf16", trans="nt", arch=90, tile=TileConfig(256, 8, 1, 5),
-               instr="tma"),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="bf16", trans="nt", arch=90,
+               tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma"),
     KernelSpec(op="sp24_compress", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_mask", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
 ]
@@ -100,12 +100,14 @@ def test_golden_files_cover_every_op():
 @pytest.mark.parametrize("spec", OTHER_GOLDEN, ids=ids)
 def test_other_ops_name_their_kernel(spec):
     source = codegen.render(spec)
-    assert re.search(rf'extern "C" __global__ void __launch_bounds__\({spec.threads}(, 1)?\)\s*{spec.name}\(', source)
+    cluster = rf"__cluster_dims__\({spec.tile.cluster}, 1, 1\) " if spec.tile.cluster > 1 else ""
+    assert re.search(rf'extern "C" __global__ void {cluster}__launch_bounds__\({spec.threads}(, 1)?\)\s*{spec.name}\(',
+                     source)
     ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
     if spec.op == "sp24_dds" and spec.instr == "tma":
         assert f"wgmma.mma_async.sp.sync.aligned.m64n{spec.tile.tile_m}k32.f32.{ptx}.{ptx} " in source
         assert re.search(rf"sg::Sp24DdsTma<WgmmaSp, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "
-                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}>", source)
+                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}>", source)
     elif spec.op == "sp24_dds":
         assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ptx}.{ptx}.f32" in source
         assert re.search(rf"sg::Sp24Dds<SpMma, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "

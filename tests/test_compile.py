@@ -180,3 +180,15 @@ def test_wgmma_sp_groups_in_flight_keep_their_metadata_registers(spec, tmp_path)
                 current = set()
     assert len(groups) >= 2, sass
     assert all(not (a & b) for a, b in zip(groups, groups[1:])), groups
+
+
+@needs_tools
+@pytest.mark.parametrize("spec", [s for s in DEFAULT_SPECS if s.op == "sp24_dds" and s.tile.cluster > 1],
+                         ids=lambda s: s.name)
+def test_cluster_kernels_fence_the_gpu_only_at_the_cluster_barriers(spec, tmp_path):
+    """A cluster-scope release on the per-stage barrier arrivals made ptxas put MEMBAR.ALL.GPU
+    before each one, which waits for the wgmmas in flight: the kernel ran at half speed (H200).
+    Only the two cluster-wide barriers (start and end) may fence the GPU."""
+    sass, _ = disassemble(spec, tmp_path)
+    assert "UTMALDG" in sass and "MULTICAST" in sass.upper(), "no multicast copy"
+    assert len(re.findall(r"MEMBAR\.ALL\.GPU", sass)) <= 2

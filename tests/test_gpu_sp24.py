@@ -4,6 +4,7 @@ import torch
 
 import sparsegen
 from sparsegen import ops
+from sparsegen.spec import TileConfig
 from sparsegen.layouts import semi24
 
 pytestmark = [pytest.mark.gpu,
@@ -122,17 +123,19 @@ def test_sp24_forward_tiles_for_small_batches(m, n):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma.sp kernels are sm_90 only")
-@pytest.mark.parametrize("instr", ["tma"])
-@pytest.mark.parametrize("m, n, k", [(1000, 336, 160), (2049, 1024, 4096), (300, 16, 32), (200, 384, 512)])
-def test_sp24_hopper_kernels_match_float64(instr, m, n, k):
-    """The wgmma.sp kernel, forced: odd M, N not a multiple of the W tile, K a single k32
-    tile, split K (M = 200)."""
+@pytest.mark.parametrize("tile", [None, TileConfig(256, 8, 1, 5), TileConfig(256, 8, 1, 4, cluster=4)],
+                         ids=["default", "single blocks", "clusters of 4"])
+@pytest.mark.parametrize("m, n, k", [(1000, 336, 160), (2049, 1024, 4096), (300, 16, 32), (200, 384, 512),
+                                     (700, 1040, 4128)])
+def test_sp24_hopper_kernels_match_float64(tile, m, n, k):
+    """The wgmma.sp kernel, forced: odd M, N not a multiple of the W tile (nor of a
+    cluster's tiles: a block past N), K a single k32 tile, split K (M = 200)."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     sparse = sparsegen.to_sparse24(w)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = poisoned(m, n, torch.bfloat16)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr=instr)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="tma", tile=tile)
     want = x.double() @ sparse.to_dense().double().t() + bias.double()
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]

@@ -172,10 +172,13 @@ def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch
     from sparsegen.spec import sp24_spec
 
     monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
-    spec = sp24_spec("bf16", 90, rows=m)
-    (tiles_n, tiles_m, splits), k_split = ops._sp24_grid(spec, m, k, n, 0, None)
-    tile_w = 16 * spec.tile.warps_m if spec.instr == "tma" else 64 * spec.tile.warps_m
-    assert tiles_n * tile_w >= n and tiles_m * spec.tile.tile_m >= m
+    spec = sp24_spec("bf16", 90, rows=ops._rows_bucket(m))
+    (slots, one, splits), k_split = ops._sp24_grid(spec, m, k, n, 0, None)
+    # wgmma.sp blocks walk work items (`cluster` neighbouring tiles, one per block of a
+    # cluster): one item each when K is split, else at most one block per SM
+    c = spec.tile.cluster
+    items = -(-n // (spec.sp24_w_rows * c)) * -(-m // spec.tile.tile_m)
+    assert one == 1 and slots % c == 0 and slots // c == (items if splits > 1 else min(items, 132 // c))
     assert k_split % ops.SP24_STAGE_K == 0 and k_split * (splits - 1) < k <= k_split * splits
     if m > 256:
         assert splits == 1

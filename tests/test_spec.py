@@ -52,10 +52,18 @@ def test_each_field_changes_name_and_key(variant):
 
 def test_every_field_has_a_variant():
     # A field added to KernelSpec or TileConfig must get a variant above (or a rejection test).
-    covered = {key.split("=")[0] for key in VARIANTS} | {"op", "trans"}
+    covered = {key.split("=")[0] for key in VARIANTS} | {"op", "trans", "cluster"}  # cluster: below
     fields = {f.name for f in dataclasses.fields(KernelSpec)} - {"tile"}
     fields |= {f.name for f in dataclasses.fields(TileConfig)}
     assert fields <= covered, f"no variant for {sorted(fields - covered)}"
+
+
+def test_cluster_changes_sp24_name_and_key_and_round_trips():
+    # Only sp24_dds on TMA takes a cluster, so it has no variant of BASE.
+    single = specmod.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4), instr="tma")
+    paired = specmod.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma")
+    assert paired.name == single.name + "c2" and paired.key != single.key
+    assert KernelSpec.from_name(paired.name) == paired and KernelSpec.from_name(single.name) == single
 
 
 def test_names_and_keys_are_pairwise_distinct():
@@ -137,6 +145,10 @@ BAD = {
     "tma in fp32": dict(instr="tma", dtype="fp32"),
     "tma with warps_n 2": dict(instr="tma", tile=TileConfig(128, 4, 2, 3)),
     "tma over 1024 threads": dict(instr="tma", tile=TileConfig(512, 32, 1, 2)),
+    "cluster on bsr_dds": dict(tile=TileConfig(128, 4, 1, 3, cluster=2)),
+    "cluster of 3": dict(op="sp24_dds", block=(16, 32), instr="tma", tile=TileConfig(96, 8, 1, 4, cluster=3)),
+    "cluster splitting X below 8 rows": dict(op="sp24_dds", block=(16, 32), instr="tma",
+                                             tile=TileConfig(16, 8, 1, 4, cluster=4)),
 }
 
 

@@ -94,7 +94,9 @@ def tune() -> None:
     from sparsegen.spec import TileConfig
 
     big = [(TileConfig(128, 4, 2, 3), None, "mma"), (TileConfig(256, 8, 1, 5), None, "tma"),
-           (TileConfig(256, 8, 1, 4), None, "tma"), (TileConfig(128, 8, 1, 6), None, "tma"),
+           (TileConfig(256, 8, 1, 4), None, "tma"), (TileConfig(256, 8, 1, 4, 2), None, "tma"),
+           (TileConfig(256, 8, 1, 5, 2), None, "tma"), (TileConfig(256, 8, 1, 4, 4), None, "tma"),
+           (TileConfig(128, 8, 1, 6), None, "tma"),
            (TileConfig(192, 8, 1, 5), None, "tma"), (TileConfig(128, 12, 1, 6), None, "tma"),
            (TileConfig(128, 16, 1, 5), None, "tma"), (TileConfig(192, 12, 1, 4), None, "tma")]
     small = [(TileConfig(64, 2, 2, 3), None, "mma"), (TileConfig(64, 2, 2, 3), 1, "mma"),
