@@ -163,8 +163,9 @@ def _tma_tail(spec, values: torch.Tensor) -> tuple:
 
 
 # Measured on an H200 (tools/bench.py --train): the sdd kernel beats cuBLAS + gather below
-# about d = 0.3 at blocks 64 and 128 (its time grows with the blocks kept, cuBLAS's does not).
-SDD_MAX_DENSITY = 0.3
+# about d = 0.3 (mma.sync) or 0.6 (wgmma, sm_90; 0.86 ms against 0.94 at block 64, d 0.5)
+# - its time grows with the blocks kept, cuBLAS's does not.
+SDD_MAX_DENSITY = {"mma": 0.3, "tma": 0.6}
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,16 +179,49 @@ def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, b
     16-bit GPU tensors at densities up to SDD_MAX_DENSITY run the generated sdd kernel;
     the rest a dense GEMM (cuBLAS) and a gather, which is faster there."""
     blocks = (dy2.shape[1] // block[0]) * (x2.shape[1] // block[1])
-    if not (runs_16bit_kernels(dy2) and flat_index.numel() <= SDD_MAX_DENSITY * blocks):
+    if not (runs_16bit_kernels(dy2) and flat_index.numel() <= _sdd_max_density(dy2, block) * blocks):
         return bsr.gather_blocks(dy2.t() @ x2, flat_index, block)
     dy2, x2 = dy2.contiguous(), x2.contiguous()
     dw = torch.empty(flat_index.numel(), *block, dtype=dy2.dtype, device=dy2.device)
     if flat_index.numel() == 0 or dy2.shape[0] == 0:
         return dw.zero_()
-    kern = _sdd_kernel(tuple(block), dy2.dtype, dy2.device.index or 0)
-    kern.launch((flat_index.numel(), 1, 1), (), (dy2.data_ptr(), x2.data_ptr(), flat_index.data_ptr(), dw.data_ptr()),
-                (dy2.shape[0], dy2.shape[1], x2.shape[1]))
+    return sdd_into(dw, dy2, x2, flat_index.contiguous(), tuple(block))
+
+
+def _sdd_max_density(dy2: torch.Tensor, block) -> float:
+    return SDD_MAX_DENSITY[_sdd_kernel(tuple(block), dy2.dtype, dy2.device.index or 0).spec.instr]
+
+
+def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:
+    """Run the generated sdd kernel (or `kern`, a tile being tried) for these contiguous,
+    16-bit CUDA operands into dw."""
+    kern = kern or _sdd_kernel(tuple(block), dy2.dtype, dy2.device.index or 0)
+    if kern.spec.instr == "tma":
+        _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block)
+    else:
+        kern.launch((flat_index.numel(), 1, 1), (), (dy2.data_ptr(), x2.data_ptr(), flat_index.data_ptr(),
+                                                     dw.data_ptr()), (dy2.shape[0], dy2.shape[1], x2.shape[1]))
     return dw
+
+
+def _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block) -> None:
+    """The Hopper sdd kernel: one block per work item (token-major TMA boxes of 64 x 64)."""
+    (m, n), k = dy2.shape, x2.shape[1]
+    starts = sdd_item_starts(flat_index, k // block[1], n // block[0], 256 // block[1])
+    maps = (runtime.tensor_map(dy2.data_ptr(), dy2.dtype, m, n, 64, 64),
+            runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, 64, 64))
+    kern.launch((starts.numel(), 1, 1), maps, (flat_index.data_ptr(), starts.data_ptr(), dw.data_ptr()),
+                (m, flat_index.numel(), k // block[1]))
+
+
+def sdd_item_starts(flat_index: torch.Tensor, blocks_per_row: int, block_rows: int, group: int) -> torch.Tensor:
+    """Where the sdd work items start: runs of up to `group` stored blocks of one block row
+    (flat_index in row-major order). Padded with -1 to a bound known without reading the
+    tensor, so no host sync: each row adds at most one run that is not full."""
+    rows = flat_index // blocks_per_row
+    in_row = torch.arange(rows.numel(), device=rows.device) - torch.searchsorted(rows, rows)
+    bound = rows.numel() // group + min(block_rows, rows.numel())
+    return torch.nonzero_static(in_row % group == 0, size=bound, fill_value=-1).squeeze(1)
 
 
 @torch.library.custom_op("sparsegen::bsr_sdd", mutates_args=())

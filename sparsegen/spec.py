@@ -131,6 +131,8 @@ class KernelSpec:
         return STAGE_BYTES_PER_ROW // ELEMENT_BYTES[self.dtype]
 
     def smem_bytes(self) -> int:
+        if self.op == "bsr_sdd" and self.instr == "tma":  # per stage: 64 tokens of dY's bm and 256 X columns
+            return self.tile.stages * (self.block[0] + 256) * 128 + 1024 + 16 * self.tile.stages
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
         if self.op in ("sp24_compress", "sp24_mask"):
@@ -162,14 +164,20 @@ class KernelSpec:
         if self.op in SP24_OPS:
             _validate_sp24(self)
         _validate_tile(self)
-        if self.instr in HOPPER_INSTRS and self.op not in SP24_OPS:
+        if self.instr in HOPPER_INSTRS and self.op not in SP24_OPS + ("bsr_sdd",):
             _validate_wgmma(self)
 
 
 def _validate_sdd(spec: KernelSpec) -> None:
     t, (bm, bk) = spec.tile, spec.block
-    expect(spec.instr == "mma" and spec.dtype in ("bf16", "fp16"),
-           "instr 'mma' and a 16-bit dtype for bsr_sdd", f"{spec.instr}, {spec.dtype}", SpecError)
+    expect(spec.instr in ("mma", "tma") and spec.dtype in ("bf16", "fp16"),
+           "instr 'mma' or 'tma' and a 16-bit dtype for bsr_sdd", f"{spec.instr}, {spec.dtype}", SpecError)
+    if spec.instr == "tma":  # a producer and two consumer warpgroups, stages of 64 tokens
+        expect(spec.arch == 90 and bm in (64, 128) and bk in (64, 128), "sm_90 and blocks of 64 or 128 for "
+               "the tma bsr_sdd", f"sm_{spec.arch}, block {spec.block}", SpecError)
+        expect(t.tile_m == 64 and t.warps_m == 8 and t.warps_n == 1, "tile t64w8x1 for the tma bsr_sdd",
+               t.tag, SpecError)
+        return
     expect(bk % (16 * t.warps_n) == 0, f"block cols ({bk}) a multiple of 16 x warps_n", t.warps_n, SpecError)
     expect(bm % (16 * t.warps_m) == 0, f"block rows ({bm}) a multiple of 16 x warps_m", t.warps_m, SpecError)
 
@@ -285,9 +293,18 @@ def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
                       tile=tile or default_tile(block, arch, instr, rows), instr=instr)
 
 
-def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None) -> KernelSpec:
-    """The weight-gradient kernel: one threadblock per stored block, 32 or 64 rows of M a stage."""
+def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
+    """The weight-gradient kernel. On sm_90 with blocks of 64 or 128: wgmma fed by TMA, a
+    block per 256 gathered columns of one block row, stages of 64 tokens (5 for 64-row
+    blocks, 4 for 128, as many as fit; 5 gave 1.5% over 4 at block 64 in
+    `tools/bench.py --train` on an H200). Elsewhere mma.sync, one threadblock per stored
+    block, 32 or 64 rows of M a stage."""
     bm, bk = block
+    if instr is None:
+        instr = "tma" if tile is None and arch == 90 and bm in (64, 128) and bk in (64, 128) else "mma"
+    if instr == "tma":
+        return KernelSpec(op="bsr_sdd", block=tuple(block), dtype=dtype, trans="tn", arch=arch,
+                          tile=tile or TileConfig(64, 8, 1, 5 if bm == 64 else 4), instr="tma")
     rows, stages = (64, 3) if bm >= 128 and bk >= 128 else (32, 4)  # tools/bench.py --train sweep
     tile = tile or TileConfig(tile_m=rows, warps_m=2 if bm >= 32 else 1, warps_n=2 if bk >= 32 else 1,
                               stages=stages)

@@ -24,6 +24,8 @@ GOLDEN_SPECS = [
 # The other ops' templates, pinned the same way.
 OTHER_GOLDEN = [
     KernelSpec(op="bsr_sdd", block=(64, 64), dtype="bf16", trans="tn", arch=80, tile=TileConfig(32, 2, 2, 4)),
+    KernelSpec(op="bsr_sdd", block=(128, 64), dtype="fp16", trans="tn", arch=90, tile=TileConfig(64, 8, 1, 4),
+               instr="tma"),
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(128, 4, 2, 3)),
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="bf16", trans="nt", arch=90,
                tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma"),

@@ -60,6 +60,8 @@ def expected_mma(spec: KernelSpec) -> str:
         return f"HGMMA.SP.64x{spec.tile.tile_m}x32.F32{suffix}"
     if spec.op == "sp24_dds":  # 2:4: mma.sp m16n8k32
         return f"HMMA.SP.16832.F32{suffix}"
+    if spec.op == "bsr_sdd" and spec.instr == "tma":  # each consumer: m64 x its gathered columns x k16
+        return f"HGMMA.64x{256 if spec.block[0] == 128 else 128}x16.F32{suffix}"
     if spec.instr != "mma":  # wgmma and tma
         return f"HGMMA.64x{spec.block[0]}x16.F32{suffix}"
     return f"HMMA.{1688 if spec.dtype == 'fp32' else 16816}.F32{suffix}"
@@ -70,6 +72,8 @@ def mma_per_stage(spec: KernelSpec) -> int:
     t = spec.tile
     if spec.op == "sp24_dds" and spec.instr == "tma":  # a stage of K 64: 2 k32 steps
         return 2
+    if spec.op == "bsr_sdd" and spec.instr == "tma":  # a stage of 64 tokens: 4 k16 steps
+        return 4
     if spec.op == "sp24_dds":  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
         return 4 * 4 * (t.tile_m // t.warps_n // 8)
     if spec.instr != "mma":  # each consumer warpgroup owns tile_m / groups rows, m64 at a time

@@ -221,18 +221,19 @@ def test_torch_compile_fullgraph_on_gpu_matches_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("block", [(16, 16), (32, 64), (128, 128), (64, 16)], ids=str)
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (128, 128), (64, 16), (64, 64), (64, 128), (128, 64)],
+                         ids=str)
 @pytest.mark.parametrize("m", [1, 77, 4099])
 def test_sdd_kernel_matches_float64(block, dtype, m):
-    """The weight-gradient kernel itself, poisoned output, odd M (whatever the density rule picks)."""
-    mask = torch.rand(7, 5) < 0.5
+    """The weight-gradient kernel itself (on sm_90 the wgmma one for blocks of 64 and 128),
+    poisoned output, odd M; rows of up to 9 stored blocks, so work items of 256 gathered
+    columns come whole, split and partial (whatever the density rule picks)."""
+    mask = torch.rand(7, 9) < 0.6
     flat = bsr.flat_index(mask, "cuda")
     dy = torch.randn(m, 7 * block[0], device="cuda", dtype=dtype)
-    x = torch.randn(m, 5 * block[1], device="cuda", dtype=dtype)
-    kern = ops._sdd_kernel(block, dtype, 0)
+    x = torch.randn(m, 9 * block[1], device="cuda", dtype=dtype)
     out = torch.full((flat.numel(), *block), float("nan"), device="cuda", dtype=dtype)
-    kern.launch((flat.numel(), 1, 1), (), (dy.data_ptr(), x.data_ptr(), flat.data_ptr(), out.data_ptr()),
-                (m, dy.shape[1], x.shape[1]))
+    ops.sdd_into(out, dy, x, flat, block)
     want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[dtype]

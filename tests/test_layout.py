@@ -140,3 +140,26 @@ def test_check_mask_rejects_wrong_shape_and_dtype():
         bsr.check_mask(torch.ones(4, 3, dtype=torch.bool), (3, 4))
     with pytest.raises(sparsegen.InputError, match="torch.bool.*Got torch.int64"):
         bsr.check_mask(torch.ones(3, 4, dtype=torch.long), (3, 4))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_sdd_work_items_cover_every_stored_block_once(group):
+    """The Hopper dW kernel's work items: each starts at a stored block and takes the next
+    ones of the same block row, up to `group` (the kernel's own rule, modelled here); the
+    padded list from sdd_item_starts must cover every stored block exactly once."""
+    from sparsegen import ops
+
+    torch.manual_seed(group)
+    for _ in range(50):
+        rows, cols = torch.randint(1, 9, (2,)).tolist()
+        flat = bsr.flat_index(torch.rand(rows, cols) < torch.rand(()))
+        starts = ops.sdd_item_starts(flat, cols, rows, group)
+        covered = []
+        for start in starts.tolist():
+            if start < 0:
+                continue
+            run = 0
+            while run < group and start + run < flat.numel() and flat[start + run] // cols == flat[start] // cols:
+                run += 1
+            covered += range(start, start + run)
+        assert sorted(covered) == list(range(flat.numel()))
