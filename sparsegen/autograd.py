@@ -67,7 +67,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, dy, dds, sdd):
-    """dX, dW (at the stored blocks) and d(bias). dds(dy, W^T values, index of W^T, block
+    """dX, dW (at the stored blocks) and d(bias). dds(dy, values, t_perm, index of W^T, block
     of W^T, in_features) and sdd(dy2, x2, flat_index, block) run the two products: the
     torch.ops versions when traced, the kernels themselves in eager mode."""
     x, values, row_offsets, col_indices, flat_index, t_row_offsets, t_col_indices, t_flat_index, t_perm = ctx.saved_tensors
@@ -75,8 +75,7 @@ def _gradients(ctx, dy, dds, sdd):
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dvalues = dbias = None
     if need[0]:
-        dx = dds(dy, bsr.transpose_values(values, t_perm), (t_row_offsets, t_col_indices, t_flat_index),
-                 (bk, bm), x.shape[-1])
+        dx = dds(dy, values, t_perm, (t_row_offsets, t_col_indices, t_flat_index), (bk, bm), x.shape[-1])
     if need[1]:
         dvalues = sdd(dy2, x.reshape(-1, x.shape[-1]), flat_index, (bm, bk))
     if ctx.has_bias and need[2]:
@@ -84,16 +83,16 @@ def _gradients(ctx, dy, dds, sdd):
     return dx, dvalues, dbias
 
 
-def _traced_dds(dy, values, index, block, out_features):
-    return torch.ops.sparsegen.bsr_dds(dy, values, None, *index, *block, out_features)
+def _traced_dds(dy, values, perm, index, block, out_features):
+    return torch.ops.sparsegen.bsr_input_grad(dy, values, perm, *index, *block, out_features)
 
 
 def _traced_sdd(dy2, x2, flat_index, block):
     return torch.ops.sparsegen.bsr_sdd(dy2, x2, flat_index, *block)
 
 
-def _eager_dds(dy, values, index, block, out_features):
-    return ops.bsr_dds(dy, values, index[0], index[1], None, block, out_features)
+def _eager_dds(dy, values, perm, index, block, out_features):
+    return ops.input_grad(dy, values, perm, *index, block, out_features)
 
 
 def _backward(ctx, dy):

@@ -38,7 +38,7 @@ def _environment(bytecode_dir: str):
 def template_context(spec: KernelSpec) -> dict:
     """Everything a template may use: the spec's fields, flattened, plus derived names."""
     t = spec.tile
-    return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch,
+    return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch, trans=spec.trans,
                 bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype],

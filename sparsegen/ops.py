@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, TMA_INSTRS, forward_spec, sdd_spec, sp24_compress_spec, sp24_spec
+from .spec import ARCHS, TMA_INSTRS, forward_spec, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -50,6 +50,43 @@ def bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, bl
     if x.is_cuda and has_kernels(x.device.index or 0):
         return bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features)
     return indexed_reference(x, values, bias, flat_index, block, out_features)
+
+
+def input_grad(dy, values, perm, row_offsets, col_indices, flat_index, block, out_features):
+    """dX = dY W for W's stored blocks `values`, given W^T's index (block: W^T's block; its
+    block b is values[perm[b]] transposed). Where a kernel reads the stored blocks
+    transposed (input_grad_spec) no transposed copy of the values is made."""
+    if _input_grad_kernel(dy, block) is not None:
+        return bsr_dds(dy, values, row_offsets, col_indices, None, block, out_features, perm=perm)
+    return bsr_dds_any_device(dy, bsr.transpose_values(values, perm), None, row_offsets, col_indices, flat_index,
+                              block, out_features)
+
+
+def _input_grad_kernel(dy, block):
+    if not (runs_16bit_kernels(dy) and dy.numel() > 0):
+        return None
+    small = dy.numel() // dy.shape[-1] <= 64
+    return _transposed_kernel(tuple(block), dy.dtype, dy.device.index or 0, small)
+
+
+@functools.lru_cache(maxsize=None)
+def _transposed_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, small: bool):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    spec = input_grad_spec(block, DTYPE_NAMES[dtype], arch, rows=1 if small else None)
+    return runtime.kernel(spec, device_index) if spec else None
+
+
+@torch.library.custom_op("sparsegen::bsr_input_grad", mutates_args=())
+def input_grad_op(dy: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, row_offsets: torch.Tensor,
+                  col_indices: torch.Tensor, flat_index: torch.Tensor, block_rows: int, block_cols: int,
+                  out_features: int) -> torch.Tensor:
+    """input_grad as an op of its own, so compiled backwards trace it."""
+    return input_grad(dy, values, perm, row_offsets, col_indices, flat_index, (block_rows, block_cols), out_features)
+
+
+@input_grad_op.register_fake
+def _(dy, values, perm, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
+    return dy.new_empty((*dy.shape[:-1], out_features))
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,10 +155,11 @@ def _operands_and_output(x: torch.Tensor, out, out_features: int):
 
 
 def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,
-            instr=None):
+            instr=None, perm=None):
     """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
     `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
-    default TileConfig and `instr` the tensor-core instruction ("mma" or "wgmma")."""
+    default TileConfig and `instr` the tensor-core instruction ("mma" or "wgmma"). With
+    `perm`, W^T's block b is values[perm[b]] transposed (input_grad)."""
     x2, y, shaped = _operands_and_output(x, out, out_features)
     m, k = x2.shape
     if m == 0:
@@ -129,11 +167,15 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
-    kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
+    if perm is None:
+        kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
+    else:
+        kern = _transposed_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64)
     grid = _grid(kern.spec, m, out_features, x.device)
     maps, operands = _operands(kern.spec, x2, values, block)
     bias_ptr = bias.data_ptr() if bias is not None else 0
-    pointers = (*operands, row_offsets.data_ptr(), col_indices.data_ptr(), bias_ptr, y.data_ptr())
+    perm_ptr = () if kern.spec.instr != "swap" else (0 if perm is None else perm.data_ptr(),)
+    pointers = (*operands, row_offsets.data_ptr(), col_indices.data_ptr(), *perm_ptr, bias_ptr, y.data_ptr())
     ints = (m, k, out_features) + _tma_tail(kern.spec, values)
     kern.launch(grid, maps, pointers, ints)
     return shaped
@@ -152,8 +194,11 @@ def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tupl
         return (), (x2.data_ptr(), values.data_ptr())
     sub_k = min(block[1], 64)  # one TMA box per block width, at most 128 bytes
     x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
-    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[0], block[1],
-                               block[0], sub_k)
+    if spec.trans == "nn":  # the stored blocks, [block[1] x block[0]] each, in 64 x 64 boxes
+        w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[1], block[0], 64, 64)
+    else:
+        w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[0], block[1],
+                                   block[0], sub_k)
     return (x_map, w_map), ()
 
 

@@ -23,15 +23,15 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
 OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress", "sp24_mask")
 SP24_OPS = ("sp24_dds", "sp24_compress", "sp24_mask")
-TRANSPOSES = ("nt", "tn")
+TRANSPOSES = ("nt", "tn", "nn")  # nn: bsr_dds reading W's stored blocks as W^T (dX = dY W; swap only)
 OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt", "sp24_mask": "nt"}  # operand layouts
 SP24_BLOCK = (16, 32)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
 # each tile) and "pingpong" (the same, consumers alternate whole tiles).
-INSTRS = ("mma", "wgmma", "tma", "pingpong")
-HOPPER_INSTRS = ("wgmma", "tma", "pingpong")
-TMA_INSTRS = ("tma", "pingpong")
+INSTRS = ("mma", "wgmma", "tma", "pingpong", "swap")
+HOPPER_INSTRS = ("wgmma", "tma", "pingpong", "swap")
+TMA_INSTRS = ("tma", "pingpong", "swap")
 # Opt-in shared memory per block, by compute capability (CUDA programming guide).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
               100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
@@ -147,7 +147,8 @@ class KernelSpec:
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
         # full + empty mbarriers per stage, and one that orders ping-pong mainloops
         barriers = 16 * self.tile.stages + 8 if self.instr in TMA_INSTRS else 0
-        return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align + barriers
+        staging = 2 * 64 * STAGE_BYTES_PER_ROW if self.instr == "swap" else 0  # the transposing store's chunks
+        return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align + barriers + staging
 
     def validate(self) -> None:
         _check_choice("op", self.op, OPS)
@@ -157,8 +158,10 @@ class KernelSpec:
         _check_choice("instr", self.instr, INSTRS)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
-        expect(self.trans == OP_TRANS[self.op], f"trans {OP_TRANS[self.op]!r} for {self.op}",
-               repr(self.trans), SpecError)
+        transposed_read = (self.op, self.trans, self.instr) == ("bsr_dds", "nn", "swap")
+        expect(self.trans == OP_TRANS[self.op] or transposed_read,
+               f"trans {OP_TRANS[self.op]!r} for {self.op} ('nn' only for bsr_dds on swap)", repr(self.trans),
+               SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
         if self.op in SP24_OPS:
@@ -213,6 +216,13 @@ def _validate_wgmma(spec: KernelSpec) -> None:
            f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
     least = 2 if spec.instr in TMA_INSTRS else 3
     expect(t.stages >= least, f"at least {least} stages for {spec.instr}", t.stages, SpecError)
+    if spec.instr == "swap":  # W as wgmma's A: 64-row halves of the block, X's tokens as N
+        expect(spec.block[0] in (64, 128) and spec.block[1] % 64 == 0 and t.warps_m == 8
+               and (spec.trans == "nt" or spec.block[1] in (64, 128)),
+               "blocks of 64 or 128 rows and a multiple of 64 columns, two consumer warpgroups "
+               "(warps_m 8) for swap", f"block {spec.block}, {t.tag}", SpecError)
+        expect(t.tile_m * spec.block[0] // 128 <= 256, "at most 256 tokens per consumer (wgmma's largest N)",
+               t.tag, SpecError)
 
 
 def _check_choice(what: str, value, choices) -> None:
@@ -239,14 +249,18 @@ def _validate_tile(spec: KernelSpec) -> None:
            f"{spec.smem_bytes()} bytes for {spec.tile.tag}", SpecError)
 
 
-def default_instr(dtype: str, arch: int, block=(64, 64)) -> str:
-    """Per block shape, the fastest family in tools/bench.py --tune on an H200: cp.async
-    copies beat TMA's narrow boxes for 16-wide blocks; ping-pong consumers win up to 64
-    rows, cooperative ones at 128."""
+def default_instr(dtype: str, arch: int, block=(64, 64), rows: int | None = None) -> str:
+    """Per block shape, the fastest family on an H200: W as wgmma's A ("swap") for blocks
+    of 64 or 128 rows and whole 64-column widths beyond 64 tokens (1.0-1.7x the X-as-A
+    kernels below over four shapes and densities 0.1-0.5, an ad-hoc sweep like
+    tools/bench.py --tune); otherwise, from --tune, cp.async copies beat TMA's narrow boxes
+    for 16-wide blocks, ping-pong consumers win up to 64 rows, cooperative ones at 128."""
     if arch != 90 or dtype not in ("bf16", "fp16"):
         return "mma"
     if block[1] < 32:
         return "wgmma"
+    if block[0] in (64, 128) and block[1] % 64 == 0 and (rows is None or rows > 64):
+        return "swap"
     return "tma" if block[0] >= 128 else "pingpong"
 
 
@@ -265,7 +279,7 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
             tile_m = 128 if bm >= 128 else 256
             return TileConfig(tile_m=tile_m, warps_m=8, warps_n=1,
                               stages=_stages_that_fit(block, tile_m, arch, most=6))
-        if instr == "tma":
+        if instr in ("tma", "swap"):  # swap at block 64: 4 stages beat 5 on 9 of 12 cells
             return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
@@ -288,23 +302,32 @@ def _stages_that_fit(block, tile_m: int, arch: int, most: int) -> int:
 def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
                  instr: str | None = None, rows: int | None = None) -> KernelSpec:
     block = tuple(block)
-    instr = instr or default_instr(dtype, arch, block)
+    instr = instr or default_instr(dtype, arch, block, rows)
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
                       tile=tile or default_tile(block, arch, instr, rows), instr=instr)
 
 
+def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None) -> KernelSpec | None:
+    """dX = dY W read from W's stored blocks (trans "nn", block = W^T's block), where the
+    swap kernel runs that way; None elsewhere (the caller transposes the values instead)."""
+    block = tuple(block)
+    if default_instr(dtype, arch, block, rows) != "swap" or block[1] not in (64, 128):
+        return None
+    return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nn", arch=arch,
+                      tile=default_tile(block, arch, "swap", rows), instr="swap")
+
+
 def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
     """The weight-gradient kernel. On sm_90 with blocks of 64 or 128: wgmma fed by TMA, a
-    block per 256 gathered columns of one block row, stages of 64 tokens (5 for 64-row
-    blocks, 4 for 128, as many as fit; 5 gave 1.5% over 4 at block 64 in
-    `tools/bench.py --train` on an H200). Elsewhere mma.sync, one threadblock per stored
-    block, 32 or 64 rows of M a stage."""
+    block per 256 gathered columns of one block row, 4 stages of 64 tokens (5, which fit at
+    block 64, came within 2% of 4 either way in `tools/bench.py --train` runs on an H200).
+    Elsewhere mma.sync, one threadblock per stored block, 32 or 64 rows of M a stage."""
     bm, bk = block
     if instr is None:
         instr = "tma" if tile is None and arch == 90 and bm in (64, 128) and bk in (64, 128) else "mma"
     if instr == "tma":
         return KernelSpec(op="bsr_sdd", block=tuple(block), dtype=dtype, trans="tn", arch=arch,
-                          tile=tile or TileConfig(64, 8, 1, 5 if bm == 64 else 4), instr="tma")
+                          tile=tile or TileConfig(64, 8, 1, 4), instr="tma")
     rows, stages = (64, 3) if bm >= 128 and bk >= 128 else (32, 4)  # tools/bench.py --train sweep
     tile = tile or TileConfig(tile_m=rows, warps_m=2 if bm >= 32 else 1, warps_n=2 if bk >= 32 else 1,
                               stages=stages)
@@ -353,6 +376,7 @@ def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
+    backward += [s for d in dtypes for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]

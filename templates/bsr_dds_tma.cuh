@@ -109,12 +109,8 @@ struct BsrDdsTma {
     const int wg = threadIdx.x / 128, block_rows = N / BM;
     const int tiles = block_rows * ((M + TILE_M - 1) / TILE_M);
     if (threadIdx.x == 0) {
-      for (int i = 0; i < STAGES; ++i) {
-        mbar_init(bars + 8 * i, 1);
-        mbar_init(bars + 8 * (STAGES + i), PINGPONG ? 1 : CONSUMERS);
-      }
       mbar_init(order, 128);  // the whole consumer warpgroup arrives (see consume)
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      init_ring(bars, STAGES, PINGPONG ? 1 : CONSUMERS);
       tma_prefetch_map(x_map);
       tma_prefetch_map(w_map);
     }

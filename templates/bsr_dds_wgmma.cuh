@@ -17,6 +17,14 @@ __device__ __forceinline__ u64 sw128_descriptor(u32 addr) {
          (static_cast<u64>(1024 >> 4) << 32) | (static_cast<u64>(1) << 62);
 }
 
+// The same swizzle for an MN-major (transposed) operand: rows of 128 bytes hold 64 elements
+// of M (or N), one row per k; `chunk_bytes` apart are the next 64 of M, 8 rows (1024 bytes)
+// apart the next 8 of k.
+__device__ __forceinline__ u64 sw128_mn_descriptor(u32 addr, int chunk_bytes) {
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(chunk_bytes >> 4) << 16) |
+         (static_cast<u64>(1024 >> 4) << 32) | (static_cast<u64>(1) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

@@ -22,12 +22,8 @@ struct BsrSddTma {
   static constexpr int A_BYTES = (BM / 64) * BOX, STAGE_BYTES = A_BYTES + 4 * BOX;
   static_assert((BM == 64 || BM == 128) && (BK == 64 || BK == 128), "blocks of 64 or 128");
 
-  // MN-major operand with 128-byte swizzle: 64-element chunks of M (or N) one box apart
-  // (leading offset), groups of 8 tokens 8 rows of 128 bytes apart (stride offset).
-  __device__ static u64 descriptor(u32 addr) {
-    return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(BOX >> 4) << 16) |
-           (static_cast<u64>(1024 >> 4) << 32) | (static_cast<u64>(1) << 62);
-  }
+  // MN-major operands: 64-element chunks of M (or N) one box apart.
+  __device__ static u64 descriptor(u32 addr) { return sw128_mn_descriptor(addr, BOX); }
 
   // The work item: `count` stored blocks from `start` on, all in block row `row`; X's
   // first column of each in `cols`.
@@ -112,11 +108,7 @@ struct BsrSddTma {
     const Item item(flat_index, start, nnz, blocks_per_row);
     const int wg = threadIdx.x / 128, stages = (M + STAGE_T - 1) / STAGE_T;
     if (threadIdx.x == 0) {
-      for (int i = 0; i < STAGES; ++i) {
-        mbar_init(bars + 8 * i, 1);
-        mbar_init(bars + 8 * (STAGES + i), CONSUMERS);
-      }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      init_ring(bars, STAGES, CONSUMERS);
       tma_prefetch_map(dy_map);
       tma_prefetch_map(x_map);
     }

@@ -12,6 +12,17 @@ __device__ __forceinline__ void mbar_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
 
+// A ring of `stages` buffers, by one thread: full[i] completes on the producer's arrival
+// (and the copies' bytes), empty[i] on `releases` arrivals. The fence makes the barriers
+// visible to the copy engine and the cluster; the caller then syncs the block (or cluster).
+__device__ __forceinline__ void init_ring(u32 bars, int stages, int releases) {
+  for (int i = 0; i < stages; ++i) {
+    mbar_init(bars + 8 * i, 1);
+    mbar_init(bars + 8 * (stages + i), releases);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_expect_bytes(u32 bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }

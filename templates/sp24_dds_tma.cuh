@@ -20,6 +20,7 @@
 // than cuSPARSELt's but ran at 1.36 GHz against 1.65 - the L2 traffic costs clock.)
 #pragma once
 #include "bsr_dds_wgmma.cuh"
+#include "sg_store_t.cuh"
 #include "sg_tma.cuh"
 
 namespace sg {
@@ -42,8 +43,9 @@ struct Sp24DdsTma {
                                                 ? 240 : (POOL - 128 * 40) / CONSUMER_THREADS / 8 * 8;
   // The store goes through shared memory CHUNK_T tokens at a time: per consumer, rows of
   // 64 features (128 bytes) per token. Small tiles stage 32 so that two blocks fit an SM.
-  static constexpr int CHUNK_T = TILE_T >= 128 ? 64 : 32, STAGING_BYTES = CONSUMERS * CHUNK_T * 128;
-  static_assert(TILE_T % 16 == 0 && TILE_T <= 256 && TILE_T % CHUNK_T == 0, "tile shape");
+  using Store = TransposedStore<Mma, Elem, TILE_T, TILE_T >= 128 ? 64 : 32>;
+  static constexpr int STAGING_BYTES = CONSUMERS * Store::BYTES;
+  static_assert(TILE_T % 16 == 0 && TILE_T <= 256, "tile shape");
   static_assert(X_PART % 1024 == 0 && W_BYTES % 1024 == 0, "swizzle atoms stay 1024-aligned");
 
   // K-major operand descriptor: rows of `row_bytes` (64 or 128) with the matching swizzle;
@@ -157,58 +159,6 @@ struct Sp24DdsTma {
     release(bars, s0 + stages - 1);
   }
 
-  // acc holds Y^T rows (features) 16w + g (+8) and columns (tokens) 8j + 2q (+1): stmatrix
-  // .trans writes them as token rows of this consumer's 64 features, CHUNK_T tokens at a
-  // time, which its threads then copy out to Y in 16-byte pieces.
-  __device__ static void store(u32 staging, float (&acc)[ACC], const Elem* bias, Elem* y,
-                               int m0, int n0, int M, int N, int c) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, f = n0 + c * 64 + warp * 16 + (lane >> 2);
-    const float b[2] = {bias && f < N ? Mma::to_float(bias[f]) : 0.f,
-                        bias && f + 8 < N ? Mma::to_float(bias[f + 8]) : 0.f};
-    const u32 buf = staging + c * CHUNK_T * 128;
-    // This lane's row address: matrix lane / 8 of an x4 is (tokens 8 (j + lane / 16),
-    // features 16w + 8 ((lane / 8) % 2)); its row lane % 8 is one token.
-    const int row = 8 * (lane >> 4) + (lane & 7), chunk = 2 * warp + ((lane >> 3) & 1);
-#pragma unroll
-    for (int t0 = 0; t0 < TILE_T; t0 += CHUNK_T) {
-#pragma unroll
-      for (int j = t0 / 8; j < (t0 + CHUNK_T) / 8; j += 2) {
-        u32 r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] = Mma::pack(acc[4 * j + 2 * i] + b[i & 1], acc[4 * j + 2 * i + 1] + b[i & 1]);
-        stmatrix_x4_trans(staged(buf, 8 * j - t0 + row, chunk), r);
-      }
-      consumer_barrier(c);
-      copy_out(buf, y, m0 + t0, n0 + c * 64, M, N);
-      consumer_barrier(c);  // read before the next chunk overwrites it
-    }
-  }
-
-  // Token row t's 16-byte piece p (features 8p..8p+7), XOR-swizzled by row so that the 8
-  // rows of one stmatrix land in different banks.
-  __device__ static u32 staged(u32 buf, int t, int p) { return buf + t * 128 + ((p ^ (t & 7)) << 4); }
-
-  __device__ static void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-  }
-
-  __device__ static void copy_out(u32 buf, Elem* y, int m0, int f0, int M, int N) {
-    for (int i = threadIdx.x % 128; i < CHUNK_T * 8; i += 128) {
-      const int t = i / 8, p = i % 8;
-      if (m0 + t >= M || f0 + 8 * p >= N) continue;
-      uint4 v;
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(staged(buf, t, p)));
-      *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * N + f0 + 8 * p) = v;
-    }
-  }
-
-  // One consumer warpgroup's own barrier (ids 2, 3, ...; 0 is __syncthreads').
-  __device__ static void consumer_barrier(int c) {
-    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + c) : "memory");
-  }
-
   // Split K: the block's partial tile of Y^T is added into a float32 buffer.
   __device__ static void add_partial(float (&acc)[ACC], float* partial, int m0, int n0, int M, int N, int c) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, g = lane >> 2, q = lane & 3;
@@ -254,11 +204,7 @@ struct Sp24DdsTma {
     const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split), wg = threadIdx.x / 128;
     const int stages = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     if (threadIdx.x == 0) {
-      for (int i = 0; i < STAGES; ++i) {
-        mbar_init(bars + 8 * i, 1);
-        mbar_init(bars + 8 * (STAGES + i), CONSUMERS * CLUSTER);
-      }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      init_ring(bars, STAGES, CONSUMERS * CLUSTER);
       tma_prefetch_map(x_map);
       tma_prefetch_map(w_map);
       tma_prefetch_map(m_map);
@@ -280,7 +226,7 @@ struct Sp24DdsTma {
         if (partial)
           add_partial(acc, partial, m0, n0, M, N, wg - 1);
         else
-          store(staging, acc, bias, y, m0, n0, M, N, wg - 1);
+          Store::store(staging + (wg - 1) * Store::BYTES, acc, bias, y, m0, n0 + (wg - 1) * 64, M, N, wg + 1);
       }
     }
     // No block may leave while another still arrives on its barriers or copies into it.

@@ -114,3 +114,14 @@ def test_demo_gpt_compiles_without_graph_breaks():
     tokens = torch.randint(0, 256, (2, 32))
     explanation = torch._dynamo.explain(model)(tokens)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_input_grad_on_cpu_is_dy_times_w():
+    """ops.input_grad off the GPU: W^T's values transposed from the stored ones, then the
+    reference product - the same dX the GPU kernel computes from the stored blocks."""
+    torch.manual_seed(3)
+    layer = sparsegen.linear(96, 64, block=(16, 32), density=0.5, dtype=torch.float64)
+    dy = torch.randn(7, 64, dtype=torch.float64)
+    dx = sparsegen.ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+                                  layer.t_flat_index, (32, 16), 96)
+    torch.testing.assert_close(dx, dy @ layer.to_dense_weight())

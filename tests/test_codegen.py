@@ -12,7 +12,7 @@ import jinja2.meta
 import pytest
 
 from sparsegen import codegen
-from sparsegen.spec import INSTRS, OPS, KernelSpec, TileConfig, forward_spec
+from sparsegen.spec import INSTRS, OPS, KernelSpec, TileConfig, forward_spec, input_grad_spec
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 # Pinned tiles (not the tuned defaults), so that only a template change moves a golden file.
@@ -20,6 +20,7 @@ GOLDEN_SPECS = [
     KernelSpec(block=(128, 64), dtype="fp32", arch=80, tile=TileConfig(128, 2, 2, 3), instr="mma"),
     KernelSpec(block=(16, 16), dtype="fp16", arch=90, tile=TileConfig(128, 8, 1, 4), instr="wgmma"),
     KernelSpec(block=(64, 32), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="tma"),
+    KernelSpec(block=(128, 64), dtype="fp16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="swap"),
 ]
 # The other ops' templates, pinned the same way.
 OTHER_GOLDEN = [
@@ -38,6 +39,7 @@ SPECS = GOLDEN_SPECS + [
     forward_spec((64, 64), "fp16", 90, instr="mma"),
     forward_spec((128, 32), "bf16", 90, instr="tma", rows=1),
     forward_spec((64, 64), "bf16", 90, instr="pingpong"),
+    input_grad_spec((128, 64), "fp16", 90),  # swap, trans nn
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
     KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
 ]
@@ -51,7 +53,8 @@ def ids(spec):
 
 # Per instruction family: the head of the kernel type the template instantiates.
 KERNEL_TYPE = {"mma": r"sg::BsrDds<\s*", "wgmma": r"sg::BsrDdsWgmma<\s*Wgmma,\s*",
-               "tma": r"sg::BsrDdsTma<\s*Wgmma,\s*", "pingpong": r"sg::BsrDdsTma<\s*Wgmma,\s*"}
+               "tma": r"sg::BsrDdsTma<\s*Wgmma,\s*", "pingpong": r"sg::BsrDdsTma<\s*Wgmma,\s*",
+               "swap": r"sg::BsrDdsSwap<\s*Wgmma,\s*"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=ids)
@@ -69,6 +72,8 @@ def kernel_type_pattern(spec) -> str:
     constants = [f"sg::{MMA[spec.dtype]}", ELEM[spec.dtype], t.tile_m, *spec.block]
     if spec.instr == "mma":
         constants += [t.warps_m, t.warps_n, t.stages]
+    elif spec.instr == "swap":  # always two consumer warpgroups; trans nn reads W's stored blocks as W^T's
+        constants += [t.stages, str(spec.trans == "nn").lower()]
     else:  # wgmma and the TMA kernels: whole warpgroups of consumers
         constants += [t.warps_m // 4, t.stages]
     if spec.instr in ("tma", "pingpong"):  # the schedule: consumers alternate whole tiles?
@@ -91,7 +96,8 @@ def test_source_carries_the_template_constants(spec):
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.instr != "mma"], ids=ids)
 def test_wgmma_source_issues_the_right_instruction(spec):
     ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
-    instruction = f"wgmma.mma_async.sync.aligned.m64n{spec.block[0]}k16.f32.{ptx}.{ptx}"
+    n = spec.tile.tile_m * spec.block[0] // 128 if spec.instr == "swap" else spec.block[0]  # swap: tokens are N
+    instruction = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx}"
     assert instruction in codegen.render(spec)
 
 

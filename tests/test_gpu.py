@@ -81,6 +81,32 @@ def test_hopper_paths(block, dtype, instr, m):
     assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
 
 
+@pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block", [(64, 64), (128, 128), (64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("m", [65, 300, 2049])
+def test_swap_kernel_and_its_transposed_read_match_float64(block, dtype, m):
+    """W as wgmma's A (these blocks' default beyond 64 tokens): the forward, and the input
+    gradient reading the stored blocks as W^T's (trans nn, no transposed copy), with
+    partial token tiles, an empty block row and an empty block column."""
+    layout = torch.rand(5, 7) < 0.45
+    layout[1], layout[:, 2] = False, False
+    layer = sparsegen.linear(7 * block[1], 5 * block[0], block=block, layout=layout, device="cuda", dtype=dtype)
+    x = torch.randn(m, 7 * block[1], device="cuda", dtype=dtype)
+    out = torch.full((m, 5 * block[0]), float("nan"), device="cuda", dtype=dtype)
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                layer.out_features, out=out, instr="swap")
+    assert not out.isnan().any()
+    assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+    assert ops._input_grad_kernel(x, block[::-1]).spec.trans == "nn"
+    dy = torch.randn(m, 5 * block[0], device="cuda", dtype=dtype)
+    dx = ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+                        layer.t_flat_index, block[::-1], 7 * block[1])
+    want = dy.double() @ layer.to_dense_weight().double()
+    assert not dx.isnan().any()
+    assert relative_error(dx, want) < TOLERANCE[dtype]
+
+
 # Run in a child process so that a hang fails the test instead of stalling the suite.
 PERSISTENT_STRESS = r"""
 import torch, sparsegen
@@ -163,7 +189,8 @@ def test_module_on_gpu_matches_cpu_module():
 
 @pytest.mark.parametrize("rows", [(3, 333), (1, 5)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 32), (128, 128), (16, 128)], ids=str)
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 32), (128, 128), (16, 128), (64, 64), (128, 64)],
+                         ids=str)
 def test_backward_matches_float64(block, dtype, rows):
     layout = torch.rand(6, 5) < 0.25  # at most SDD_MAX_DENSITY: the generated dW kernel runs
     layout[2] = False

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
-from bench import median_ms  # noqa: E402
+from bench import interleaved, median_ms  # noqa: E402
 from sparsegen import ops  # noqa: E402
 
 WEIGHTS = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]  # N x K
@@ -59,14 +58,6 @@ def forward_rows(dtype_names, weights, tokens) -> list[str]:
                 print(rows[-1], flush=True)
     return ["| dtype | weight N x K | M | dense ms | sparsegen ms | sparsegen x dense | cuSPARSELt x dense "
             "| target | met |", "|---|---|---|---|---|---|---|---|---|"] + rows
-
-
-def interleaved(*timers, rounds: int = 3) -> list:
-    """Each timer's median over `rounds` rounds that take them in turn: the GPU's clocks
-    drift during a run by more than the margins being measured. A timer that returns None
-    (a peer that refused the shape) gives None."""
-    results = [[timer() for timer in timers] for _ in range(rounds)]
-    return [None if None in column else statistics.median(column) for column in zip(*results)]
 
 
 def prune_compress_ms(n: int = 4096, k: int = 11008) -> dict:

@@ -1,0 +1,123 @@
+// Block-sparse Y = X W^T (+ bias) on Hopper with W in wgmma's A operand: the kernel computes
+// Y^T = W X^T, so a wgmma multiplies 64 rows of W by up to 256 tokens (m64 x n256) instead
+// of 64 tokens by the block's rows (m64 x nBM). Per product it reads 2 KB of W and 8 KB of
+// X where the X-as-A kernels read 2 KB of each for a quarter of the work - shared memory
+// bandwidth is what bounds these kernels. The store transposes through shared memory
+// (sg_store_t.cuh), so Y is written in its own layout.
+//
+// Warpgroup 0 produces (TMA, as bsr_dds_tma.cuh: the block row's nonzero blocks in turn,
+// X's matching columns and W's block, 64 of K a stage); two consumers split the tile: the
+// block's rows for 128-row blocks, the tokens for 64-row ones. Persistent: a block walks
+// tiles blockIdx.x, + gridDim.x, ... and the producer fills the next tile's stages while
+// the consumers store.
+//
+// TRANS_W (trans "nn", the input gradient dX = dY W): W is the transpose of the layer's
+// stored weight. Block b of this W is stored block perm[b], untransposed; the producer
+// copies it as it is (64 of its rows = 64 of K per box) and wgmma reads it M-major
+// (imm-trans-a 1) - no transposed copy of the values each step.
+#pragma once
+#include "bsr_dds_wgmma.cuh"
+#include "sg_store_t.cuh"
+#include "sg_tma.cuh"
+
+namespace sg {
+
+// Wgmma: generated per (WG_T, dtype) - mma(acc, desc_a, desc_b), m64 x WG_T x k16, K-major.
+template <class Wgmma, class Mma, class Elem, int TILE_T, int BM, int BK, int STAGES, bool TRANS_W>
+struct BsrDdsSwap {
+  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), STAGE_K = 64;
+  static constexpr int ROW_SPLIT = BM / 64, WG_T = TILE_T * ROW_SPLIT / CONSUMERS, ACC = WG_T / 2;
+  static constexpr int X_BYTES = TILE_T * 128, STAGE_BYTES = X_BYTES + BM * 128, BOX = 64 * 128;
+  using Store = TransposedStore<Mma, Elem, WG_T, 64>;
+  static_assert((BM == 64 || BM == 128) && BK % 64 == 0 && WG_T % 64 == 0 && WG_T <= 256, "tile shape");
+  // 128 accumulators a thread want more than an even share of the registers: the producer
+  // gives its own away (setmaxnreg; 168 a thread at launch, 40 + 2 x 232 after).
+  static constexpr bool REBALANCE = ACC >= 128;
+
+  __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
+                                 const int* cols, const long long* perm, int first, int g0, int stages, int m0) {
+    for (int s = 0; s < stages; ++s) {
+      const int g = g0 + s, buf = g % STAGES, k = s * STAGE_K, blk = k / BK, koff = k % BK;
+      const u32 full = bars + 8 * buf, stage = smem + buf * STAGE_BYTES;
+      mbar_wait(bars + 8 * (STAGES + buf), ((g / STAGES) & 1) ^ 1);  // a fresh barrier counts as emptied
+      mbar_expect_bytes(full, STAGE_BYTES);
+      tma_load_2d(stage, x_map, __ldg(cols + first + blk) * BK + koff, m0, full);
+      if constexpr (TRANS_W) {  // rows koff.. of stored block perm[b] (BK x BM): BM / 64 boxes of 64 x 64
+        const int stored = static_cast<int>(__ldg(perm + first + blk));
+#pragma unroll
+        for (int h = 0; h < BM / 64; ++h) tma_load_2d(stage + X_BYTES + h * BOX, w_map, 64 * h, stored * BK + koff, full);
+      } else {
+        tma_load_2d(stage + X_BYTES, w_map, koff, (first + blk) * BM, full);
+      }
+    }
+  }
+
+  // Warpgroup rows r0.. of the block (W, operand A) and tokens t0.. of the tile (X, B).
+  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int r0, int t0, float (&acc)[ACC]) {
+    for (int s = 0; s < stages; ++s) {
+      const int g = g0 + s, buf = g % STAGES;
+      mbar_wait(bars + 8 * buf, (g / STAGES) & 1);
+      const u32 stage = smem + buf * STAGE_BYTES;
+      pin(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)  // k16 steps: 32 bytes along the 128-byte swizzled rows
+        Wgmma::mma(acc, w_descriptor(stage + X_BYTES, r0, k), sw128_descriptor(stage + t0 * 128 + 32 * k));
+      wgmma_commit();
+      pin(acc);
+      wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
+      if (s > 0) release(bars, g - 1);
+    }
+    wgmma_wait<0>();
+    if (stages > 0) release(bars, g0 + stages - 1);  // the producer may be filling the next tile's
+  }
+
+  // Operand A at W's rows r0.., k16 step k: K-major rows of 128 bytes; or (TRANS_W) M-major,
+  // box r0 / 64 (64 of W's rows across, one row per k), 16 of its rows a step.
+  __device__ static u64 w_descriptor(u32 region, int r0, int k) {
+    if constexpr (TRANS_W) return sw128_mn_descriptor(region + (r0 / 64) * BOX + k * 16 * 128, BOX);
+    return sw128_descriptor(region + r0 * 128 + 32 * k);
+  }
+
+  __device__ static void release(u32 bars, int g) {
+    if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + g % STAGES));
+  }
+
+  __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
+                             const int* cols, const long long* perm, const Elem* bias, Elem* y, int M, int K, int N) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
+    const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + CONSUMERS * Store::BYTES;
+    const int wg = threadIdx.x / 128, block_rows = N / BM, tiles = block_rows * ((M + TILE_T - 1) / TILE_T);
+    if (threadIdx.x == 0) {
+      init_ring(bars, STAGES, CONSUMERS);
+      tma_prefetch_map(x_map);
+      tma_prefetch_map(w_map);
+    }
+    __syncthreads();
+    if (wg == 0) {
+      if constexpr (REBALANCE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+      if (threadIdx.x != 0) return;
+      for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
+        const int block_row = t % block_rows, first = row_offsets[block_row];
+        const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
+        produce(x_map, w_map, smem, bars, cols, perm, first, g, stages, t / block_rows * TILE_T);
+        g += stages;
+      }
+      return;
+    }
+    if constexpr (REBALANCE) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int c = wg - 1, r0 = ROW_SPLIT == 2 ? 64 * c : 0, t0 = ROW_SPLIT == 2 ? 0 : WG_T * c;
+    for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
+      const int block_row = t % block_rows, first = row_offsets[block_row];
+      const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
+      float acc[ACC] = {};
+      consume(smem, bars, g, stages, r0, t0, acc);
+      Store::store(staging + c * Store::BYTES, acc, bias, y, t / block_rows * TILE_T + t0, block_row * BM + r0,
+                   M, N, 2 + c);
+      g += stages;
+    }
+  }
+};
+
+}  // namespace sg
