@@ -208,15 +208,20 @@ def _tma_tail(spec, values: torch.Tensor) -> tuple:
 
 
 # Measured on an H200 (tools/bench.py --train): the sdd kernel beats cuBLAS + gather below
-# about d = 0.3 (mma.sync) or 0.6 (wgmma, sm_90; 0.86 ms against 0.94 at block 64, d 0.5)
-# - its time grows with the blocks kept, cuBLAS's does not.
+# about d = 0.3 (mma.sync). The wgmma one (sm_90) took 0.86 ms at block 64, d 0.5, against
+# 0.94 ms for cuBLAS's whole dense dW; 0.6 extrapolates from its time growing with the
+# blocks kept (cuBLAS's does not), not from a measurement at 0.6.
 SDD_MAX_DENSITY = {"mma": 0.3, "tma": 0.6}
 
 
 @functools.lru_cache(maxsize=None)
+def _sdd_spec(block: tuple[int, int], dtype: torch.dtype, device_index: int):
+    return sdd_spec(block, DTYPE_NAMES[dtype], runtime.device_arch(torch.device("cuda", device_index)))
+
+
+@functools.lru_cache(maxsize=None)
 def _sdd_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
-    arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sdd_spec(block, DTYPE_NAMES[dtype], arch), device_index)
+    return runtime.kernel(_sdd_spec(block, dtype, device_index), device_index)
 
 
 def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, block) -> torch.Tensor:
@@ -234,7 +239,8 @@ def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, b
 
 
 def _sdd_max_density(dy2: torch.Tensor, block) -> float:
-    return SDD_MAX_DENSITY[_sdd_kernel(tuple(block), dy2.dtype, dy2.device.index or 0).spec.instr]
+    """From the spec alone: deciding on cuBLAS must not compile or load the kernel."""
+    return SDD_MAX_DENSITY[_sdd_spec(tuple(block), dy2.dtype, dy2.device.index or 0).instr]
 
 
 def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:

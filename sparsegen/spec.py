@@ -217,8 +217,7 @@ def _validate_wgmma(spec: KernelSpec) -> None:
     least = 2 if spec.instr in TMA_INSTRS else 3
     expect(t.stages >= least, f"at least {least} stages for {spec.instr}", t.stages, SpecError)
     if spec.instr == "swap":  # W as wgmma's A: 64-row halves of the block, X's tokens as N
-        expect(spec.block[0] in (64, 128) and spec.block[1] % 64 == 0 and t.warps_m == 8
-               and (spec.trans == "nt" or spec.block[1] in (64, 128)),
+        expect(spec.block[0] in (64, 128) and spec.block[1] % 64 == 0 and t.warps_m == 8,
                "blocks of 64 or 128 rows and a multiple of 64 columns, two consumer warpgroups "
                "(warps_m 8) for swap", f"block {spec.block}, {t.tag}", SpecError)
         expect(t.tile_m * spec.block[0] // 128 <= 256, "at most 256 tokens per consumer (wgmma's largest N)",
@@ -251,9 +250,9 @@ def _validate_tile(spec: KernelSpec) -> None:
 
 def default_instr(dtype: str, arch: int, block=(64, 64), rows: int | None = None) -> str:
     """Per block shape, the fastest family on an H200: W as wgmma's A ("swap") for blocks
-    of 64 or 128 rows and whole 64-column widths beyond 64 tokens (1.0-1.7x the X-as-A
-    kernels below over four shapes and densities 0.1-0.5, an ad-hoc sweep like
-    tools/bench.py --tune); otherwise, from --tune, cp.async copies beat TMA's narrow boxes
+    of 64 or 128 rows and whole 64-column widths beyond 64 tokens (0.97-1.76x the X-as-A
+    kernels below over four shapes and densities 0.1-0.5, below 1.0 in 2 of 24 cells; an
+    ad-hoc sweep like tools/bench.py --tune); otherwise, from --tune, cp.async copies beat TMA's narrow boxes
     for 16-wide blocks, ping-pong consumers win up to 64 rows, cooperative ones at 128."""
     if arch != 90 or dtype not in ("bf16", "fp16"):
         return "mma"
@@ -279,7 +278,7 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
             tile_m = 128 if bm >= 128 else 256
             return TileConfig(tile_m=tile_m, warps_m=8, warps_n=1,
                               stages=_stages_that_fit(block, tile_m, arch, most=6))
-        if instr in ("tma", "swap"):  # swap at block 64: 4 stages beat 5 on 9 of 12 cells
+        if instr in ("tma", "swap"):  # swap at block 64: 4 stages beat 5 in 7 of 12 cells, tied 3, lost 2
             return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
@@ -311,7 +310,7 @@ def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None) -> Ke
     """dX = dY W read from W's stored blocks (trans "nn", block = W^T's block), where the
     swap kernel runs that way; None elsewhere (the caller transposes the values instead)."""
     block = tuple(block)
-    if default_instr(dtype, arch, block, rows) != "swap" or block[1] not in (64, 128):
+    if default_instr(dtype, arch, block, rows) != "swap":
         return None
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nn", arch=arch,
                       tile=default_tile(block, arch, "swap", rows), instr="swap")
@@ -320,7 +319,7 @@ def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None) -> Ke
 def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
     """The weight-gradient kernel. On sm_90 with blocks of 64 or 128: wgmma fed by TMA, a
     block per 256 gathered columns of one block row, 4 stages of 64 tokens (5, which fit at
-    block 64, came within 2% of 4 either way in `tools/bench.py --train` runs on an H200).
+    block 64, came within 2.5% of 4 either way in `tools/bench.py --train` runs on an H200).
     Elsewhere mma.sync, one threadblock per stored block, 32 or 64 rows of M a stage."""
     bm, bk = block
     if instr is None:
@@ -340,7 +339,7 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
-    mma.sp reached 0.6x; the pairs gave 2-4% over single blocks at M = 16384), 64 tokens up
+    mma.sp reached 0.6x; the pairs gave 1-5% over single blocks at M = 16384), 64 tokens up
     to M = 128 (`narrow`: one consumer warpgroup, for weights too short to fill the GPU with
     128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere
     mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n

@@ -31,7 +31,7 @@ struct BsrDdsSwap {
   using Store = TransposedStore<Mma, Elem, WG_T, 64>;
   static_assert((BM == 64 || BM == 128) && BK % 64 == 0 && WG_T % 64 == 0 && WG_T <= 256, "tile shape");
   // 128 accumulators a thread want more than an even share of the registers: the producer
-  // gives its own away (setmaxnreg; 168 a thread at launch, 40 + 2 x 232 after).
+  // gives its own away (RegisterSplit: 168 a thread at launch, 40 + 2 x 232 after).
   static constexpr bool REBALANCE = ACC >= 128;
 
   __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
@@ -96,7 +96,7 @@ struct BsrDdsSwap {
     }
     __syncthreads();
     if (wg == 0) {
-      if constexpr (REBALANCE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+      if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();
       if (threadIdx.x != 0) return;
       for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
         const int block_row = t % block_rows, first = row_offsets[block_row];
@@ -106,7 +106,7 @@ struct BsrDdsSwap {
       }
       return;
     }
-    if constexpr (REBALANCE) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
     const int c = wg - 1, r0 = ROW_SPLIT == 2 ? 64 * c : 0, t0 = ROW_SPLIT == 2 ? 0 : WG_T * c;
     for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
       const int block_row = t % block_rows, first = row_offsets[block_row];

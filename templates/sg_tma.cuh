@@ -77,6 +77,19 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// setmaxnreg moves registers within a block's allocation: ptxas gives a kernel that uses it
+// the most its launch bounds allow (64K / THREADS, in 8s). The producer warpgroup keeps 40
+// a thread, the consumers take the rest (at most 240); asking for more than the pool holds
+// would hang. For kernels whose consumers hold 128 accumulators a thread.
+template <int THREADS>
+struct RegisterSplit {
+  static constexpr int POOL = (65536 / THREADS) / 8 * 8 * THREADS;
+  static constexpr int SHARE = (POOL - 128 * 40) / (THREADS - 128) / 8 * 8;
+  static constexpr int CONSUMER = SHARE > 240 ? 240 : SHARE;
+  __device__ static void producer() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); }
+  __device__ static void consumer() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER)); }
+};
+
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }

@@ -28,21 +28,15 @@ namespace sg {
 // WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x k32.
 template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER>
 struct Sp24DdsTma {
-  static constexpr int THREADS = 128 * (CONSUMERS + 1), CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int TILE_W = 64 * CONSUMERS, ACC = TILE_T / 2, STAGE_K = 64;
   static constexpr int X_BYTES = TILE_T * 128, W_BYTES = TILE_W * 64, META_BYTES = (TILE_W / 16) * 128;
   static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + META_BYTES, X_PART = X_BYTES / CLUSTER;
   // Big accumulators (TILE_T 256: 128 floats a thread) want more than an even share of the
   // registers; small ones are better off with two blocks an SM, so they keep what ptxas gives.
   static constexpr bool REBALANCE = ACC >= 128;
-  // setmaxnreg moves registers within the block's allocation: ptxas gives a kernel that uses it
-  // the most its launch bounds allow (64K / THREADS, in 8s); the producer keeps 40 per
-  // thread, the consumers take the rest. Asking for more than the pool holds would hang.
-  static constexpr int POOL = (65536 / THREADS) / 8 * 8 * THREADS;
-  static constexpr int CONSUMER_REGISTERS = (POOL - 128 * 40) / CONSUMER_THREADS / 8 * 8 > 240
-                                                ? 240 : (POOL - 128 * 40) / CONSUMER_THREADS / 8 * 8;
-  // The store goes through shared memory CHUNK_T tokens at a time: per consumer, rows of
-  // 64 features (128 bytes) per token. Small tiles stage 32 so that two blocks fit an SM.
+  // The store goes through shared memory 64 tokens at a time (per consumer, rows of 64
+  // features, 128 bytes, per token); small tiles stage 32 so that two blocks fit an SM.
   using Store = TransposedStore<Mma, Elem, TILE_T, TILE_T >= 128 ? 64 : 32>;
   static constexpr int STAGING_BYTES = CONSUMERS * Store::BYTES;
   static_assert(TILE_T % 16 == 0 && TILE_T <= 256, "tile shape");
@@ -213,12 +207,12 @@ struct Sp24DdsTma {
     int s0 = 0;  // the block's running stage count
     if (wg == 0) {
       // The producer needs few registers: hand them to the consumers' accumulators.
-      if constexpr (REBALANCE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+      if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();
       if (threadIdx.x == 0)
         for (int item = first; item < raster.items; item += step, s0 += stages)
           produce(x_map, w_map, m_map, smem, bars, s0, stages, k_begin, raster.m0(item), raster.n0(item, rank), rank);
     } else {
-      if constexpr (REBALANCE) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGISTERS));
+      if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
       for (int item = first; item < raster.items; item += step, s0 += stages) {
         const int m0 = raster.m0(item), n0 = raster.n0(item, rank);
         float acc[ACC] = {};
