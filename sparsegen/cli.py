@@ -55,7 +55,8 @@ def _selection_options() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--arch", help="sm_80, 80, sm_90, ... (default: this machine's GPU)")
     options.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                         help=f"any of {' '.join(specs.DTYPES)} (default: all)")
+                         help=f"any of {' '.join(specs.DTYPES)} (default: all the arch supports; "
+                              "one-byte types get 2:4 kernels only)")
     options.add_argument("--block", nargs="+", metavar="BLOCK",
                          help="block shapes: 32 (square) or 32x64 (default: the standard set)")
     return options
@@ -113,7 +114,7 @@ def local_arch() -> int:
 
 def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
     arch = parse_arch(args.arch) if args.arch else local_arch()
-    dtypes = list(dict.fromkeys(args.dtype)) if args.dtype else specs.DTYPES
+    dtypes = list(dict.fromkeys(args.dtype)) if args.dtype else None
     blocks = list(dict.fromkeys(map(parse_block, args.block))) if args.block else None
     return arch, list(dict.fromkeys(specs.default_specs(arch, dtypes, blocks)))  # no repeats
 

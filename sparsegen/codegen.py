@@ -6,11 +6,24 @@ from pathlib import Path
 
 from . import env
 from .layouts.semi24 import ROW_PAIRS, TRANSPOSABLE_PATTERNS
-from .spec import KernelSpec
+from .spec import BYTE_DTYPES, KernelSpec
 
-_MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
-_PTX_TYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32"}
-_ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float"}
+_MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32", "int8": "Int8", "e4m3": "E4m3"}  # value conversions
+_PTX_TYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32", "int8": "s8", "e4m3": "e4m3"}
+_ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int8": "signed char",
+         "e4m3": "unsigned char"}
+# The 2:4 forward's output per input dtype: (policy, C type of Y and bias, accumulator, its
+# PTX type, its asm constraint). int8 sums stay int32 (exact); e4m3 ones are written as bf16.
+_OUTPUT = {"int8": ("Int32Out", "int", "int", "s32", "r"),
+           "e4m3": ("FloatOut<sg::Bf16>", "unsigned short", "float", "f32", "f")}
+
+
+def _output_context(dtype: str) -> dict:
+    policy, out_elem, acc, acc_ptx, acc_reg = _OUTPUT.get(
+        dtype, (f"FloatOut<sg::{_MMA[dtype]}>", _ELEM[dtype], "float", "f32", "f"))
+    one_byte = dtype in BYTE_DTYPES  # the pruning kernels read such values as raw bytes
+    return dict(out_policy=policy, out_elem=out_elem, acc=acc, acc_ptx=acc_ptx, acc_reg=acc_reg,
+                sp_k=64 if one_byte else 32, one_byte=one_byte)
 
 
 def templates_dir() -> Path:
@@ -42,7 +55,7 @@ def template_context(spec: KernelSpec) -> dict:
                 bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype],
-                pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS)
+                pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS, **_output_context(spec.dtype))
 
 
 def environment():

@@ -24,6 +24,6 @@ def disable_disk_cache() -> bool:
 
 
 def compress_kernel() -> bool:
-    """2:4 pruning and packing of CUDA 16-bit weights runs on the generated sp24_compress
+    """2:4 pruning and packing of CUDA 16-bit and one-byte weights runs on the generated sp24_compress
     and sp24_mask kernels; SPARSEGEN_COMPRESS_KERNEL=0 falls back to PyTorch ops."""
     return os.environ.get("SPARSEGEN_COMPRESS_KERNEL", "1") not in ("", "0")

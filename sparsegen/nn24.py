@@ -27,6 +27,8 @@ class Sparse24Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         semi24.check_shape((self.out_features, self.in_features))
+        if dtype is not None:
+            semi24.check_dtype(dtype)
         dense = nn.Linear(self.in_features, self.out_features, bias=bias, device=device, dtype=dtype)
         self._adopt(dense.weight.detach(), dense.bias, method, None)
 

@@ -11,9 +11,17 @@ import torch.nn.functional as F
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, TMA_INSTRS, forward_spec, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
+from .spec import ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
+BYTE_DTYPE_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "e4m3"}
+_SP24_DTYPE_NAMES = {**DTYPE_NAMES, **BYTE_DTYPE_NAMES}
+_SP24_OUTPUT_DTYPES = {torch.int8: torch.int32, torch.float8_e4m3fn: torch.bfloat16}
+
+
+def sp24_output_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _SP24_OUTPUT_DTYPES.get(dtype, dtype)
 
 
 def check_inputs(x: torch.Tensor, values: torch.Tensor, bias, in_features: int) -> None:
@@ -37,6 +45,31 @@ def _explain_bad_inputs(x, values, bias, in_features: int) -> None:
     if bias is not None:
         expect(bias.dtype == values.dtype and bias.device == values.device,
                f"bias of dtype {values.dtype} on {values.device}", f"{bias.dtype} on {bias.device}")
+
+
+def check_byte_inputs(x, values: torch.Tensor, bias, shape: tuple[int, int]) -> None:
+    """A one-byte 2:4 product's inputs: x of the weight's dtype and device, bias (if any)
+    of the output's dtype (int32 for int8, bfloat16 for float8_e4m3fn)."""
+    expect(isinstance(x, torch.Tensor), "input to be a torch.Tensor", type(x).__name__)
+    expect(x.dim() >= 1 and x.shape[-1] == shape[1], f"input of shape (..., {shape[1]})", tuple(x.shape))
+    expect(x.dtype == values.dtype, f"input dtype {values.dtype} (the weight's dtype)", x.dtype)
+    expect(x.device == values.device, f"input on {values.device} (the weight's device)", x.device)
+    if bias is not None:
+        out = sp24_output_dtype(values.dtype)
+        expect(isinstance(bias, torch.Tensor) and bias.dtype == out and bias.device == values.device
+               and tuple(bias.shape) == (shape[0],), f"bias of shape ({shape[0]},), {out} on {values.device}",
+               f"{tuple(bias.shape)}, {bias.dtype} on {bias.device}" if isinstance(bias, torch.Tensor) else bias)
+
+
+def runs_byte_kernels(t: torch.Tensor) -> bool:
+    """A one-byte CUDA tensor: True on GPUs with the instruction (int8 sm_80, e4m3 sm_89),
+    a clear error on others; False off the GPU (the caller's reference then runs)."""
+    if not (t.is_cuda and t.dtype in BYTE_DTYPE_NAMES):
+        return False
+    arch, least = runtime.device_arch(t.device), MIN_ARCH.get(BYTE_DTYPE_NAMES[t.dtype], 80)
+    expect(arch >= least and arch in ARCHS, f"a GPU of sm_{least} or later with sparsegen kernels for "
+           f"{t.dtype} 2:4 products (or the tensors on the CPU)", f"sm_{arch}")
+    return True
 
 
 def indexed_reference(x, values, bias, flat_index, block, out_features: int):
@@ -101,6 +134,13 @@ def has_kernels(device_index: int) -> bool:
     return False
 
 
+def runs_prune_kernels(t: torch.Tensor) -> bool:
+    """A 16-bit or one-byte CUDA tensor on a GPU the templates cover (the 2:4 pruning kernels,
+    which need no tensor cores: e4m3 prunes on the GPU whatever its arch)."""
+    return (t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, *BYTE_DTYPE_NAMES)
+            and has_kernels(t.device.index or 0))
+
+
 def runs_16bit_kernels(t: torch.Tensor) -> bool:
     """A float16/bfloat16 CUDA tensor on a GPU the templates cover (the 2:4 kernels' domain)."""
     return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and has_kernels(t.device.index or 0)
@@ -136,21 +176,21 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def _output(out, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
+def _output(out, m: int, n: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if out is None:
-        return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    expect(out.is_contiguous() and out.numel() == m * n and out.dtype == x.dtype
+        return torch.empty(m, n, dtype=dtype, device=x.device)
+    expect(out.is_contiguous() and out.numel() == m * n and out.dtype == dtype
            and out.device == x.device and out.data_ptr() % 16 == 0,
-           f"out: contiguous, 16-byte aligned, {m * n} elements, {x.dtype} on {x.device}",
+           f"out: contiguous, 16-byte aligned, {m * n} elements, {dtype} on {x.device}",
            f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
            f"address % 16 = {out.data_ptr() % 16}")
     return out.view(m, n)
 
 
-def _operands_and_output(x: torch.Tensor, out, out_features: int):
-    """(X as contiguous 2-D rows, Y [M, N] to write, Y in x's leading shape)."""
+def _operands_and_output(x: torch.Tensor, out, out_features: int, dtype: torch.dtype | None = None):
+    """(X as contiguous 2-D rows, Y [M, N] to write (x's dtype unless `dtype`), Y in x's leading shape)."""
     x2 = _rows_2d(x)
-    y = _output(out, x2.shape[0], out_features, x)
+    y = _output(out, x2.shape[0], out_features, x, dtype or x.dtype)
     return x2, y, y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
@@ -291,7 +331,7 @@ def _(dy2, x2, flat_index, block_rows, block_cols):
 def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
                  narrow: bool = False):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    spec = sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow)
+    spec = sp24_spec(_SP24_DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow)
     return runtime.kernel(spec, device_index)
 
 
@@ -351,10 +391,15 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
     split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
-    x2, y, shaped = _operands_and_output(x, out, out_features)
+    if x.dtype == torch.float8_e4m3fn and runtime.device_arch(x.device) == 90:  # no fp8 mma.sync there:
+        return sp24_dds(x.to(torch.bfloat16), values.to(torch.bfloat16), metadata, bias,  # bf16 holds e4m3
+                        out_features, out, tile, splits, instr)                       # exactly
+    x2, y, shaped = _operands_and_output(x, out, out_features, sp24_output_dtype(x.dtype))
     m, k = x2.shape
     if m == 0 or out_features == 0:
         return shaped
+    if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
+        splits = 1
     if k == 0:  # an empty sum (and no tensor map describes an empty tensor)
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
@@ -375,7 +420,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
 @functools.lru_cache(maxsize=None)
 def _sp24_prune_kernel(op: str, dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch, op), device_index)
+    return runtime.kernel(sp24_compress_spec(_SP24_DTYPE_NAMES[dtype], arch, op), device_index)
 
 
 def _aligned(w: torch.Tensor) -> torch.Tensor:

@@ -39,14 +39,21 @@ class Sparse24Tensor:
         """W^T as a Sparse24Tensor: only when the mask is 2:4 along columns too
         (method="transposable" gives such masks)."""
         dense, mask = self.to_dense().t(), self.mask.t()
-        semi24.check_shape(dense.shape, "transposed weight")
+        semi24.check_shape(dense.shape, "transposed weight", semi24.col_granule(self.dtype))
         expect(bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) <= 2).all()),
                "a mask that is 2:4 along columns as well (to_sparse24(..., method='transposable'))",
                "a mask with more than 2 kept in some group of 4 rows")
         return Sparse24Tensor(*compress_masked(dense, mask), dense.shape)  # the views as they are
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T (+ bias): the mma.sp kernel for 16-bit CUDA tensors, else PyTorch."""
+        """x @ W^T (+ bias): the mma.sp kernel for 16-bit CUDA tensors, else PyTorch. One-byte
+        weights take x of their dtype and return int32 (int8) or bfloat16 (float8_e4m3fn);
+        bias, if any, is of that output dtype; scaling is the caller's."""
+        if self.dtype in semi24.BYTE_DTYPES:
+            ops.check_byte_inputs(x, self.values, bias, self.shape)
+            if ops.runs_byte_kernels(x):
+                return ops.sp24_dds(x, self.values, self.metadata, bias, self.shape[0])
+            return byte_reference(x, self.values, self.metadata, bias, self.shape[0])
         ops.check_inputs(x, self.values, bias, self.shape[1])
         return sp24_any_device(x, self.values, self.metadata, bias, self.shape[0])
 
@@ -73,14 +80,25 @@ def to_sparse24(tensor: torch.Tensor, method: str = "magnitude", mask: torch.Ten
     E[to_dense()] = tensor), "transposable" (2:4 along rows and columns, so .t() works);
     or pass a boolean `mask` (validated: at most 2 kept in every group of 4)."""
     expect(isinstance(tensor, torch.Tensor), "a torch.Tensor", type(tensor).__name__)
-    semi24.check_shape(tensor.shape, "tensor")
-    semi24.check_dtype(tensor.dtype)
+    semi24.check_dtype(tensor.dtype, byte_types=True)
+    semi24.check_shape(tensor.shape, "tensor", semi24.col_granule(tensor.dtype))
+    if tensor.dtype in semi24.BYTE_DTYPES and mask is None:
+        expect(method != "mvue", f"method 'magnitude', 'transposable' or a mask for {tensor.dtype} (MVUE's "
+               "rescaled values do not fit one-byte types)", repr(method))
     return Sparse24Tensor(*prune_and_compress(tensor, method, mask, generator), tensor.shape)
 
 
+def byte_reference(x, values, metadata, bias, out_features: int) -> torch.Tensor:
+    """The one-byte product in float64 (exact for int8 sums below 2**53), rounded to the
+    kernel's output dtype: the CPU path and the tests' reference."""
+    weight = semi24.decompress(values, metadata, (out_features, x.shape[-1]))
+    y = x.double() @ weight.double().t()
+    return (y if bias is None else y + bias.double()).to(ops.sp24_output_dtype(x.dtype))
+
+
 def _on_kernels(w: torch.Tensor) -> bool:
-    """Prune and pack with the generated kernels (a CUDA 16-bit weight), else PyTorch ops."""
-    return ops.runs_16bit_kernels(w) and env.compress_kernel()
+    """Prune and pack with the generated kernels (a CUDA 16-bit or one-byte weight), else PyTorch ops."""
+    return ops.runs_prune_kernels(w) and env.compress_kernel()
 
 
 def compress_masked(w: torch.Tensor, mask: torch.Tensor):

@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 
 from .errors import SpecError, expect
 
-DTYPES = ("fp16", "bf16", "fp32")
+DTYPES = ("fp16", "bf16", "fp32", "int8", "e4m3")
+# One-byte inputs run only the 2:4 forward (mma.sp m16n8k64): int8 (int32 out) from sm_80,
+# fp8 e4m3 (bf16 out) from sm_89, the first arch with fp8 tensor cores.
+BYTE_DTYPES = ("int8", "e4m3")
+BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
+MIN_ARCH = {"e4m3": 89}
 BLOCK_SIDES = (16, 32, 64, 128)
 # Y = X W^T with W block-sparse: output dense, lhs dense, rhs sparse (stk's naming).
 # bsr_dds: Y = X W^T (W block-sparse; the forward, and dX on W^T). bsr_sdd: dW = dY^T X
@@ -37,7 +42,7 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 
               100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
 ARCHS = tuple(SMEM_LIMIT)
 STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64 halves / 32 floats
-ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "e4m3": 1}
 # The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds). The arch's
 # "a" suffix follows from instr, so from_name checks it by rebuilding the name.
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
@@ -141,8 +146,8 @@ class KernelSpec:
             staging = self.sp24_w_rows * 2 * (64 if self.tile.tile_m >= 128 else 32)  # the store's token chunks
             ring = self.tile.stages * (self.tile.tile_m * 128 + self.sp24_w_rows * 72)
             return ring + staging + 1024 + 16 * self.tile.stages
-        if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 of metadata per W row
-            return self.tile.stages * (self.tile.tile_m * 256 + self.sp24_w_rows * 144)
+        if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 (8-bit: 32) of metadata per W row
+            return self.tile.stages * (self.tile.tile_m * 256 + self.sp24_w_rows * (128 + 32 // ELEMENT_BYTES[self.dtype]))
         rows = self.tile.tile_m + self.block[0]
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
         # full + empty mbarriers per stage, and one that orders ping-pong mainloops
@@ -164,6 +169,8 @@ class KernelSpec:
                SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
+        if self.dtype in BYTE_DTYPES:
+            _validate_byte_dtype(self)
         if self.op in SP24_OPS:
             _validate_sp24(self)
         _validate_tile(self)
@@ -185,12 +192,25 @@ def _validate_sdd(spec: KernelSpec) -> None:
     expect(bm % (16 * t.warps_m) == 0, f"block rows ({bm}) a multiple of 16 x warps_m", t.warps_m, SpecError)
 
 
+def _validate_byte_dtype(spec: KernelSpec) -> None:
+    expect(spec.op in SP24_OPS and spec.instr == "mma", f"a 2:4 op on instr 'mma' for {spec.dtype} (one-byte "
+           "types have the 2:4 forward and pruning kernels only)", f"{spec.op!r} on {spec.instr!r}", SpecError)
+    if spec.op != "sp24_dds":  # pruning needs no tensor cores
+        return
+    least = MIN_ARCH.get(spec.dtype, 80)
+    expect(spec.arch >= least, f"sm_{least} or later for {spec.dtype} tensor cores", f"sm_{spec.arch}", SpecError)
+    # sm_90 has no fp8 mma.sync: ptxas emulates it through the stack, 100-600x slower than
+    # cuBLAS fp8 on an H100 (tools/bench24.py --bytes). ops.sp24_dds upcasts to bf16 there.
+    expect((spec.dtype, spec.arch) != ("e4m3", 90), "an arch other than sm_90 for an e4m3 kernel (sm_90 runs "
+           "e4m3 2:4 products on the bf16 kernel)", "sm_90", SpecError)
+
+
 def _validate_sp24(spec: KernelSpec) -> None:
     t = spec.tile
     hopper = spec.op == "sp24_dds" and spec.arch == 90
     expect(spec.instr == "mma" or (hopper and spec.instr == "tma"),
            "instr 'mma' (mma.sp), or 'tma' (wgmma.sp) for sp24_dds on sm_90", repr(spec.instr), SpecError)
-    expect(spec.dtype in ("bf16", "fp16"), "a 16-bit dtype for 2:4 kernels", spec.dtype, SpecError)
+    expect(spec.dtype not in ("fp32",), "a 16-bit or one-byte dtype for 2:4 kernels", spec.dtype, SpecError)
     expect(spec.block == SP24_BLOCK, f"block {SP24_BLOCK} (the mma.sp tile) for {spec.op}", spec.block, SpecError)
     if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
         expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
@@ -346,8 +366,8 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
     small batches."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
-    if instr is None:  # Hopper: wgmma.sp for every batch size
-        instr = "tma" if tile is None and arch == 90 else "mma"
+    if instr is None:  # Hopper: wgmma.sp for every 16-bit batch size
+        instr = "tma" if tile is None and arch == 90 and dtype not in BYTE_DTYPES else "mma"
     if tile is None:
         if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
             tile = (TileConfig(256, 8, 1, 4, cluster=2) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
@@ -368,14 +388,22 @@ def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> Kern
                       tile=TileConfig(64, 4, 2, 2), instr="mma")
 
 
-def default_specs(arch: int, dtypes=DTYPES, blocks=None) -> list[KernelSpec]:
-    """The set `sparsegen precompile` builds: every square block plus common rectangles."""
+def supported_dtypes(arch: int) -> tuple[str, ...]:
+    """The dtypes with kernels on `arch` (e4m3 needs sm_89's fp8 tensor cores; sm_90 upcasts it)."""
+    return tuple(d for d in DTYPES if arch >= MIN_ARCH.get(d, 80) and (d, arch) != ("e4m3", 90))
+
+
+def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
+    """The set `sparsegen precompile` builds: every square block plus common rectangles, and
+    the 2:4 kernels (the only ones for one-byte dtypes)."""
+    dtypes = dtypes or supported_dtypes(arch)
+    wide = [d for d in dtypes if d in BLOCK_DTYPES]
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
-    forward = [forward_spec(b, d, arch, rows=rows) for d in dtypes for b in blocks for rows in (None, 1)]
+    forward = [forward_spec(b, d, arch, rows=rows) for d in wide for b in blocks for rows in (None, 1)]
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
-    backward = [forward_spec(b[::-1], d, arch) for d in dtypes for b in blocks if b[0] != b[1]]
-    backward += [sdd_spec(b, d, arch) for d in dtypes if d != "fp32" for b in blocks]
-    backward += [s for d in dtypes for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
+    backward = [forward_spec(b[::-1], d, arch) for d in wide for b in blocks if b[0] != b[1]]
+    backward += [sdd_spec(b, d, arch) for d in wide if d != "fp32" for b in blocks]
+    backward += [s for d in wide for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]

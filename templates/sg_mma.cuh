@@ -95,4 +95,18 @@ struct Tf32 {
 
 #undef SG_MMA
 
+// One-byte types as the 2:4 pruning kernels read them (raw bytes): the value as a float.
+struct Int8 {
+  __device__ static float to_float(unsigned char v) { return static_cast<float>(static_cast<signed char>(v)); }
+};
+
+// e4m3fn (bias 7, no infinities; 0x7F/0xFF are NaN), decoded exactly without fp8 hardware.
+struct E4m3 {
+  __device__ static float to_float(unsigned char v) {
+    const u32 e = (v >> 3) & 0xF, m = v & 7;
+    const float magnitude = e ? __uint_as_float(((e + 120) << 23) | (m << 20)) : m * 0x1p-9f;
+    return (v & 0x7F) == 0x7F ? __uint_as_float(0x7FC00000u) : (v & 0x80 ? -magnitude : magnitude);
+  }
+};
+
 }  // namespace sg

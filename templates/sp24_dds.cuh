@@ -10,61 +10,102 @@
 
 namespace sg {
 
-template <class SpMma, class Mma, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES>
+// Float outputs (16-bit Y from float accumulators), rounded by Mma's conversions.
+template <class Mma>
+struct FloatOut {
+  using T = u16;
+  using Acc = float;
+  __device__ static Acc bias(T b) { return Mma::to_float(b); }
+  __device__ static T convert(Acc v) { return static_cast<T>(Mma::pack(v, 0.f) & 0xFFFF); }
+};
+
+// int8 inputs: int32 accumulators written as they are (exact).
+struct Int32Out {
+  using T = int;
+  using Acc = int;
+  __device__ static Acc bias(T b) { return b; }
+  __device__ static T convert(Acc v) { return v; }
+};
+
+// SpMma::K is the instruction's dense K: 32 for 16-bit types (m16n8k32), 64 for one-byte
+// ones (m16n8k64). Their operands occupy the same bytes (A 16 x 32 bytes kept, B 8 x 32 or
+// 8 x 64 bytes), so loads and ldmatrix are shared; only the metadata doubles per step.
+template <class SpMma, class Out, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES>
 struct Sp24Dds {
+  using Acc = typename Out::Acc;
+  using OutT = typename Out::T;
   static constexpr int THREADS = 32 * WARPS_W * WARPS_T;
   static constexpr int TILE_W = 64 * WARPS_W, WARP_T = TILE_T / WARPS_T;
   static constexpr int MT = 4, NT = WARP_T / 8;       // m16 tiles of W and n8 tiles of X per warp
-  static constexpr int STAGE_K = 128;                 // dense K per stage: 256 bytes of an X row
+  static constexpr int EPC = 16 / sizeof(Elem);       // elements per 16-byte chunk
+  static constexpr int STEP_K = SpMma::K, STAGE_K = 4 * STEP_K;  // dense K per stage: 256 bytes of an X row
+  static constexpr int STEP_TILES = STEP_K / 32, META_TILES = STAGE_K / 32;  // k32 metadata tiles
+  static constexpr int META_GROUP_BYTES = META_TILES * 64;  // 16 words per tile per 16 rows
   static constexpr int X_HALF = TILE_T * 128, X_BYTES = 2 * X_HALF;
-  static constexpr int W_BYTES = TILE_W * 128;         // 64 kept values per W row and stage
-  static constexpr int META_BYTES = (TILE_W / 16) * 4 * 64;  // 4 k32 tiles of 16 words per 16 rows
+  static constexpr int W_BYTES = TILE_W * 128;         // 128 bytes of kept values per W row and stage
+  static constexpr int META_BYTES = (TILE_W / 16) * META_GROUP_BYTES;
   static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + META_BYTES;
   static constexpr int OUT_STRIDE = TILE_W + 8;        // staged output row, padded against bank conflicts
-  static_assert(WARP_T % 8 == 0 && TILE_T * OUT_STRIDE * 2 <= STAGES * STAGE_BYTES, "tile shape");
+  static constexpr int OUT_VEC = 16 / sizeof(OutT);    // outputs per 16-byte store
+  static_assert(WARP_T % 8 == 0 && TILE_T * OUT_STRIDE * sizeof(OutT) <= STAGES * STAGE_BYTES, "tile shape");
 
   // One stage: X[m0.., k0..k0+127] (two swizzled 128-byte halves), W's kept values for the
   // same columns (one 128-byte row each) and their metadata words. Copies past M, N or
-  // k_end (K, or the end of this block's split of K) are zero-filled, and the k32 steps
+  // k_end (K, or the end of this block's split of K) are zero-filled, and the instruction steps
   // past k_end are skipped in compute().
   __device__ static void load(u32 smem, int k0, const Elem* x, const Elem* values, const int* meta,
                               int m0, int n0, int M, int K, int N, int k_end) {
     const int tid = threadIdx.x;
     for (int i = tid; i < TILE_T * 16; i += THREADS) {
-      const int row = i >> 4, c = i & 15, k = k0 + 8 * c;
+      const int row = i >> 4, c = i & 15, k = k0 + EPC * c;
       const bool ok = m0 + row < M && k < k_end;
       cp_async16(swizzled(smem + (c >> 3) * X_HALF, row, c & 7), ok ? x + (long long)(m0 + row) * K + k : x, ok);
     }
     const u32 w_smem = smem + X_BYTES;
     for (int i = tid; i < TILE_W * 8; i += THREADS) {
       const int row = i >> 3, c = i & 7;
-      const bool ok = n0 + row < N && k0 + 16 * c < k_end;
-      const Elem* src = values + (long long)(n0 + row) * (K / 2) + k0 / 2 + 8 * c;
+      const bool ok = n0 + row < N && k0 + 2 * EPC * c < k_end;
+      const Elem* src = values + (long long)(n0 + row) * (K / 2) + k0 / 2 + EPC * c;
       cp_async16(swizzled(w_smem, row, c), ok ? src : values, ok);
     }
     const u32 m_smem = w_smem + W_BYTES;
-    for (int i = tid; i < (TILE_W / 16) * 16; i += THREADS) {   // 16 chunks of 4 words per 16 rows
-      const int group = i >> 4, c = i & 15, tile_k = k0 / 32 + (c >> 2);
+    for (int i = tid; i < (TILE_W / 16) * META_TILES * 4; i += THREADS) {   // chunks of 4 words
+      const int group = i / (META_TILES * 4), c = i % (META_TILES * 4), tile_k = k0 / 32 + (c >> 2);
       const bool ok = n0 + 16 * group < N && tile_k < k_end / 32;
       const int* src = meta + ((long long)(n0 / 16 + group) * (K / 32) + tile_k) * 16 + 4 * (c & 3);
-      cp_async16(m_smem + group * 256 + c * 16, ok ? src : meta, ok);
+      cp_async16(m_smem + group * META_GROUP_BYTES + c * 16, ok ? src : meta, ok);
     }
   }
 
-  __device__ static void compute(u32 smem, int k0, int k_end, float (&acc)[MT][NT][4], int ww, int wt) {
+  // Sparsity selector 0. k32: lanes 4g and 4g+1 pass stored word 2g + h as it is (row g's
+  // groups of columns 16h..16h+15 low, row g + 8's high). k64: lane 4g + 2t + u passes all
+  // 8 groups of row g + 8u in the step's k32 tile t (probed on an H100), built from the
+  // stored words 2g and 2g + 1 by one byte permute.
+  __device__ static u32 metadata_word(u32 group_smem, int j, int lane) {
+    u32 e;
+    if constexpr (STEP_TILES == 1) {
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e) : "r"(group_smem + j * 64 + 4 * (2 * (lane >> 2) + (lane & 1))));
+    } else {
+      u32 lo, hi;
+      const int tile = STEP_TILES * j + ((lane & 3) >> 1);
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi) : "r"(group_smem + tile * 64 + 8 * (lane >> 2)));
+      e = __byte_perm(lo, hi, (lane & 1) ? 0x7632 : 0x5410);
+    }
+    return e;
+  }
+
+  __device__ static void compute(u32 smem, int k0, int k_end, Acc (&acc)[MT][NT][4], int ww, int wt) {
     const int lane = threadIdx.x & 31;
     const u32 w_smem = smem + X_BYTES, m_smem = w_smem + W_BYTES;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {   // k32 steps
-      if (k0 + 32 * j >= k_end) break;
+    for (int j = 0; j < 4; ++j) {   // instruction steps
+      if (k0 + STEP_K * j >= k_end) break;
       u32 a[MT][4], e[MT], b[NT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int row = ww * 64 + mt * 16;
         ldmatrix_x4(a[mt], swizzled(w_smem, row + (lane & 15), 2 * j + (lane >> 4)));
-        // Lanes 4g and 4g+1 supply the tile's metadata (sparsity selector 0): word 2g + h.
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e[mt])
-                     : "r"(m_smem + (row / 16) * 256 + j * 64 + 4 * (2 * (lane >> 2) + (lane & 1))));
+        e[mt] = metadata_word(m_smem + (row / 16) * META_GROUP_BYTES, j, lane);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -79,35 +120,34 @@ struct Sp24Dds {
 
   // acc[mt][nt] holds Y^T rows (features) g, g+8 and columns (tokens) 2q, 2q+1: written
   // transposed into a [TILE_T][TILE_W] tile, then copied out row by row.
-  __device__ static void store(unsigned char* smem_raw, float (&acc)[MT][NT][4], const Elem* bias, Elem* y,
+  __device__ static void store(unsigned char* smem_raw, Acc (&acc)[MT][NT][4], const OutT* bias, OutT* y,
                                int m0, int n0, int M, int N, int ww, int wt) {
-    Elem* out = reinterpret_cast<Elem*>(smem_raw);
+    OutT* out = reinterpret_cast<OutT*>(smem_raw);
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int f = ww * 64 + mt * 16 + g + 8 * half;
-        const float b = bias && n0 + f < N ? Mma::to_float(bias[n0 + f]) : 0.f;
+        const Acc b = bias && n0 + f < N ? Out::bias(bias[n0 + f]) : Acc(0);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const u32 packed = Mma::pack(acc[mt][nt][2 * half + i] + b, 0.f);
-            out[(wt * WARP_T + nt * 8 + 2 * q + i) * OUT_STRIDE + f] = static_cast<Elem>(packed & 0xFFFF);
-          }
+          for (int i = 0; i < 2; ++i)
+            out[(wt * WARP_T + nt * 8 + 2 * q + i) * OUT_STRIDE + f] = Out::convert(acc[mt][nt][2 * half + i] + b);
       }
     __syncthreads();
-    for (int i = threadIdx.x; i < TILE_T * (TILE_W / 8); i += THREADS) {
-      const int t = i / (TILE_W / 8), c = i % (TILE_W / 8);
-      if (m0 + t < M && n0 + 8 * c < N)
-        *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * N + n0 + 8 * c) =
-            *reinterpret_cast<const uint4*>(out + t * OUT_STRIDE + 8 * c);
+    for (int i = threadIdx.x; i < TILE_T * (TILE_W / OUT_VEC); i += THREADS) {
+      const int t = i / (TILE_W / OUT_VEC), c = i % (TILE_W / OUT_VEC);
+      if (m0 + t < M && n0 + OUT_VEC * c < N)
+        *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * N + n0 + OUT_VEC * c) =
+            *reinterpret_cast<const uint4*>(out + t * OUT_STRIDE + OUT_VEC * c);
     }
   }
 
-  // Split K (small M): each block adds its partial tile of Y^T into a float32 buffer.
-  __device__ static void add_partial(float (&acc)[MT][NT][4], float* partial, int m0, int n0, int M, int N,
+  // Split K (small M): each block adds its partial tile of Y^T into a float32 buffer (the
+  // host never splits int32 sums).
+  __device__ static void add_partial(Acc (&acc)[MT][NT][4], float* partial, int m0, int n0, int M, int N,
                                      int ww, int wt) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
@@ -117,13 +157,13 @@ struct Sp24Dds {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int f = n0 + ww * 64 + mt * 16 + g + 8 * (i >> 1), t = m0 + wt * WARP_T + nt * 8 + 2 * q + (i & 1);
-          if (f < N && t < M) atomicAdd(partial + (long long)t * N + f, acc[mt][nt][i]);
+          if (f < N && t < M) atomicAdd(partial + (long long)t * N + f, static_cast<float>(acc[mt][nt][i]));
         }
   }
 
   // blockIdx.z takes K in slices of k_split; with `partial` set, the blocks' sums go there
   // (bias and rounding are the host's), else straight into Y.
-  __device__ static void run(const Elem* x, const Elem* values, const int* meta, const Elem* bias, Elem* y,
+  __device__ static void run(const Elem* x, const Elem* values, const int* meta, const OutT* bias, OutT* y,
                              float* partial, int M, int K, int N, int k_split) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem = smem_ptr(smem_raw);
@@ -131,7 +171,7 @@ struct Sp24Dds {
     const int warp = threadIdx.x >> 5, ww = warp % WARPS_W, wt = warp / WARPS_W;
     const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split);
     const int stages = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
-    float acc[MT][NT][4] = {};
+    Acc acc[MT][NT][4] = {};
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < stages) load(smem + s * STAGE_BYTES, k_begin + s * STAGE_K, x, values, meta, m0, n0, M, K, N, k_end);

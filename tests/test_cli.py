@@ -101,7 +101,9 @@ def test_from_name_rejects_malformed_names(name):
     ["precompile", "--arch", "sm_xx"],
     ["precompile", "--arch", "80", "--block", "32y"],
     ["precompile", "--arch", "80", "--block", "48"],
-    ["precompile", "--arch", "80", "--dtype", "int8"],
+    ["precompile", "--arch", "80", "--dtype", "int4"],
+    ["precompile", "--arch", "80", "--dtype", "e4m3"],
+    ["precompile", "--arch", "90", "--dtype", "e4m3"],
     ["precompile", "--arch", "80", "--jobs", "0"],
     ["show", "bsr_dds_nonsense"],
 ])
@@ -131,3 +133,18 @@ def test_worker_errors_survive_the_trip_back_from_the_pool(monkeypatch):
     with pytest.raises(SparsegenError) as caught:
         cli._build_in_worker(forward_spec((32, 32), "bf16", 80))
     assert "boom" in str(pickle.loads(pickle.dumps(caught.value)))
+
+
+@pytest.mark.parametrize("arch, dtype", [("80", "int8"), ("89", "e4m3"), ("90", "int8")])
+def test_precompile_one_byte_dtype_builds_only_its_24_kernels(capsys, arch, dtype):
+    code, out, _ = run_main(capsys, "precompile", "--arch", arch, "--dtype", dtype)
+    assert code == 0, out
+    names = [s.name for s in default_specs(int(arch), [dtype])]
+    assert names and all(n.startswith("sp24_") and f"_b16x32_{dtype}_" in n for n in names)
+    assert f"{len(names)} kernels, {len(names)} compiled" in out
+
+
+def test_default_precompile_set_adds_e4m3_only_where_the_arch_has_fp8_mma():
+    dtypes = lambda arch: {s.dtype for s in default_specs(arch)}  # noqa: E731
+    assert "int8" in dtypes(80) and "e4m3" not in dtypes(80)
+    assert {"int8", "e4m3"} <= dtypes(89) and "int8" in dtypes(90) and "e4m3" not in dtypes(90)  # upcast there

@@ -118,7 +118,7 @@ def test_other_ops_name_their_kernel(spec):
                          rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}>", source)
     elif spec.op == "sp24_dds":
         assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ptx}.{ptx}.f32" in source
-        assert re.search(rf"sg::Sp24Dds<SpMma, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "
+        assert re.search(rf"sg::Sp24Dds<SpMma, sg::FloatOut<sg::{MMA[spec.dtype]}>, unsigned short, {spec.tile.tile_m}, "
                          rf"{spec.tile.warps_m}, {spec.tile.warps_n}, {spec.tile.stages}>", source)
 
 

@@ -11,7 +11,7 @@ import sparsegen
 from sparsegen import cache, compiler
 from sparsegen.spec import DTYPES, KernelSpec, TileConfig, default_specs, forward_spec
 
-DEFAULT_SPECS = default_specs(80) + default_specs(90)
+DEFAULT_SPECS = default_specs(80) + default_specs(90) + default_specs(89, ["e4m3"])  # sm_89: native fp8 mma.sp
 # Non-default tiles exercise other warp grids and pipeline depths of the same template.
 EXTRA_SPECS = [
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
@@ -49,12 +49,16 @@ def test_compiles_to_cubin(spec):
 
 
 def tensor_core_ops(sass: str) -> list[str]:
-    return re.findall(r"\b(?:HMMA|HGMMA)\.\S+", sass)
+    return re.findall(r"\b(?:HMMA|HGMMA|IMMA|QMMA)\.\S+", sass)
 
 
 def expected_mma(spec: KernelSpec) -> str:
     """The SASS mnemonic: fp32 accumulate; wgmma -> HGMMA 64xBMx16; mma.sync k16 (16-bit
     inputs, fp16 has no type suffix) or k8 (tf32)."""
+    if spec.dtype == "int8":  # 2:4 on one-byte types: mma.sp m16n8k64
+        return "IMMA.SP.16864.S8.S8"
+    if spec.dtype == "e4m3":
+        return "QMMA.SP.16864.F32.E4M3.E4M3"
     suffix = {"bf16": ".BF16", "fp16": "", "fp32": ".TF32"}[spec.dtype]
     if spec.op == "sp24_dds" and spec.instr == "tma":  # 2:4 on Hopper: wgmma.sp m64 x tokens x k32
         return f"HGMMA.SP.64x{spec.tile.tile_m}x32.F32{suffix}"

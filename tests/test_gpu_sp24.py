@@ -298,3 +298,119 @@ def test_f_linear_with_a_sparse24_weight_on_gpu():
     x = torch.randn(2, 99, 256, device="cuda", dtype=torch.bfloat16)
     out = torch.nn.functional.linear(x, sparse)
     assert relative_error(out, x.double() @ sparse.to_dense().double().t()) < TOLERANCE[torch.bfloat16]
+
+
+# One-byte 2:4 products (mma.sp m16n8k64): int8 -> int32 (exact), float8_e4m3fn -> bfloat16.
+BYTE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def random_bytes(shape, dtype):
+    """int8 over its whole range; e4m3 normals scaled to reach its larger exponents."""
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, device="cuda", dtype=torch.int8)
+    return (torch.randn(shape, device="cuda") * 8).to(dtype)
+
+
+def byte_output_poisoned(m, n, dtype):
+    if dtype == torch.int8:
+        return torch.full((m, n), -2**31, device="cuda", dtype=torch.int32)
+    return poisoned(m, n, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 7, 65, 1000, 4100])
+@pytest.mark.parametrize("n, k", [(16, 64), (336, 192), (1024, 4096)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_byte_sp24_forward_matches_float64(dtype, m, n, k, with_bias):
+    if torch.cuda.get_device_capability() < (8, 9) and dtype != torch.int8:
+        pytest.skip("fp8 tensor cores need sm_89")
+    sparse = sparsegen.to_sparse24(random_bytes((n, k), dtype))
+    x = random_bytes((m, k), dtype)
+    out_dtype = ops.sp24_output_dtype(dtype)
+    bias = None
+    if with_bias:
+        bias = (torch.randint(-1000, 1000, (n,), device="cuda", dtype=torch.int32) if dtype == torch.int8
+                else torch.randn(n, device="cuda", dtype=out_dtype))
+    out = byte_output_poisoned(m, n, dtype)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out)
+    want = x.double() @ sparse.to_dense().double().t() + (0 if bias is None else bias.double())
+    if dtype == torch.int8:
+        assert torch.equal(out.double(), want)  # exact: int32 sums of int8 products
+    else:
+        assert not out.isnan().any()
+        assert relative_error(out, want) < 1e-2
+
+
+def test_byte_sp24_metadata_layout_element_by_element():
+    """As for 16-bit: one nonzero row at a time, X = I, so each kept int8 value must come out
+    at exactly its column (k64 tiles: all four lanes of a group supply metadata)."""
+    n, k = 16, 128
+    torch.manual_seed(0)
+    mask = semi24.magnitude_mask(torch.randn(n, k))
+    x = torch.eye(k, device="cuda").to(torch.int8)
+    for row in range(n):
+        w = torch.zeros(n, k, dtype=torch.int8)
+        w[row] = torch.arange(1, k + 1) % 127 + 1
+        sparse = sparsegen.to_sparse24((w * mask).cuda(), mask=mask.cuda())
+        y = ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
+        assert torch.equal(y.t()[row].cpu(), (w * mask)[row].int()), f"row {row}"
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+def test_f_linear_with_a_byte_sparse24_weight_and_batch_dims(dtype):
+    if torch.cuda.get_device_capability() < (8, 9) and dtype != torch.int8:
+        pytest.skip("fp8 tensor cores need sm_89")
+    w = random_bytes((128, 256), dtype)
+    sparse = sparsegen.to_sparse24(w, method="transposable")
+    x = random_bytes((2, 3, 256), dtype)
+    y = torch.nn.functional.linear(x, sparse)
+    want = sparsegen.sparse24.byte_reference(x.cpu(), sparse.values.cpu(), sparse.metadata.cpu(), None, 128)
+    assert y.shape == (2, 3, 128) and y.dtype == ops.sp24_output_dtype(dtype)
+    if dtype == torch.int8:
+        assert torch.equal(y.cpu(), want)
+    else:
+        assert relative_error(y.cpu().float(), want.double()) < 1e-2
+    xt = random_bytes((5, 128), dtype)
+    yt = torch.nn.functional.linear(xt, sparse.t())  # W^T is 2:4 too
+    want_t = xt.double() @ sparse.to_dense().double()
+    assert yt.shape == (5, 256) and relative_error(yt, want_t) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(16, 64), (48, 192), (512, 1024)])
+def test_gpu_byte_compress_kernel_matches_the_pytorch_path(dtype, n, k):
+    """sp24_compress on raw bytes (ties included: int8 has many) packs exactly what the
+    PyTorch path packs, by magnitude and by mask, from a contiguous weight and a transposed view."""
+    w = random_bytes((n, k), dtype)
+    values, metadata = ops.sp24_compress(w)
+    want_values, want_meta = semi24.compress(w.cpu(), semi24.magnitude_mask(w.cpu()))
+    assert values.dtype == dtype and torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(metadata.cpu(), want_meta)
+    mask = torch.rand(n, k) < 0.3
+    mask &= semi24._groups(mask).cumsum(-1).reshape(n, k) <= 2
+    values, metadata = ops.sp24_compress(w, mask.cuda())
+    want_values, want_meta = semi24.compress(w.cpu(), mask)
+    assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(metadata.cpu(), want_meta)
+    square = random_bytes((k, k), dtype)
+    got, want = ops.sp24_compress(square.t()), ops.sp24_compress(square.t().contiguous())
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(16, 64), (272, 192)])
+def test_gpu_byte_transposable_mask_kernel_keeps_the_most(dtype, n, k):
+    w = random_bytes((n, k), dtype)
+    mask = ops.sp24_transposable_mask(w)
+    want = semi24.transposable_mask(w.cpu())
+    assert (semi24._groups(mask).sum(-1) == 2).all() and (semi24._groups(mask.t()).sum(-1) == 2).all()
+    torch.testing.assert_close(tile_scores(w.float(), mask).cpu(), tile_scores(w.cpu().float(), want), rtol=1e-6, atol=0)
+
+
+def test_to_sparse24_of_bytes_prunes_on_the_gpu_kernels(monkeypatch):
+    """to_sparse24 on a CUDA int8 weight goes through the generated kernels."""
+    calls = []
+    real = ops.sp24_compress
+    monkeypatch.setattr(ops, "sp24_compress", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    sparse = sparsegen.to_sparse24(random_bytes((32, 128), torch.int8), "transposable")
+    assert calls and (semi24._groups(sparse.mask).sum(-1) == 2).all()

@@ -119,7 +119,9 @@ def test_transpose_of_a_row_only_mask_is_a_clear_error():
     (torch.randn(16, 0, dtype=torch.bfloat16), "positive multiple"),
     (torch.randn(8, 32, dtype=torch.float16), "multiple of 16"),
     (torch.randn(2, 16, 32, dtype=torch.float16), "2-D"),
-    (torch.randint(0, 5, (16, 32), dtype=torch.int8), "int8 and fp8"),
+    (torch.randint(0, 5, (16, 32), dtype=torch.int8), "columns of 64"),
+    (torch.randint(0, 5, (16, 64), dtype=torch.int16), "dtype in"),
+    (torch.randn(16, 64).to(torch.float8_e5m2), "dtype in"),
 ])
 def test_bad_tensors_are_clear_errors(bad, match):
     with pytest.raises(InputError, match=match):
@@ -209,3 +211,58 @@ def test_magnitude_ties_keep_the_first_and_positions_cover_every_pattern():
         positions = semi24.kept_positions(mask)[0, 0].tolist()
         kept = [i for i in range(4) if bits[i]]
         assert positions == sorted(positions) and set(kept) <= set(positions) and len(set(positions)) == 2
+
+
+BYTE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def random_bytes(shape, dtype, generator=None):
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator)
+    return (torch.randn(shape, generator=generator) * 8).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+@pytest.mark.parametrize("method", ["magnitude", "transposable"])
+def test_byte_round_trip_keeps_the_two_largest_bit_for_bit(dtype, method):
+    w = random_bytes((48, 192), dtype)
+    sparse = sparsegen.to_sparse24(w, method)
+    assert sparse.values.dtype == dtype and sparse.values.shape == (48, 96)
+    assert (groups_kept(sparse.mask) == 2).all()
+    raw, dense = w.view(torch.uint8), sparse.to_dense().view(torch.uint8)
+    assert torch.equal(dense[sparse.mask], raw[sparse.mask]) and (dense[~sparse.mask] == 0).all()
+    wide = sparsegen.to_sparse24(w.double(), method)  # the same values as float64: the same choice
+    assert torch.equal(sparse.metadata, wide.metadata)
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+def test_byte_f_linear_on_cpu_matches_float64(dtype):
+    import torch.nn.functional as F
+
+    w, x = random_bytes((32, 128), dtype), random_bytes((2, 5, 128), dtype)
+    sparse = sparsegen.to_sparse24(w)
+    want = x.double() @ sparse.to_dense().double().t()
+    y = F.linear(x, sparse)
+    assert y.dtype == (torch.int32 if dtype == torch.int8 else torch.bfloat16) and y.shape == (2, 5, 32)
+    if dtype == torch.int8:
+        assert torch.equal(y.double(), want)
+        bias = torch.randint(-9, 9, (32,), dtype=torch.int32)
+        assert torch.equal(F.linear(x, sparse, bias).double(), want + bias.double())
+    else:
+        torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+def test_byte_weights_reject_bad_inputs_clearly(dtype):
+    import torch.nn.functional as F
+
+    sparse = sparsegen.to_sparse24(random_bytes((16, 64), dtype))
+    out = "torch.int32" if dtype == torch.int8 else "torch.bfloat16"
+    with pytest.raises(InputError, match=r"MVUE"):
+        sparsegen.to_sparse24(random_bytes((16, 64), dtype), "mvue")
+    with pytest.raises(InputError, match=rf"input dtype {dtype}.*Got torch.float16"):
+        F.linear(torch.randn(3, 64, dtype=torch.float16), sparse)
+    with pytest.raises(InputError, match=rf"bias of shape \(16,\), {out}"):
+        F.linear(random_bytes((3, 64), dtype), sparse, torch.zeros(16, dtype=torch.float16))
+    with pytest.raises(InputError, match=r"float8_e4m3fn: sparsegen.to_sparse24 for inference"):
+        sparsegen.linear(64, 16, sparsity="2:4", dtype=dtype)

@@ -7,6 +7,7 @@ import pytest
 
 import sparsegen
 from sparsegen import spec as specmod
+from sparsegen.errors import SpecError
 from sparsegen.spec import KernelSpec, TileConfig
 
 SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -178,15 +179,30 @@ def test_shared_memory_limit_depends_on_arch():
 def test_default_tile_is_valid_for_every_block_arch_and_m():
     sides = specmod.BLOCK_SIDES
     for arch, block, dtype, rows in itertools.product(
-            specmod.ARCHS, itertools.product(sides, sides), specmod.DTYPES, (None, 1, 64, 1000)):
+            specmod.ARCHS, itertools.product(sides, sides), specmod.BLOCK_DTYPES, (None, 1, 64, 1000)):
         s = specmod.forward_spec(block, dtype, arch, rows=rows)  # validates, or raises SpecError
         assert s.smem_bytes() <= specmod.SMEM_LIMIT[arch]
+
+
+def test_one_byte_dtypes_take_only_the_24_forward_on_archs_that_have_them():
+    for arch, dtype, rows in itertools.product(specmod.ARCHS, specmod.BYTE_DTYPES, (None, 128, 1)):
+        if dtype not in specmod.supported_dtypes(arch):
+            with pytest.raises(SpecError, match=rf"Expected .*{dtype}.*Got sm_{arch}"):
+                specmod.sp24_spec(dtype, arch, rows=rows)
+            continue
+        s = specmod.sp24_spec(dtype, arch, rows=rows)
+        assert s.instr == "mma" and s.smem_bytes() <= specmod.SMEM_LIMIT[arch]
+    for make in (lambda: specmod.forward_spec((32, 32), "int8", 90),
+                 lambda: specmod.sp24_compress_spec("fp32", 90),
+                 lambda: specmod.sp24_spec("int8", 90, instr="tma")):
+        with pytest.raises(SpecError, match="Expected"):
+            make()
 
 
 def test_default_specs_cover_every_dtype_once_per_block():
     specs = specmod.default_specs(90)
     assert len({s.name for s in specs}) == len(specs)
-    assert {s.dtype for s in specs} == set(specmod.DTYPES)
+    assert {s.dtype for s in specs} == set(specmod.supported_dtypes(90)) == set(specmod.DTYPES) - {"e4m3"}
     assert all(s.arch == 90 for s in specs)
     assert {s.op for s in specs} == set(specmod.OPS)
     assert {s.dtype for s in specs if s.op == "bsr_sdd"} == {"bf16", "fp16"}  # fp32 dW: dense GEMM

@@ -80,6 +80,38 @@ def training_row(m: int = 8192, k: int = 4096, n: int = 11008) -> list[str]:
             f"the same with dw_sparse=True (MVUE dY, dW on the 2:4 kernel) {mvue:.3f} ms ({dense_ms / mvue:.2f}x dense)"]
 
 
+def random_bytes(shape, dtype) -> torch.Tensor:
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, device="cuda", dtype=torch.int8)
+    return (torch.randn(shape, device="cuda") * 8).to(dtype)
+
+
+def dense_byte_ms(x: torch.Tensor, w: torch.Tensor) -> float:
+    """cuBLAS on the same one-byte operands: torch._int_mm (int32 out) or _scaled_mm (bf16 out)."""
+    if x.dtype == torch.int8:
+        return median_ms(lambda: torch._int_mm(x, w.t()))
+    one = torch.ones((), device="cuda")
+    return median_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+
+
+def byte_rows(weights, tokens=(1024, 4096, 16384)) -> list[str]:
+    """int8 and e4m3 2:4 (mma.sp m16n8k64) against dense cuBLAS on the same type and bf16."""
+    rows = []
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        for n, k in weights:
+            w, w16 = random_bytes((n, k), dtype), torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            sparse = sparsegen.to_sparse24(w)
+            for m in tokens:
+                x, x16 = random_bytes((m, k), dtype), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                same, bf16, ours = interleaved(lambda: dense_byte_ms(x, w), lambda: median_ms(lambda: F.linear(x16, w16)),
+                                               lambda: median_ms(lambda: F.linear(x, sparse)))
+                rows.append(f"| {str(dtype)[6:]} | {n}x{k} | {m} | {same:.4f} | {bf16:.4f} | {ours:.4f} | "
+                            f"{same / ours:.2f} | {bf16 / ours:.2f} |")
+                print(rows[-1], flush=True)
+    return ["| dtype | weight N x K | M | dense same-type ms | dense bf16 ms | sparsegen 2:4 ms | x same-type "
+            "| x bf16 |", "|---|---|---|---|---|---|---|---|"] + rows
+
+
 def tune() -> None:
     """Time tile configurations and K splits of the sp24 kernel (bf16) against dense."""
     from sparsegen.spec import TileConfig
@@ -146,7 +178,14 @@ def main(argv=None) -> None:
     parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
     parser.add_argument("--plot", type=Path, help="write the speedup plot (PNG) here")
     parser.add_argument("--replot", type=Path, help="only plot the table of this markdown file (no GPU)")
+    parser.add_argument("--bytes", action="store_true", help="int8 and e4m3 2:4 against dense cuBLAS instead")
     args = parser.parse_args(argv)
+    if args.bytes:
+        weights = {str(d)[6:]: random_bytes((4096, 11008), d) for d in (torch.int8, torch.float8_e4m3fn)}
+        prune = {name: median_ms(lambda: sparsegen.to_sparse24(w, "transposable")) for name, w in weights.items()}
+        return print("\n".join([f"GPU: {torch.cuda.get_device_name()} - date: {datetime.date.today()} - "
+                                "command: `python tools/bench24.py --bytes`\n"] + byte_rows(WEIGHTS) +
+                                ["", "- to_sparse24(4096x11008 weight, 'transposable') on the GPU kernels: " + ", ".join(f"{k} {v:.3f} ms" for k, v in prune.items())]))
     if args.replot:
         return plot(table_rows(args.replot.read_text()), args.plot or Path("BENCHMARKS-2to4.png"))
     if args.tune:

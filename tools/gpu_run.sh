@@ -33,6 +33,7 @@ for step in "${steps[@]}"; do
     tests24) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24.log" ;;
     tests24k) SPARSEGEN_COMPRESS_KERNEL=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24k.log" ;;
     bench24) python3 tools/bench24.py --markdown "$OUT/bench24.md" --plot "$OUT/bench24.png" 2>&1 | tee "$OUT/bench24.log" ;;
+    bench24bytes) python3 tools/bench24.py --bytes 2>&1 | tee "$OUT/bench24bytes.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
              --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;

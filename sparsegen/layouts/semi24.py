@@ -22,25 +22,47 @@ import torch
 from ..errors import expect
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # kernels: the 16-bit ones
+# One-byte types: Sparse24Tensor inference only (mma.sp m16n8k64: int8 -> int32, e4m3 -> bf16).
+BYTE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ROW_GRANULE, COL_GRANULE = 16, 32  # one mma.sp m16n8k32 A tile
+BYTE_COL_GRANULE = 64  # one m16n8k64 A tile, the one-byte instruction
 
 # Lane 4g + h of a warp supplies one metadata word per 16 x 32 tile: its low 16 bits are
 # row g's four groups in columns 16h..16h+15, its high 16 bits row g + 8's (the m16n8k16
 # rule, once per k16 half). Checked on an H200: a word per row (all 8 groups of row g + 8h)
 # is not what the hardware reads (tests/test_gpu_sp24.py checks element by element).
+# One-byte types (m16n8k64, all four lanes supply) do read a word per row: lane 4g + 2t + u
+# wants row g + 8u's 8 groups of k32 tile t. The kernel builds it from stored words 2g and
+# 2g + 1 (one byte permute), so every dtype shares this one storage layout (probed on an H100).
 
 
-def check_shape(shape, what: str = "weight") -> None:
+def check_shape(shape, what: str = "weight", cols: int = COL_GRANULE) -> None:
     expect(len(shape) == 2, f"a 2-D {what} [out_features, in_features]", tuple(shape))
     n, k = shape
-    expect(n > 0 and k > 0 and n % ROW_GRANULE == 0 and k % COL_GRANULE == 0,
-           f"a {what} whose rows are a positive multiple of {ROW_GRANULE} and columns of {COL_GRANULE} "
-           f"(one mma.sp m16n8k32 tile)", tuple(shape))
+    expect(n > 0 and k > 0 and n % ROW_GRANULE == 0 and k % cols == 0,
+           f"a {what} whose rows are a positive multiple of {ROW_GRANULE} and columns of {cols} "
+           f"(one mma.sp m16n8k{cols} tile)", tuple(shape))
 
 
-def check_dtype(dtype: torch.dtype) -> None:
-    expect(dtype in DTYPES, f"a dtype in {list(DTYPES)} (int8 and fp8 2:4 kernels are not generated yet)",
-           dtype)
+def col_granule(dtype: torch.dtype) -> int:
+    return BYTE_COL_GRANULE if dtype in BYTE_DTYPES else COL_GRANULE
+
+
+def check_dtype(dtype: torch.dtype, byte_types: bool = False) -> None:
+    """Layers take DTYPES; Sparse24Tensor (byte_types) also int8 and float8_e4m3fn."""
+    allowed = DTYPES + BYTE_DTYPES if byte_types else DTYPES
+    note = "" if byte_types else " (int8 and float8_e4m3fn: sparsegen.to_sparse24 for inference)"
+    expect(dtype in allowed, f"a dtype in {list(allowed)}{note}", dtype)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """One-byte tensors as uint8, so gathers and scatters need no float8 kernels."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _from_raw(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """_raw's inverse (a no-op for wider types, which keeps autograd's graph)."""
+    return raw.view(dtype) if raw.dtype != dtype else raw
 
 
 def gather_kept(dense: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
@@ -77,7 +99,11 @@ def _ranks(keys: torch.Tensor) -> torch.Tensor:
 
 def magnitude_mask(w: torch.Tensor) -> torch.Tensor:
     """Keep the 2 largest |w| of every 4 (the first of equal ones, as the kernel does)."""
-    return (_ranks(_groups(w.abs())) < 2).reshape(w.shape)
+    return (_ranks(_groups(_magnitudes(w))) < 2).reshape(w.shape)
+
+
+def _magnitudes(w: torch.Tensor) -> torch.Tensor:
+    return w.float().abs() if w.dtype in BYTE_DTYPES else w.abs()
 
 
 def mvue(w: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -113,7 +139,7 @@ def transposable_mask(w: torch.Tensor) -> torch.Tensor:
     W and W^T are both 2:4 (dX = dY W runs on the same sparse kernel)."""
     n, k = w.shape
     expect(n % 4 == 0, "out_features a multiple of 4 for a transposable mask", n)
-    tiles = w.abs().float().reshape(n // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    tiles = _magnitudes(w).float().reshape(n // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
     patterns = _transposable_patterns().to(w.device)
     best = patterns[(tiles @ patterns.t()).argmax(-1)].bool()
     return best.reshape(n // 4, k // 4, 4, 4).permute(0, 2, 1, 3).reshape(n, k)
@@ -144,8 +170,8 @@ def kept_positions(mask: torch.Tensor) -> torch.Tensor:
 def compress(w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N, K/2], metadata [N/16, K/32, 16] int32) of w where mask holds."""
     positions = kept_positions(mask)
-    values = torch.gather(_groups(w * mask), -1, positions).reshape(w.shape[0], -1)
-    return values.contiguous(), pack_metadata(positions)
+    values = torch.gather(_groups(_raw(w) * mask), -1, positions).reshape(w.shape[0], -1)
+    return _from_raw(values, w.dtype).contiguous(), pack_metadata(positions)
 
 
 def _nibbles(positions: torch.Tensor) -> torch.Tensor:
@@ -189,9 +215,9 @@ def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:
 def decompress(values: torch.Tensor, metadata: torch.Tensor, shape) -> torch.Tensor:
     """The dense [N, K] tensor (vectorized: the kernels' own reading is tested elsewhere)."""
     n, k = shape
-    positions = stored_positions(metadata, n, k)
-    dense = torch.zeros(n, k // 4, 4, dtype=values.dtype, device=values.device)
-    return dense.scatter_(-1, positions, values.reshape(n, k // 4, 2)).reshape(n, k)
+    positions, raw = stored_positions(metadata, n, k), _raw(values)
+    dense = torch.zeros(n, k // 4, 4, dtype=raw.dtype, device=values.device)
+    return _from_raw(dense.scatter_(-1, positions, raw.reshape(n, k // 4, 2)).reshape(n, k), values.dtype)
 
 
 def stored_positions(metadata: torch.Tensor, n: int, k: int) -> torch.Tensor:

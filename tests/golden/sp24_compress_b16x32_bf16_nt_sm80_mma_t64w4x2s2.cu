@@ -67,20 +67,16 @@ struct Row16 {
   unsigned keep = 0xFFFF;
 
   __device__ void load(const Elem* w, const unsigned char* mask, long long at, long long step) {
+
     if (step == 1) {
       const uint4 q[2] = {reinterpret_cast<const uint4*>(w + at)[0], reinterpret_cast<const uint4*>(w + at)[1]};
       const unsigned words[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
 #pragma unroll
       for (int e = 0; e < 16; ++e) v[e] = static_cast<Elem>(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xFFFF);
-      if (mask) {
-        const uint4 m = *reinterpret_cast<const uint4*>(mask + at);
-        const unsigned bytes[4] = {m.x, m.y, m.z, m.w};
-        keep = 0;
-#pragma unroll
-        for (int e = 0; e < 16; ++e) keep |= (bytes[e / 4] >> (8 * (e % 4)) & 0xFF ? 1u : 0u) << e;
-      }
+      load_mask(mask, at);
       return;
     }
+
 #pragma unroll
     for (int e = 0; e < 16; ++e) v[e] = w[at + e * step];
     if (mask) {
@@ -88,6 +84,15 @@ struct Row16 {
 #pragma unroll
       for (int e = 0; e < 16; ++e) keep |= (mask[at + e * step] ? 1u : 0u) << e;
     }
+  }
+
+  __device__ void load_mask(const unsigned char* mask, long long at) {
+    if (!mask) return;
+    const uint4 m = *reinterpret_cast<const uint4*>(mask + at);
+    const unsigned bytes[4] = {m.x, m.y, m.z, m.w};
+    keep = 0;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) keep |= (bytes[e / 4] >> (8 * (e % 4)) & 0xFF ? 1u : 0u) << e;
   }
 };
 
@@ -101,7 +106,7 @@ __device__ __forceinline__ unsigned sample_group(const Elem (&v)[4], unsigned lo
   return i0 | (i1 << 2);
 }
 
-// One row's 16 columns: 4 groups -> 8 stored values (one 16-byte store) and 16 bits of
+// One row's 16 columns: 4 groups -> 8 stored values (one 16-byte store; 8 for one-byte types) and 16 bits of
 // metadata. `first` is the index of the row's first element here in the logical [N, K]
 // tensor (MVUE's counter, the same whatever the strides).
 __device__ __forceinline__ unsigned compress_row(const Row16& row, Elem* out, int mode, unsigned long long seed,
@@ -110,18 +115,22 @@ __device__ __forceinline__ unsigned compress_row(const Row16& row, Elem* out, in
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const Elem group[4] = {row.v[4 * j], row.v[4 * j + 1], row.v[4 * j + 2], row.v[4 * j + 3]};
+
     if (mode == MVUE) {
       bits |= sample_group(group, seed, (first + 4 * j) / 2, kept[j]) << (4 * j);
       continue;
     }
+
     const unsigned keep = row.keep >> (4 * j) & 0xF;
     const unsigned nib = choose(group, keep, mode);
     const int i0 = nib & 3, i1 = nib >> 2;
     const unsigned lo = keep >> i0 & 1 ? pick(group, i0) : 0u, hi = keep >> i1 & 1 ? pick(group, i1) : 0u;
-    kept[j] = lo | (hi << 16);
+    kept[j] = lo | (hi << (8 * sizeof(Elem)));
     bits |= nib << (4 * j);
   }
+
   *reinterpret_cast<uint4*>(out) = make_uint4(kept[0], kept[1], kept[2], kept[3]);
+
   return bits;
 }
 

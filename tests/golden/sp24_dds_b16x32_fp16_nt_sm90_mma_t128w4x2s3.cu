@@ -3,8 +3,10 @@
 
 #include "sp24_dds.cuh"
 
-// One m16n8k32 sparse product: A 16x32 stored as 16x16 kept values, metadata from lanes 4g, 4g+1.
+// One sparse product: A 16 x 32 stored as its kept half, selector 0. For 16-bit types
+// (k32) lanes 4g and 4g+1 supply the metadata; for one-byte ones (k64) all four lanes.
 struct SpMma {
+  static constexpr int K = 32;
   __device__ static void mma(float (&c)[4], const sg::u32 (&a)[4], const sg::u32 (&b)[4], sg::u32 e) {
     asm volatile("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"
@@ -13,7 +15,7 @@ struct SpMma {
   }
 };
 
-using Kernel = sg::Sp24Dds<SpMma, sg::Fp16, unsigned short, 128, 4, 2, 3>;
+using Kernel = sg::Sp24Dds<SpMma, sg::FloatOut<sg::Fp16>, unsigned short, 128, 4, 2, 3>;
 
 extern "C" __global__ void __launch_bounds__(256)
 sp24_dds_b16x32_fp16_nt_sm90_mma_t128w4x2s3(const unsigned short* __restrict__ x, const unsigned short* __restrict__ values,

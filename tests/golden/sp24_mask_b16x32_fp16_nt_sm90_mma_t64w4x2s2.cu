@@ -21,12 +21,14 @@ sp24_mask_b16x32_fp16_nt_sm90_mma_t64w4x2s2(const Elem* __restrict__ w, unsigned
   float kept[4][6];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
+    float a[4];
+
     const uint2 raw = *reinterpret_cast<const uint2*>(w + (row + r) * K + col);
     const unsigned halves[2] = {raw.x, raw.y};
-    float a[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       a[i] = fabsf(sg::Fp16::to_float(static_cast<Elem>(i % 2 ? halves[i / 2] >> 16 : halves[i / 2] & 0xFFFF)));
+
     kept[r][0] = a[2] + a[3];
     kept[r][1] = a[1] + a[3];
     kept[r][2] = a[1] + a[2];
