@@ -199,7 +199,7 @@ def _validate_byte_dtype(spec: KernelSpec) -> None:
         return
     least = MIN_ARCH.get(spec.dtype, 80)
     expect(spec.arch >= least, f"sm_{least} or later for {spec.dtype} tensor cores", f"sm_{spec.arch}", SpecError)
-    # sm_90 has no fp8 mma.sync: ptxas emulates it through the stack, 100-600x slower than
+    # sm_90 has no fp8 mma.sync: ptxas emulates it through the stack, 320-360x slower than
     # cuBLAS fp8 on an H100 (tools/bench24.py --bytes). ops.sp24_dds upcasts to bf16 there.
     expect((spec.dtype, spec.arch) != ("e4m3", 90), "an arch other than sm_90 for an e4m3 kernel (sm_90 runs "
            "e4m3 2:4 products on the bf16 kernel)", "sm_90", SpecError)
