@@ -23,7 +23,7 @@ def _output_context(dtype: str) -> dict:
         dtype, (f"FloatOut<sg::{_MMA[dtype]}>", _ELEM[dtype], "float", "f32", "f"))
     one_byte = dtype in BYTE_DTYPES  # the pruning kernels read such values as raw bytes
     return dict(out_policy=policy, out_elem=out_elem, acc=acc, acc_ptx=acc_ptx, acc_reg=acc_reg,
-                sp_k=64 if one_byte else 32, one_byte=one_byte)
+                sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma="Bf16" if one_byte else _MMA[dtype])
 
 
 def templates_dir() -> Path:

@@ -342,14 +342,16 @@ def _rows_bucket(m: int) -> int | None:
 
 def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor) -> tuple[tuple, tuple]:
     """(TMA descriptors, pointers) of X, W's values and metadata as the kernel reads them:
-    per stage, 64 columns of X, 32 kept values and 2 k32 tiles of metadata words per row."""
+    per stage, 64 columns of X, 32 kept values and 2 k32 tiles of metadata words per row
+    (twice as many of each for e4m3)."""
     if spec.instr != "tma":
         return (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr())
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
     (m, k), n, w_rows = x2.shape, values.shape[0], spec.sp24_w_rows
-    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64)
-    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, k // 2, w_rows, 32)
-    m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, k // 2, w_rows // 16, 32, False)
+    per_byte = 2 // x2.element_size()  # a stage is 128 bytes of X rows: 64 of K, or 128 for e4m3
+    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte)
+    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, k // 2, w_rows, 32 * per_byte)
+    m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, k // 2, w_rows // 16, 32 * per_byte, False)
     return (x_map, w_map, m_map), ()
 
 
@@ -391,9 +393,6 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
     split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
-    if x.dtype == torch.float8_e4m3fn and runtime.device_arch(x.device) == 90:  # no fp8 mma.sync there:
-        return sp24_dds(x.to(torch.bfloat16), values.to(torch.bfloat16), metadata, bias,  # bf16 holds e4m3
-                        out_features, out, tile, splits, instr)                       # exactly
     x2, y, shaped = _operands_and_output(x, out, out_features, sp24_output_dtype(x.dtype))
     m, k = x2.shape
     if m == 0 or out_features == 0:

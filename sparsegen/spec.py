@@ -142,9 +142,9 @@ class KernelSpec:
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
         if self.op in ("sp24_compress", "sp24_mask"):
             return 0
-        if self.op == "sp24_dds" and self.instr == "tma":  # stage K 64: 128 bytes per X row, 64 + 8 per W row
+        if self.op == "sp24_dds" and self.instr == "tma":  # 128 bytes per X row, 64 + 8 (e4m3: 16) per W row
             staging = self.sp24_w_rows * 2 * (64 if self.tile.tile_m >= 128 else 32)  # the store's token chunks
-            ring = self.tile.stages * (self.tile.tile_m * 128 + self.sp24_w_rows * 72)
+            ring = self.tile.stages * (self.tile.tile_m * 128 + self.sp24_w_rows * (64 + 16 // ELEMENT_BYTES[self.dtype]))
             return ring + staging + 1024 + 16 * self.tile.stages
         if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 (8-bit: 32) of metadata per W row
             return self.tile.stages * (self.tile.tile_m * 256 + self.sp24_w_rows * (128 + 32 // ELEMENT_BYTES[self.dtype]))
@@ -193,16 +193,17 @@ def _validate_sdd(spec: KernelSpec) -> None:
 
 
 def _validate_byte_dtype(spec: KernelSpec) -> None:
-    expect(spec.op in SP24_OPS and spec.instr == "mma", f"a 2:4 op on instr 'mma' for {spec.dtype} (one-byte "
-           "types have the 2:4 forward and pruning kernels only)", f"{spec.op!r} on {spec.instr!r}", SpecError)
+    # sm_90 has no fp8 mma.sync (ptxas emulates it through the stack, 320-360x slower than
+    # cuBLAS fp8 on an H100: tools/bench24.py --bytes), so e4m3 runs wgmma.sp there.
+    fp8_hopper = (spec.dtype, spec.arch) == ("e4m3", 90)
+    instr = "tma" if fp8_hopper and spec.op == "sp24_dds" else "mma"
+    expect(spec.op in SP24_OPS and spec.instr == instr, f"a 2:4 op on instr {instr!r} for {spec.dtype} on "
+           f"sm_{spec.arch} (one-byte types have the 2:4 forward and pruning kernels only)",
+           f"{spec.op!r} on {spec.instr!r}", SpecError)
     if spec.op != "sp24_dds":  # pruning needs no tensor cores
         return
     least = MIN_ARCH.get(spec.dtype, 80)
     expect(spec.arch >= least, f"sm_{least} or later for {spec.dtype} tensor cores", f"sm_{spec.arch}", SpecError)
-    # sm_90 has no fp8 mma.sync: ptxas emulates it through the stack, 320-360x slower than
-    # cuBLAS fp8 on an H100 (tools/bench24.py --bytes). ops.sp24_dds upcasts to bf16 there.
-    expect((spec.dtype, spec.arch) != ("e4m3", 90), "an arch other than sm_90 for an e4m3 kernel (sm_90 runs "
-           "e4m3 2:4 products on the bf16 kernel)", "sm_90", SpecError)
 
 
 def _validate_sp24(spec: KernelSpec) -> None:
@@ -364,10 +365,11 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere
     mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
     tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
-    small batches."""
+    small batches. e4m3 takes the same tiles as bf16 (wgmma.sp k64 on sm_90); int8 always
+    mma.sp (no int8 wgmma.sp kernel yet)."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
-    if instr is None:  # Hopper: wgmma.sp for every 16-bit batch size
-        instr = "tma" if tile is None and arch == 90 and dtype not in BYTE_DTYPES else "mma"
+    if instr is None:  # Hopper: wgmma.sp for every batch size, 16-bit or e4m3
+        instr = "tma" if tile is None and arch == 90 and dtype != "int8" else "mma"
     if tile is None:
         if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
             tile = (TileConfig(256, 8, 1, 4, cluster=2) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
@@ -389,8 +391,8 @@ def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> Kern
 
 
 def supported_dtypes(arch: int) -> tuple[str, ...]:
-    """The dtypes with kernels on `arch` (e4m3 needs sm_89's fp8 tensor cores; sm_90 upcasts it)."""
-    return tuple(d for d in DTYPES if arch >= MIN_ARCH.get(d, 80) and (d, arch) != ("e4m3", 90))
+    """The dtypes with kernels on `arch` (e4m3 needs sm_89's fp8 tensor cores)."""
+    return tuple(d for d in DTYPES if arch >= MIN_ARCH.get(d, 80))
 
 
 def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:

@@ -3,8 +3,9 @@
 // Y^T = W X^T: each consumer warpgroup owns 64 rows of W (output features) and all TILE_T
 // rows of X (tokens) of the block's tile; warpgroup 0 is the producer.
 //
-// One stage covers 64 of K: W's 32 kept values per row (64-byte rows, 64-byte swizzle), X's
-// 64 columns (128-byte rows, 128-byte swizzle) and the metadata words of the two k32 tiles
+// One stage covers 64 of K (128 for e4m3: the same bytes): W's 32 kept values per row (64-byte
+// rows, 64-byte swizzle), X's 64 columns (128-byte rows, 128-byte swizzle) and the metadata
+// words of the two k32 tiles (four for e4m3)
 // (layouts/semi24.py's layout, copied as it is: wgmma.sp reads metadata exactly as mma.sp
 // m16n8k32 does, warp w of a warpgroup for rows 16w..16w+15). The accumulators go through
 // shared memory so that Y [M, N] is written in its own row-major layout - no transpose pass.
@@ -25,12 +26,15 @@
 
 namespace sg {
 
-// WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x k32.
-template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER>
+// WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x
+// k32 (16-bit inputs) or k64 (e4m3: IN_BYTES 1, the same bytes per product). Mma and Elem
+// are the output's (bf16 for e4m3).
+template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
-  static constexpr int TILE_W = 64 * CONSUMERS, ACC = TILE_T / 2, STAGE_K = 64;
-  static constexpr int X_BYTES = TILE_T * 128, W_BYTES = TILE_W * 64, META_BYTES = (TILE_W / 16) * 128;
+  static constexpr int TILE_W = 64 * CONSUMERS, ACC = TILE_T / 2, STAGE_K = 128 / IN_BYTES;
+  static constexpr int META_TILES = STAGE_K / 32, META_ROW = META_TILES * 64;  // k32 tiles a stage, per 16 rows
+  static constexpr int X_BYTES = TILE_T * 128, W_BYTES = TILE_W * 64, META_BYTES = (TILE_W / 16) * META_ROW;
   static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + META_BYTES, X_PART = X_BYTES / CLUSTER;
   // Big accumulators (TILE_T 256: 128 floats a thread) want more than an even share of the
   // registers; small ones are better off with two blocks an SM, so they keep what ptxas gives.
@@ -70,14 +74,22 @@ struct Sp24DdsTma {
   }
 
   // Consumer warpgroup c (rows 64c.. of the W tile): the metadata words of stage `stage`.
-  // Lanes 4g + h (h = 0, 1) supply word 2g + h of their warp's 16-row tile (sparsity
-  // selector 0); the other two lanes pass the same.
+  // 16-bit: lanes 4g + h (h = 0, 1) supply word 2g + h of their warp's 16-row tile (sparsity
+  // selector 0); the other two lanes pass the same. e4m3 (k64): as mma.sp m16n8k64 reads
+  // it (sp24_dds.cuh): lane 4g + 2t + u, row g + 8u's groups of the product's k32 tile t.
   __device__ static void load_meta(u32 stage, int c, u32 (&e)[2]) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const u32 meta = stage + X_BYTES + W_BYTES + (4 * c + warp) * 128;
+    const u32 meta = stage + X_BYTES + W_BYTES + (4 * c + warp) * META_ROW;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e[j]) : "r"(meta + 4 * (16 * j + 2 * (lane >> 2) + (lane & 1))));
+      if constexpr (IN_BYTES == 2) {
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e[j]) : "r"(meta + 4 * (16 * j + 2 * (lane >> 2) + (lane & 1))));
+      } else {
+        u32 lo, hi;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi)
+                     : "r"(meta + 64 * (2 * j + ((lane & 3) >> 1)) + 8 * (lane >> 2)));
+        e[j] = __byte_perm(lo, hi, (lane & 1) ? 0x7632 : 0x5410);
+      }
       // Past N or K the copies were zero-filled: values 0, but metadata 0 names position 0
       // twice (undefined). Packed words never are 0 (a nibble's positions increase), so
       // such a word becomes positions {0, 1}. No branch around the wgmma: a divergent
@@ -86,7 +98,7 @@ struct Sp24DdsTma {
     }
   }
 
-  // The stage's two k32 products, issued and committed as one group.
+  // The stage's two products (k32, or k64 for e4m3), issued and committed as one group.
   __device__ static void stage_products(u32 stage, int c, float (&acc)[ACC], const u32 (&e)[2]) {
     pin(acc);
     wgmma_fence();

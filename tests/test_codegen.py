@@ -115,7 +115,7 @@ def test_other_ops_name_their_kernel(spec):
     if spec.op == "sp24_dds" and spec.instr == "tma":
         assert f"wgmma.mma_async.sp.sync.aligned.m64n{spec.tile.tile_m}k32.f32.{ptx}.{ptx} " in source
         assert re.search(rf"sg::Sp24DdsTma<WgmmaSp, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "
-                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}>", source)
+                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}, 2>", source)
     elif spec.op == "sp24_dds":
         assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ptx}.{ptx}.f32" in source
         assert re.search(rf"sg::Sp24Dds<SpMma, sg::FloatOut<sg::{MMA[spec.dtype]}>, unsigned short, {spec.tile.tile_m}, "

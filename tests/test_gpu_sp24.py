@@ -341,19 +341,25 @@ def test_byte_sp24_forward_matches_float64(dtype, m, n, k, with_bias):
         assert relative_error(out, want) < 1e-2
 
 
-def test_byte_sp24_metadata_layout_element_by_element():
-    """As for 16-bit: one nonzero row at a time, X = I, so each kept int8 value must come out
-    at exactly its column (k64 tiles: all four lanes of a group supply metadata)."""
+@pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)
+def test_byte_sp24_metadata_layout_element_by_element(dtype):
+    """As for 16-bit: one nonzero row at a time, X = I, so each kept value must come out at
+    exactly its column (k64 products: mma.sp for int8, wgmma.sp for e4m3 on sm_90). The
+    values differ within every group of 4 and are exact in both types."""
+    if torch.cuda.get_device_capability() < (8, 9) and dtype != torch.int8:
+        pytest.skip("fp8 tensor cores need sm_89")
     n, k = 16, 128
     torch.manual_seed(0)
     mask = semi24.magnitude_mask(torch.randn(n, k))
-    x = torch.eye(k, device="cuda").to(torch.int8)
+    x = torch.eye(k, device="cuda").to(dtype)
+    cols = torch.arange(k)
+    row_values = (cols % 127 + 1.0) if dtype == torch.int8 else (cols % 4 + 1.0) * 2.0 ** ((cols // 4) % 8 - 4)
     for row in range(n):
-        w = torch.zeros(n, k, dtype=torch.int8)
-        w[row] = torch.arange(1, k + 1) % 127 + 1
-        sparse = sparsegen.to_sparse24((w * mask).cuda(), mask=mask.cuda())
+        w = torch.zeros(n, k)
+        w[row] = row_values
+        sparse = sparsegen.to_sparse24((w * mask).to("cuda", dtype), mask=mask.cuda())
         y = ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
-        assert torch.equal(y.t()[row].cpu(), (w * mask)[row].int()), f"row {row}"
+        assert torch.equal(y.t()[row].float().cpu(), (w * mask)[row]), f"row {row}"
 
 
 @pytest.mark.parametrize("dtype", BYTE_DTYPES, ids=str)

@@ -31,7 +31,8 @@ BYTE_COL_GRANULE = 64  # one m16n8k64 A tile, the one-byte instruction
 # row g's four groups in columns 16h..16h+15, its high 16 bits row g + 8's (the m16n8k16
 # rule, once per k16 half). Checked on an H200: a word per row (all 8 groups of row g + 8h)
 # is not what the hardware reads (tests/test_gpu_sp24.py checks element by element).
-# One-byte types (m16n8k64, all four lanes supply) do read a word per row: lane 4g + 2t + u
+# One-byte types (mma.sp m16n8k64 and wgmma.sp k64: all four lanes supply) do read a word
+# per row: lane 4g + 2t + u
 # wants row g + 8u's 8 groups of k32 tile t. The kernel builds it from stored words 2g and
 # 2g + 1 (one byte permute), so every dtype shares this one storage layout (probed on an H100).
 

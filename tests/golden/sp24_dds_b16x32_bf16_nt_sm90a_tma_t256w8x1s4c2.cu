@@ -3,8 +3,9 @@
 
 #include "sp24_dds_tma.cuh"
 
-// One m64 x n256 x k32 sparse warpgroup product: A (W's 64 x 16 kept values) and B
-// (X's 256 rows) from shared memory, the metadata word from a register, selector 0.
+// One m64 x n256 x k32 sparse warpgroup product: A (W's 64 rows, 32 bytes of kept
+// values) and B (X's 256 rows) from shared memory, the metadata word from a register,
+// selector 0. One-byte types take no transpose immediates.
 struct WgmmaSp {
   __device__ static void mma(float (&d)[128], sg::u64 desc_a, sg::u64 desc_b, sg::u32 e) {
     asm volatile(
@@ -17,7 +18,7 @@ struct WgmmaSp {
   }
 };
 
-using Kernel = sg::Sp24DdsTma<WgmmaSp, sg::Bf16, unsigned short, 256, 2, 4, 2>;
+using Kernel = sg::Sp24DdsTma<WgmmaSp, sg::Bf16, unsigned short, 256, 2, 4, 2, 2>;
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
 sp24_dds_b16x32_bf16_nt_sm90a_tma_t256w8x1s4c2(const __grid_constant__ sg::TensorMap x_map, const __grid_constant__ sg::TensorMap w_map,
