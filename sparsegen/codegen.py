@@ -22,8 +22,11 @@ def _output_context(dtype: str) -> dict:
     policy, out_elem, acc, acc_ptx, acc_reg = _OUTPUT.get(
         dtype, (f"FloatOut<sg::{_MMA[dtype]}>", _ELEM[dtype], "float", "f32", "f"))
     one_byte = dtype in BYTE_DTYPES  # the pruning kernels read such values as raw bytes
+    # wgmma.sp's trailing immediates: scale-a/b and transposes (16-bit), scales (fp8), none (int8)
+    immediates = ", 1, 1, 0, 0" if not one_byte else ", 1, 1" if acc == "float" else ""
     return dict(out_policy=policy, out_elem=out_elem, acc=acc, acc_ptx=acc_ptx, acc_reg=acc_reg,
-                sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma="Bf16" if one_byte else _MMA[dtype])
+                sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma="Bf16" if one_byte else _MMA[dtype],
+                wgmma_immediates=immediates)
 
 
 def templates_dir() -> Path:

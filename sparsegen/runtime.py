@@ -144,7 +144,8 @@ _kernel_params = functools.lru_cache(maxsize=128)(_Params)
 
 
 # CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values from cuda.h.
-_TMA_DTYPES = {torch.int32: 3, torch.float16: 6, torch.bfloat16: 9, torch.float8_e4m3fn: 0}  # fp8 as UINT8
+# One-byte types are copied as UINT8 (TMA moves bits).
+_TMA_DTYPES = {torch.int32: 3, torch.float16: 6, torch.bfloat16: 9, torch.float8_e4m3fn: 0, torch.int8: 0}
 _SWIZZLE = {32: 1, 64: 2, 128: 3}
 _L2_PROMOTE_256B = 3
 

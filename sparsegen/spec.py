@@ -194,11 +194,11 @@ def _validate_sdd(spec: KernelSpec) -> None:
 
 def _validate_byte_dtype(spec: KernelSpec) -> None:
     # sm_90 has no fp8 mma.sync (ptxas emulates it through the stack, 320-360x slower than
-    # cuBLAS fp8 on an H100: tools/bench24.py --bytes), so e4m3 runs wgmma.sp there.
-    fp8_hopper = (spec.dtype, spec.arch) == ("e4m3", 90)
-    instr = "tma" if fp8_hopper and spec.op == "sp24_dds" else "mma"
-    expect(spec.op in SP24_OPS and spec.instr == instr, f"a 2:4 op on instr {instr!r} for {spec.dtype} on "
-           f"sm_{spec.arch} (one-byte types have the 2:4 forward and pruning kernels only)",
+    # cuBLAS fp8 on an H100: tools/bench24.py --bytes), so e4m3 runs wgmma.sp there; int8
+    # may run either.
+    instrs = ("mma",) if spec.op != "sp24_dds" or spec.arch != 90 else ("tma",) if spec.dtype == "e4m3" else ("mma", "tma")
+    expect(spec.op in SP24_OPS and spec.instr in instrs, f"a 2:4 op on instr {' or '.join(map(repr, instrs))} "
+           f"for {spec.dtype} on sm_{spec.arch} (one-byte types have the 2:4 forward and pruning kernels only)",
            f"{spec.op!r} on {spec.instr!r}", SpecError)
     if spec.op != "sp24_dds":  # pruning needs no tensor cores
         return
@@ -365,11 +365,10 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere
     mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
     tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
-    small batches. e4m3 takes the same tiles as bf16 (wgmma.sp k64 on sm_90); int8 always
-    mma.sp (no int8 wgmma.sp kernel yet)."""
+    small batches. One-byte types take the same tiles (k64 products: wgmma.sp on sm_90)."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
-    if instr is None:  # Hopper: wgmma.sp for every batch size, 16-bit or e4m3
-        instr = "tma" if tile is None and arch == 90 and dtype != "int8" else "mma"
+    if instr is None:  # Hopper: wgmma.sp for every batch size and dtype
+        instr = "tma" if tile is None and arch == 90 else "mma"
     if tile is None:
         if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
             tile = (TileConfig(256, 8, 1, 4, cluster=2) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32

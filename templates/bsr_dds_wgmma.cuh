@@ -39,6 +39,12 @@ __device__ __forceinline__ void pin(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+template <int N>
+__device__ __forceinline__ void pin(int (&acc)[N]) {  // int8 products' s32 accumulators
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+}
+
 // wgmma's accumulators: per m64 tile, warp w of the group holds rows 16w..16w+15, laid
 // out per n8 column tile exactly like mma.sync's m16n8 accumulators. row0: the group's first row.
 // CLEAR zeroes each accumulator as soon as it is stored (for the next tile; doing it in a

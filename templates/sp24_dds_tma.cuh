@@ -27,11 +27,13 @@
 namespace sg {
 
 // WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x
-// k32 (16-bit inputs) or k64 (e4m3: IN_BYTES 1, the same bytes per product). Mma and Elem
-// are the output's (bf16 for e4m3).
+// k32 (16-bit inputs) or k64 (e4m3, int8: IN_BYTES 1, the same bytes per product); its Acc
+// is float, or int for int8. Mma and Elem are the output's (bf16 for e4m3, int32 for int8).
 template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  using Acc = typename WgmmaSp::Acc;
+  static constexpr bool INT_OUT = sizeof(Elem) == 4;  // int8: int32 Y, stored straight from registers
   static constexpr int TILE_W = 64 * CONSUMERS, ACC = TILE_T / 2, STAGE_K = 128 / IN_BYTES;
   static constexpr int META_TILES = STAGE_K / 32, META_ROW = META_TILES * 64;  // k32 tiles a stage, per 16 rows
   static constexpr int X_BYTES = TILE_T * 128, W_BYTES = TILE_W * 64, META_BYTES = (TILE_W / 16) * META_ROW;
@@ -99,7 +101,7 @@ struct Sp24DdsTma {
   }
 
   // The stage's two products (k32, or k64 for e4m3), issued and committed as one group.
-  __device__ static void stage_products(u32 stage, int c, float (&acc)[ACC], const u32 (&e)[2]) {
+  __device__ static void stage_products(u32 stage, int c, Acc (&acc)[ACC], const u32 (&e)[2]) {
     pin(acc);
     wgmma_fence();
 #pragma unroll
@@ -138,7 +140,7 @@ struct Sp24DdsTma {
   // stage). tests/test_compile.py checks the SASS for it. A loop that swaps one pair of
   // registers per stage instead makes ptxas serialize every wgmma.
   // Stages s0 .. s0 + stages - 1 of the block's running count (buffer and barrier phase).
-  __device__ static void consume(u32 smem, u32 bars, int s0, int stages, int c, float (&acc)[ACC]) {
+  __device__ static void consume(u32 smem, u32 bars, int s0, int stages, int c, Acc (&acc)[ACC]) {
     u32 even[2], odd[2];
     int s = s0;
     for (; s + 1 < s0 + stages; s += 2) {
@@ -165,16 +167,32 @@ struct Sp24DdsTma {
     release(bars, s0 + stages - 1);
   }
 
-  // Split K: the block's partial tile of Y^T is added into a float32 buffer.
-  __device__ static void add_partial(float (&acc)[ACC], float* partial, int m0, int n0, int M, int N, int c) {
+  // fn(token, feature, value) for each accumulator of consumer c inside M x N (warp w holds
+  // rows 16w.. of the consumer's 64 features, per n8 tile of tokens as mma.sync's m16n8).
+  template <class Fn>
+  __device__ static void for_each_output(const Acc (&acc)[ACC], int m0, int n0, int M, int N, int c, Fn fn) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < TILE_T / 8; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int f = n0 + c * 64 + warp * 16 + g + 8 * (i >> 1), t = m0 + 8 * j + 2 * q + (i & 1);
-        if (f < N && t < M) atomicAdd(partial + (long long)t * N + f, acc[4 * j + i]);
+        if (f < N && t < M) fn(t, f, acc[4 * j + i]);
       }
+  }
+
+  // Split K: the block's partial tile of Y^T is added into a float32 buffer.
+  __device__ static void add_partial(const Acc (&acc)[ACC], float* partial, int m0, int n0, int M, int N, int c) {
+    for_each_output(acc, m0, n0, M, N, c,
+                    [&](int t, int f, Acc v) { atomicAdd(partial + (long long)t * N + f, static_cast<float>(v)); });
+  }
+
+  // int32 Y (int8 inputs; the host never splits K for them) straight from the registers:
+  // 8 features of 4 tokens a warp store, whole 32-byte sectors.
+  __device__ static void store_int(const Acc (&acc)[ACC], const Elem* bias, Elem* y, int m0, int n0, int M, int N,
+                                   int c) {
+    for_each_output(acc, m0, n0, M, N, c,
+                    [&](int t, int f, Acc v) { y[(long long)t * N + f] = v + (bias ? bias[f] : 0); });
   }
 
   // Work items: CLUSTER neighbouring W tiles of one token tile, one per block of a cluster.
@@ -227,10 +245,12 @@ struct Sp24DdsTma {
       if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
       for (int item = first; item < raster.items; item += step, s0 += stages) {
         const int m0 = raster.m0(item), n0 = raster.n0(item, rank);
-        float acc[ACC] = {};
+        Acc acc[ACC] = {};
         consume(smem, bars, s0, stages, wg - 1, acc);
         if (partial)
           add_partial(acc, partial, m0, n0, M, N, wg - 1);
+        else if constexpr (INT_OUT)
+          store_int(acc, bias, y, m0, n0, M, N, wg - 1);
         else
           Store::store(staging + (wg - 1) * Store::BYTES, acc, bias, y, m0, n0 + (wg - 1) * 64, M, N, wg + 1);
       }

@@ -49,14 +49,14 @@ def test_compiles_to_cubin(spec):
 
 
 def tensor_core_ops(sass: str) -> list[str]:
-    return re.findall(r"\b(?:HMMA|HGMMA|IMMA|QMMA|QGMMA)\.\S+", sass)
+    return re.findall(r"\b(?:HMMA|HGMMA|IMMA|IGMMA|QMMA|QGMMA)\.\S+", sass)
 
 
 def expected_mma(spec: KernelSpec) -> str:
     """The SASS mnemonic: fp32 accumulate; wgmma -> HGMMA 64xBMx16; mma.sync k16 (16-bit
     inputs, fp16 has no type suffix) or k8 (tf32)."""
-    if spec.dtype == "int8":  # 2:4 on one-byte types: mma.sp m16n8k64
-        return "IMMA.SP.16864.S8.S8"
+    if spec.dtype == "int8":  # 2:4 on one-byte types: mma.sp m16n8k64, or wgmma.sp k64 on sm_90
+        return f"IGMMA.SP.64x{spec.tile.tile_m}x64.S8.S8" if spec.instr == "tma" else "IMMA.SP.16864.S8.S8"
     if spec.dtype == "e4m3":  # sm_89: mma.sp m16n8k64; sm_90: wgmma.sp m64 x tokens x k64
         return f"QGMMA.SP.64x{spec.tile.tile_m}x64.F32.E4M3.E4M3" if spec.instr == "tma" else "QMMA.SP.16864.F32.E4M3.E4M3"
     suffix = {"bf16": ".BF16", "fp16": "", "fp32": ".TF32"}[spec.dtype]
@@ -182,7 +182,7 @@ def test_wgmma_sp_groups_in_flight_keep_their_metadata_registers(spec, tmp_path)
     sass, _ = disassemble(spec, tmp_path)
     groups, current = [], set()
     for line in sass.splitlines():
-        found = re.search(r"[HQ]GMMA\.SP\.\S+ R\d+, gdesc\[\w+\], R\d+, (R\d+)", line)
+        found = re.search(r"[HQI]GMMA\.SP\.\S+ R\d+, gdesc\[\w+\], R\d+, (R\d+)", line)
         if found:
             current.add(found.group(1))
             if "gsb0" in line:  # the group's last product

@@ -5,9 +5,10 @@
 
 // One m64 x n256 x k32 sparse warpgroup product: A (W's 64 rows, 32 bytes of kept
 // values) and B (X's 256 rows) from shared memory, the metadata word from a register,
-// selector 0. One-byte types take no transpose immediates.
+// selector 0. One-byte types take no transpose immediates; integers no scale immediates either.
 struct WgmmaSp {
-  __device__ static void mma(float (&d)[128], sg::u64 desc_a, sg::u64 desc_b, sg::u32 e) {
+  using Acc = float;
+  __device__ static void mma(Acc (&d)[128], sg::u64 desc_a, sg::u64 desc_b, sg::u32 e) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sp.sync.aligned.m64n256k32.f32.bf16.bf16 "
