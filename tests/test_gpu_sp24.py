@@ -420,3 +420,17 @@ def test_to_sparse24_of_bytes_prunes_on_the_gpu_kernels(monkeypatch):
     monkeypatch.setattr(ops, "sp24_compress", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     sparse = sparsegen.to_sparse24(random_bytes((32, 128), torch.int8), "transposable")
     assert calls and (semi24._groups(sparse.mask).sum(-1) == 2).all()
+
+
+@pytest.mark.parametrize("m", [7, 300])
+def test_int8_mma_sp_path_matches_float64_on_any_arch(m):
+    """int8 takes wgmma.sp on sm_90 by default; the mma.sp m16n8k64 kernel (every other arch)
+    is forced here so that an H100 run still checks it exactly."""
+    n, k = 208, 320
+    sparse = sparsegen.to_sparse24(random_bytes((n, k), torch.int8))
+    x = random_bytes((m, k), torch.int8)
+    bias = torch.randint(-1000, 1000, (n,), device="cuda", dtype=torch.int32)
+    out = byte_output_poisoned(m, n, torch.int8)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="mma")
+    want = x.double() @ sparse.to_dense().double().t() + bias.double()
+    assert torch.equal(out.double(), want)
