@@ -343,7 +343,7 @@ def _rows_bucket(m: int) -> int | None:
 def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor) -> tuple[tuple, tuple]:
     """(TMA descriptors, pointers) of X, W's values and metadata as the kernel reads them:
     per stage, 64 columns of X, 32 kept values and 2 k32 tiles of metadata words per row
-    (twice as many of each for e4m3)."""
+    (twice as many of each for one-byte dtypes)."""
     if spec.instr != "tma":
         return (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr())
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
