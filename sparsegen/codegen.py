@@ -12,21 +12,20 @@ _MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32", "int8": "Int8", "e4m3": 
 _PTX_TYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32", "int8": "s8", "e4m3": "e4m3"}
 _ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int8": "signed char",
          "e4m3": "unsigned char"}
-# The 2:4 forward's output per input dtype: (policy, C type of Y and bias, accumulator, its
-# PTX type, its asm constraint). int8 sums stay int32 (exact); e4m3 ones are written as bf16.
-_OUTPUT = {"int8": ("Int32Out", "int", "int", "s32", "r"),
-           "e4m3": ("FloatOut<sg::Bf16>", "unsigned short", "float", "f32", "f")}
 
 
 def _output_context(dtype: str) -> dict:
-    policy, out_elem, acc, acc_ptx, acc_reg = _OUTPUT.get(
-        dtype, (f"FloatOut<sg::{_MMA[dtype]}>", _ELEM[dtype], "float", "f32", "f"))
-    one_byte = dtype in BYTE_DTYPES  # the pruning kernels read such values as raw bytes
+    """The 2:4 forward's accumulator and Y: int8 sums stay int32 (exact, s32 accumulators);
+    everything else accumulates in f32 and is written in its own type, e4m3 as bf16."""
+    one_byte, integer = dtype in BYTE_DTYPES, dtype == "int8"  # one-byte values: raw bytes to the pruning kernels
+    out = "bf16" if one_byte else dtype  # Y's type, int8's int32 aside (its out_mma then unused)
+    out_mma = _MMA[out]
     # wgmma.sp's trailing immediates: scale-a/b and transposes (16-bit), scales (fp8), none (int8)
-    immediates = ", 1, 1, 0, 0" if not one_byte else ", 1, 1" if acc == "float" else ""
-    return dict(out_policy=policy, out_elem=out_elem, acc=acc, acc_ptx=acc_ptx, acc_reg=acc_reg,
-                sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma="Bf16" if one_byte else _MMA[dtype],
-                wgmma_immediates=immediates)
+    immediates = ", 1, 1, 0, 0" if not one_byte else "" if integer else ", 1, 1"
+    return dict(out_policy="Int32Out" if integer else f"FloatOut<sg::{out_mma}>",
+                out_elem="int" if integer else _ELEM[out],
+                acc="int" if integer else "float", acc_ptx="s32" if integer else "f32", acc_reg="r" if integer else "f",
+                sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma=out_mma, wgmma_immediates=immediates)
 
 
 def templates_dir() -> Path:

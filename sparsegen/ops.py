@@ -134,16 +134,22 @@ def has_kernels(device_index: int) -> bool:
     return False
 
 
+_16BIT = (torch.float16, torch.bfloat16)
+
+
 def runs_prune_kernels(t: torch.Tensor) -> bool:
     """A 16-bit or one-byte CUDA tensor on a GPU the templates cover (the 2:4 pruning kernels,
     which need no tensor cores: e4m3 prunes on the GPU whatever its arch)."""
-    return (t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, *BYTE_DTYPE_NAMES)
-            and has_kernels(t.device.index or 0))
+    return _on_covered_gpu(t, _16BIT + tuple(BYTE_DTYPE_NAMES))
 
 
 def runs_16bit_kernels(t: torch.Tensor) -> bool:
     """A float16/bfloat16 CUDA tensor on a GPU the templates cover (the 2:4 kernels' domain)."""
-    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and has_kernels(t.device.index or 0)
+    return _on_covered_gpu(t, _16BIT)
+
+
+def _on_covered_gpu(t: torch.Tensor, dtypes: tuple) -> bool:
+    return t.is_cuda and t.dtype in dtypes and has_kernels(t.device.index or 0)
 
 
 @torch.library.custom_op("sparsegen::bsr_dds", mutates_args=())

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from .errors import SpecError, expect
 
 DTYPES = ("fp16", "bf16", "fp32", "int8", "e4m3")
-# One-byte inputs run only the 2:4 forward (mma.sp m16n8k64): int8 (int32 out) from sm_80,
-# fp8 e4m3 (bf16 out) from sm_89, the first arch with fp8 tensor cores.
+# One-byte inputs have only the 2:4 kernels (forward on k64 products, and pruning): int8
+# (int32 out) from sm_80, fp8 e4m3 (bf16 out) from sm_89, the first arch with fp8 tensor cores.
 BYTE_DTYPES = ("int8", "e4m3")
 BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
 MIN_ARCH = {"e4m3": 89}
@@ -192,11 +192,17 @@ def _validate_sdd(spec: KernelSpec) -> None:
     expect(bm % (16 * t.warps_m) == 0, f"block rows ({bm}) a multiple of 16 x warps_m", t.warps_m, SpecError)
 
 
+def _byte_instrs(spec: KernelSpec) -> tuple[str, ...]:
+    """Pruning runs mma-family kernels; the forward mma.sp, and on sm_90 wgmma.sp too - only
+    wgmma.sp for e4m3: sm_90 has no fp8 mma.sync (ptxas emulates it through the stack,
+    320-360x slower than cuBLAS fp8 on an H100: tools/bench24.py --bytes)."""
+    if spec.op != "sp24_dds" or spec.arch != 90:
+        return ("mma",)
+    return ("tma",) if spec.dtype == "e4m3" else ("mma", "tma")
+
+
 def _validate_byte_dtype(spec: KernelSpec) -> None:
-    # sm_90 has no fp8 mma.sync (ptxas emulates it through the stack, 320-360x slower than
-    # cuBLAS fp8 on an H100: tools/bench24.py --bytes), so e4m3 runs wgmma.sp there; int8
-    # may run either.
-    instrs = ("mma",) if spec.op != "sp24_dds" or spec.arch != 90 else ("tma",) if spec.dtype == "e4m3" else ("mma", "tma")
+    instrs = _byte_instrs(spec)
     expect(spec.op in SP24_OPS and spec.instr in instrs, f"a 2:4 op on instr {' or '.join(map(repr, instrs))} "
            f"for {spec.dtype} on sm_{spec.arch} (one-byte types have the 2:4 forward and pruning kernels only)",
            f"{spec.op!r} on {spec.instr!r}", SpecError)
@@ -211,7 +217,7 @@ def _validate_sp24(spec: KernelSpec) -> None:
     hopper = spec.op == "sp24_dds" and spec.arch == 90
     expect(spec.instr == "mma" or (hopper and spec.instr == "tma"),
            "instr 'mma' (mma.sp), or 'tma' (wgmma.sp) for sp24_dds on sm_90", repr(spec.instr), SpecError)
-    expect(spec.dtype not in ("fp32",), "a 16-bit or one-byte dtype for 2:4 kernels", spec.dtype, SpecError)
+    expect(spec.dtype != "fp32", "a 16-bit or one-byte dtype for 2:4 kernels", spec.dtype, SpecError)
     expect(spec.block == SP24_BLOCK, f"block {SP24_BLOCK} (the mma.sp tile) for {spec.op}", spec.block, SpecError)
     if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
         expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,

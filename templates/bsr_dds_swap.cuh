@@ -89,11 +89,7 @@ struct BsrDdsSwap {
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
     const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + CONSUMERS * Store::BYTES;
     const int wg = threadIdx.x / 128, block_rows = N / BM, tiles = block_rows * ((M + TILE_T - 1) / TILE_T);
-    if (threadIdx.x == 0) {
-      init_ring(bars, STAGES, CONSUMERS);
-      tma_prefetch_map(x_map);
-      tma_prefetch_map(w_map);
-    }
+    if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS, x_map, w_map);
     __syncthreads();
     if (wg == 0) {
       if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();

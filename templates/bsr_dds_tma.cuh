@@ -110,9 +110,7 @@ struct BsrDdsTma {
     const int tiles = block_rows * ((M + TILE_M - 1) / TILE_M);
     if (threadIdx.x == 0) {
       mbar_init(order, 128);  // the whole consumer warpgroup arrives (see consume)
-      init_ring(bars, STAGES, PINGPONG ? 1 : CONSUMERS);
-      tma_prefetch_map(x_map);
-      tma_prefetch_map(w_map);
+      start_ring(bars, STAGES, PINGPONG ? 1 : CONSUMERS, x_map, w_map);
     }
     __syncthreads();
     if (wg == 0 && threadIdx.x != 0) return;

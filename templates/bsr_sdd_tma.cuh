@@ -107,11 +107,7 @@ struct BsrSddTma {
     if (start < 0) return;  // a padding slot: the host sizes the grid without counting items
     const Item item(flat_index, start, nnz, blocks_per_row);
     const int wg = threadIdx.x / 128, stages = (M + STAGE_T - 1) / STAGE_T;
-    if (threadIdx.x == 0) {
-      init_ring(bars, STAGES, CONSUMERS);
-      tma_prefetch_map(dy_map);
-      tma_prefetch_map(x_map);
-    }
+    if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS, dy_map, x_map);
     __syncthreads();
     if (wg == 0) {
       if (threadIdx.x == 0) produce(dy_map, x_map, smem, bars, item, stages);

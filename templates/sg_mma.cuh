@@ -95,6 +95,27 @@ struct Tf32 {
 
 #undef SG_MMA
 
+// The metadata word a lane passes to a sparse product (selector 0), read from a 16-row
+// group's k32 tiles as layouts/semi24.py stores them (16 words each, 64 bytes apart;
+// `tiles`: the product's first). K = 32 (16-bit types): lanes 4g, 4g+1 pass stored word
+// 2g + h as it is (row g's groups of columns 16h.. low, row g + 8's high). K = 64 (one-byte
+// types): lane 4g + 2t + u passes all 8 groups of row g + 8u in tile t, built from stored
+// words 2g and 2g + 1 by one byte permute (probed on an H100, for mma.sp m16n8k64 and
+// wgmma.sp k64 alike), so every dtype shares one storage layout.
+template <int K>
+__device__ __forceinline__ u32 sparse_metadata(u32 tiles, int lane) {
+  u32 e;
+  if constexpr (K == 32) {
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e) : "r"(tiles + 4 * (2 * (lane >> 2) + (lane & 1))));
+  } else {
+    u32 lo, hi;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi)
+                 : "r"(tiles + 64 * ((lane & 3) >> 1) + 8 * (lane >> 2)));
+    e = __byte_perm(lo, hi, (lane & 1) ? 0x7632 : 0x5410);
+  }
+  return e;
+}
+
 // One-byte types as the 2:4 pruning kernels read them (raw bytes): the value as a float.
 struct Int8 {
   __device__ static float to_float(unsigned char v) { return static_cast<float>(static_cast<signed char>(v)); }

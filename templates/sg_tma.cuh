@@ -94,4 +94,11 @@ __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }
 
+// init_ring, and the descriptors the block will copy through prefetched: a TMA kernel's start.
+template <class... Maps>
+__device__ __forceinline__ void start_ring(u32 bars, int stages, int releases, const Maps*... maps) {
+  init_ring(bars, stages, releases);
+  (tma_prefetch_map(maps), ...);
+}
+
 }  // namespace sg

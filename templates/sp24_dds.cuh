@@ -77,23 +77,6 @@ struct Sp24Dds {
     }
   }
 
-  // Sparsity selector 0. k32: lanes 4g and 4g+1 pass stored word 2g + h as it is (row g's
-  // groups of columns 16h..16h+15 low, row g + 8's high). k64: lane 4g + 2t + u passes all
-  // 8 groups of row g + 8u in the step's k32 tile t (probed on an H100), built from the
-  // stored words 2g and 2g + 1 by one byte permute.
-  __device__ static u32 metadata_word(u32 group_smem, int j, int lane) {
-    u32 e;
-    if constexpr (STEP_TILES == 1) {
-      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e) : "r"(group_smem + j * 64 + 4 * (2 * (lane >> 2) + (lane & 1))));
-    } else {
-      u32 lo, hi;
-      const int tile = STEP_TILES * j + ((lane & 3) >> 1);
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi) : "r"(group_smem + tile * 64 + 8 * (lane >> 2)));
-      e = __byte_perm(lo, hi, (lane & 1) ? 0x7632 : 0x5410);
-    }
-    return e;
-  }
-
   __device__ static void compute(u32 smem, int k0, int k_end, Acc (&acc)[MT][NT][4], int ww, int wt) {
     const int lane = threadIdx.x & 31;
     const u32 w_smem = smem + X_BYTES, m_smem = w_smem + W_BYTES;
@@ -105,7 +88,7 @@ struct Sp24Dds {
       for (int mt = 0; mt < MT; ++mt) {
         const int row = ww * 64 + mt * 16;
         ldmatrix_x4(a[mt], swizzled(w_smem, row + (lane & 15), 2 * j + (lane >> 4)));
-        e[mt] = metadata_word(m_smem + (row / 16) * META_GROUP_BYTES, j, lane);
+        e[mt] = sparse_metadata<STEP_K>(m_smem + (row / 16) * META_GROUP_BYTES + STEP_TILES * j * 64, lane);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)

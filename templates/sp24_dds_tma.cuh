@@ -75,23 +75,14 @@ struct Sp24DdsTma {
     }
   }
 
-  // Consumer warpgroup c (rows 64c.. of the W tile): the metadata words of stage `stage`.
-  // 16-bit: lanes 4g + h (h = 0, 1) supply word 2g + h of their warp's 16-row tile (sparsity
-  // selector 0); the other two lanes pass the same. e4m3 (k64): as mma.sp m16n8k64 reads
-  // it (sp24_dds.cuh): lane 4g + 2t + u, row g + 8u's groups of the product's k32 tile t.
+  // Consumer warpgroup c (rows 64c.. of the W tile): the metadata words of stage `stage`,
+  // each warp those of its 16 rows, as mma.sp reads them (sg_mma.cuh's sparse_metadata).
   __device__ static void load_meta(u32 stage, int c, u32 (&e)[2]) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
     const u32 meta = stage + X_BYTES + W_BYTES + (4 * c + warp) * META_ROW;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      if constexpr (IN_BYTES == 2) {
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e[j]) : "r"(meta + 4 * (16 * j + 2 * (lane >> 2) + (lane & 1))));
-      } else {
-        u32 lo, hi;
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi)
-                     : "r"(meta + 64 * (2 * j + ((lane & 3) >> 1)) + 8 * (lane >> 2)));
-        e[j] = __byte_perm(lo, hi, (lane & 1) ? 0x7632 : 0x5410);
-      }
+      e[j] = sparse_metadata<STAGE_K / 2>(meta + META_ROW / 2 * j, lane);  // two products a stage
       // Past N or K the copies were zero-filled: values 0, but metadata 0 names position 0
       // twice (undefined). Packed words never are 0 (a nibble's positions increase), so
       // such a word becomes positions {0, 1}. No branch around the wgmma: a divergent
@@ -227,12 +218,7 @@ struct Sp24DdsTma {
     const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
     const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split), wg = threadIdx.x / 128;
     const int stages = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
-    if (threadIdx.x == 0) {
-      init_ring(bars, STAGES, CONSUMERS * CLUSTER);
-      tma_prefetch_map(x_map);
-      tma_prefetch_map(w_map);
-      tma_prefetch_map(m_map);
-    }
+    if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS * CLUSTER, x_map, w_map, m_map);
     if constexpr (CLUSTER == 1) __syncthreads(); else cluster_sync();  // partners' barriers are ready
     int s0 = 0;  // the block's running stage count
     if (wg == 0) {
