@@ -66,10 +66,16 @@ def runs_byte_kernels(t: torch.Tensor) -> bool:
     a clear error on others; False off the GPU (the caller's reference then runs)."""
     if not (t.is_cuda and t.dtype in BYTE_DTYPE_NAMES):
         return False
-    arch, least = runtime.device_arch(t.device), MIN_ARCH.get(BYTE_DTYPE_NAMES[t.dtype], 80)
-    expect(arch >= least and arch in ARCHS, f"a GPU of sm_{least} or later with sparsegen kernels for "
-           f"{t.dtype} 2:4 products (or the tensors on the CPU)", f"sm_{arch}")
+    _check_byte_arch(t.dtype, t.device.index or 0)
     return True
+
+
+@functools.lru_cache(maxsize=None)  # once per device: the forward calls it every time
+def _check_byte_arch(dtype: torch.dtype, device_index: int) -> None:
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    least = MIN_ARCH.get(BYTE_DTYPE_NAMES[dtype], 80)
+    expect(arch >= least and arch in ARCHS, f"a GPU of sm_{least} or later with sparsegen kernels for "
+           f"{dtype} 2:4 products (or the tensors on the CPU)", f"sm_{arch}")
 
 
 def indexed_reference(x, values, bias, flat_index, block, out_features: int):
