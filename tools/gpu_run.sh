@@ -22,6 +22,9 @@ for step in "${steps[@]}"; do
     distributed) timeout 500 python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
     train_profile) timeout 100 python3 tools/profile_train.py 2>&1 | tee "$OUT/train_profile.log" | grep -E " ms|corpus|batches" ;;
     train_demo) timeout 420 python3 tools/train_demo.py --out "$OUT" 2>&1 | tee "$OUT/train_demo.log" | tail -8 ;;
+    train_demo_seeds) for s in 0 1 2; do  # the loss target over seeds; eager launches for seed 0 too
+           python3 tools/train_demo.py --out "$OUT/s$s" --models dense,0.5,0.25$([ $s = 0 ] && echo ,2:4) --seed $s 2>&1 | tail -5; done
+         python3 tools/train_demo.py --out "$OUT/eager" --models dense,0.5,0.25 --no-graph 2>&1 | tail -5 ;;
     overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
     ncu) for case in "16384 1024 4096 128 0.25" "8192 4096 11008 128 0.1" "8192 4096 11008 64 0.25"; do

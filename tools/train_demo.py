@@ -1,7 +1,8 @@
 """Train a small GPT on the Python standard library's own sources (no download), with a
 dense FFN, block-sparse FFNs at densities 0.5 and 0.25 and a 2:4 FFN (sparsegen.patch), same steps and seed; print and plot
 loss curves and step times. GPU: PYTHONPATH=. python tools/train_demo.py --out out/
-[--benchmarks BENCHMARKS.md] [--models dense,0.5,0.25,2:4,2:4-train]
+[--benchmarks BENCHMARKS.md] [--models dense,0.5,0.25,2:4,2:4-train] [--no-graph]
+On the GPU each training step is replayed as one CUDA graph (--no-graph: launched eagerly).
 CPU smoke run: python tools/train_demo.py --steps 3 --layers 1 --d-model 64 --device cpu"""
 from __future__ import annotations
 
@@ -106,25 +107,87 @@ def lr_factor(step: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
+def make_optimizer(model, args) -> torch.optim.Optimizer:
+    """Fused AdamW (one launch per update). On CUDA the learning rate is a device tensor and
+    the optimizer `capturable`, so a captured step reads the rate that set_lr writes."""
+    if args.device != "cuda":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr, device=args.device), weight_decay=0.1,
+                             fused=True, capturable=True)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # in place: a captured step holds this tensor
+        else:
+            group["lr"] = lr
+
+
+class TrainStep:
+    """One training step - forward, backward, gradient clipping, AdamW - on fixed input
+    buffers. With `graph` (CUDA), the first WARMUP steps run eagerly, the next is captured
+    into a CUDA graph, and every later step replays it: dense and sparse models alike then
+    run without the host's per-launch cost, so the step time is the GPU's work."""
+
+    WARMUP = 3
+
+    def __init__(self, model, opt, args, graph: bool):
+        self.model, self.opt, self.device = model, opt, args.device
+        self.use_graph, self.graph, self.eager_steps = graph and args.device == "cuda", None, 0
+        self.x = torch.zeros(args.batch, args.context, dtype=torch.long, device=args.device)
+        self.y = torch.zeros_like(self.x)
+
+    def run(self) -> torch.Tensor:
+        # no autocast cache: a captured step must cast the fp32 weights again on every replay
+        with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
+            loss = F.cross_entropy(self.model(self.x).float().flatten(0, 1), self.y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return loss
+
+    def __call__(self, x, y) -> torch.Tensor:
+        self.x.copy_(x)
+        self.y.copy_(y)
+        if self.use_graph and self.eager_steps >= self.WARMUP:
+            if self.graph is None:
+                self.capture()
+            self.graph.replay()
+            return self.loss
+        self.eager_steps += 1
+        self.opt.zero_grad(set_to_none=True)
+        if not self.use_graph:
+            return self.run()
+        side = torch.cuda.Stream()  # warm-up steps on a side stream, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        return loss
+
+    def capture(self) -> None:
+        """Gradients set to None first, so the captured backward allocates them in the graph's pool."""
+        self.opt.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self.run()
+
+
 def train(args, kind, train_data, val_data) -> dict:
     model = build(args, kind)
-    # fused: one launch for the whole update, so the step is less host-bound (the block-sparse
-    # layers' own kernels are what the step times should show).
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.device == "cuda")
-    # Linear warmup then cosine decay, and clipped gradients: without them the dense model
-    # stalled at a loss of 2.4 at d_model 1024 (the sparse ones did not), which made the
-    # comparison meaningless.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps))
+    opt = make_optimizer(model, args)
+    # The 2by4 recipe refreshes its mask from Python every mask_interval steps, which a
+    # replayed graph would skip: that model always runs eagerly.
+    step_fn = TrainStep(model, opt, args, graph=args.graph and kind != "2:4-train")
     gen, curve, times = torch.Generator().manual_seed(args.seed), [], []
     for step, (x, y) in zip(range(args.steps), batches(train_data, args.batch, args.context, gen)):
         start = time.perf_counter()
-        with torch.autocast(args.device, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x.to(args.device)).float().flatten(0, 1), y.to(args.device).flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        # Linear warmup then cosine decay, and clipped gradients: without them the dense model
+        # stalled at a loss of 2.4 at d_model 1024 (the sparse ones did not), which made the
+        # comparison meaningless.
+        set_lr(opt, args.lr * lr_factor(step, args.steps))
+        loss = step_fn(x, y)
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -133,7 +196,7 @@ def train(args, kind, train_data, val_data) -> dict:
             print(f"{label(kind)} step {step}: train {curve[-1][1]:.3f} val {curve[-1][2]:.3f} "
                   f"step {1e3 * statistics.median(times[-20:]):.1f} ms", flush=True)
     return dict(label=label(kind), curve=curve, step_ms=1e3 * statistics.median(times[len(times) // 4:]),
-                val_loss=curve[-1][2])
+                val_loss=curve[-1][2], graphed=step_fn.use_graph)
 
 
 def label(kind) -> str:
@@ -143,10 +206,11 @@ def label(kind) -> str:
 
 def report(results: list[dict], args, out: Path) -> None:
     dense = results[0]
-    lines = ["| model | final val loss | vs dense | step ms | speed vs dense |", "|---|---|---|---|---|"]
+    lines = ["| model | final val loss | vs dense | step ms | speed vs dense | step as a CUDA graph |",
+             "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['label']} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / dense['val_loss'] - 1):+.1f}% | "
-                     f"{r['step_ms']:.1f} | {dense['step_ms'] / r['step_ms']:.2f}x |")
+                     f"{r['step_ms']:.1f} | {dense['step_ms'] / r['step_ms']:.2f}x | {'yes' if r['graphed'] else 'no'} |")
     print("\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_demo.md").write_text("\n".join(lines) + "\n")
@@ -203,6 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--benchmarks", type=Path, help="also write the table into this file (BENCHMARKS.md)")
     p.add_argument("--init", choices=("pruned", "fresh"), default="fresh",
                    help="sparse FFNs start from the dense init pruned, or from their own init")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: replay each training step as one CUDA graph (--no-graph: eager launches)")
     return p.parse_args(argv)
 
 
