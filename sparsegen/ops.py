@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import runtime
 from .errors import expect
@@ -91,12 +92,13 @@ def bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, bl
     return indexed_reference(x, values, bias, flat_index, block, out_features)
 
 
-def input_grad(dy, values, perm, row_offsets, col_indices, flat_index, block, out_features):
+def input_grad(dy, values, perm, row_offsets, col_indices, flat_index, block, out_features, tile=None, instr=None):
     """dX = dY W for W's stored blocks `values`, given W^T's index (block: W^T's block; its
     block b is values[perm[b]] transposed). Where a kernel reads the stored blocks
     transposed (input_grad_spec) no transposed copy of the values is made."""
-    if _input_grad_kernel(dy, block) is not None:
-        return bsr_dds(dy, values, row_offsets, col_indices, None, block, out_features, perm=perm)
+    if tile or instr or _input_grad_kernel(dy, block) is not None:
+        return bsr_dds(dy, values, row_offsets, col_indices, None, block, out_features, tile=tile, instr=instr,
+                       perm=perm)
     return bsr_dds_any_device(dy, bsr.transpose_values(values, perm), None, row_offsets, col_indices, flat_index,
                               block, out_features)
 
@@ -109,9 +111,10 @@ def _input_grad_kernel(dy, block):
 
 
 @functools.lru_cache(maxsize=None)
-def _transposed_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, small: bool):
+def _transposed_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, small: bool,
+                       tile=None, instr=None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    spec = input_grad_spec(block, DTYPE_NAMES[dtype], arch, rows=1 if small else None)
+    spec = input_grad_spec(block, DTYPE_NAMES[dtype], arch, rows=1 if small else None, tile=tile, instr=instr)
     return runtime.kernel(spec, device_index) if spec else None
 
 
@@ -210,8 +213,8 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
             instr=None, perm=None):
     """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
     `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
-    default TileConfig and `instr` the tensor-core instruction ("mma" or "wgmma"). With
-    `perm`, W^T's block b is values[perm[b]] transposed (input_grad)."""
+    default TileConfig and `instr` the kernel family (spec.INSTRS). With `perm`, W^T's
+    block b is values[perm[b]] transposed (input_grad)."""
     x2, y, shaped = _operands_and_output(x, out, out_features)
     m, k = x2.shape
     if m == 0:
@@ -221,20 +224,59 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
         return shaped
     if perm is None:
         kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
+        if tile is None and instr is None and _pairs_pay(kern.spec, row_offsets, col_indices):
+            kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, False, None, "pairs")
     else:
-        kern = _transposed_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64)
+        kern = _transposed_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
     grid = _grid(kern.spec, m, out_features, x.device)
     maps, operands = _operands(kern.spec, x2, values, block)
     bias_ptr = bias.data_ptr() if bias is not None else 0
-    perm_ptr = () if kern.spec.instr != "swap" else (0 if perm is None else perm.data_ptr(),)
-    pointers = (*operands, row_offsets.data_ptr(), col_indices.data_ptr(), *perm_ptr, bias_ptr, y.data_ptr())
+    index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
+    pointers = (*operands, *index, bias_ptr, y.data_ptr())
     ints = (m, k, out_features) + _tma_tail(kern.spec, values)
     kern.launch(grid, maps, pointers, ints)
     return shaped
 
 
+def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:
+    """The index pointers a kernel takes: W's block CSR, and perm for swap (0: none); pairs
+    take the union columns of pairs of block rows and each row's block there instead."""
+    if spec.instr == "pairs":
+        return tuple(t.data_ptr() for t in _pair_index(row_offsets, col_indices, perm))
+    tail = (perm.data_ptr() if perm is not None else 0,) if spec.instr == "swap" else ()
+    return (row_offsets.data_ptr(), col_indices.data_ptr(), *tail)
+
+
+# bsr.pair_index per layout. It reads the index on the host, so it is built once and kept
+# while the layer's index tensor lives (keyed by identity: a layer rebuilds its index tensors
+# when its layout changes; _version catches edits in place).
+_PAIR_INDEXES = WeakIdKeyDictionary()
+
+
+def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:
+    stamp = tuple((t.data_ptr(), t._version) for t in (row_offsets, col_indices, perm) if t is not None)
+    entry = _PAIR_INDEXES.get(row_offsets)
+    if entry is None or entry[0] != stamp:
+        entry = _PAIR_INDEXES[row_offsets] = (stamp, bsr.pair_index(row_offsets, col_indices, perm))
+    return entry[1]
+
+
+def _pairs_pay(spec, row_offsets, col_indices) -> bool:
+    """Whether the forward's swap kernel should run over pairs of block rows instead. The
+    rule fits an H100 (tmp_probe-style sweep over issue #2's shapes at block 64, BENCHMARKS.md):
+    pairs won 6-24% where the two rows of a pair shared a fifth of their columns or more
+    (1.2+ blocks per union column, density ~0.4 and up) over long rows, and lost up to 16%
+    at density 0.1-0.25 or with 16 blocks a row (K = 1024)."""
+    if spec.instr != "swap" or spec.block[0] != 64:
+        return False
+    pair_offsets, _, halves = _pair_index(row_offsets, col_indices, None)
+    union, pairs = halves.shape[0], pair_offsets.numel() - 1
+    return col_indices.numel() >= 1.2 * union and union >= 24 * pairs
+
+
 def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:
-    tiles = (n // spec.block[0], -(-m // spec.tile.tile_m))
+    rows = 128 if spec.instr == "pairs" else spec.block[0]  # pairs: two block rows a tile
+    tiles = (-(-n // rows), -(-m // spec.tile.tile_m))
     if spec.instr in TMA_INSTRS:  # persistent: one block per SM walks the tiles
         return (min(tiles[0] * tiles[1], runtime.sm_count(device.index or 0)), 1, 1)
     return (*tiles, 1)
@@ -308,11 +350,12 @@ def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:
 
 
 def _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block) -> None:
-    """The Hopper sdd kernel: one block per work item (token-major TMA boxes of 64 x 64)."""
+    """The Hopper sdd kernel: one block per work item (token-major TMA boxes of tile_m x 64)."""
     (m, n), k = dy2.shape, x2.shape[1]
-    starts = sdd_item_starts(flat_index, k // block[1], n // block[0], 256 // block[1])
-    maps = (runtime.tensor_map(dy2.data_ptr(), dy2.dtype, m, n, 64, 64),
-            runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, 64, 64))
+    starts = sdd_item_starts(flat_index, k // block[1], n // block[0], kern.spec.sdd_gather // block[1])
+    tokens = kern.spec.tile.tile_m  # a stage's box: tokens x 64 features
+    maps = (runtime.tensor_map(dy2.data_ptr(), dy2.dtype, m, n, tokens, 64),
+            runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, tokens, 64))
     kern.launch((starts.numel(), 1, 1), maps, (flat_index.data_ptr(), starts.data_ptr(), dw.data_ptr()),
                 (m, flat_index.numel(), k // block[1]))
 

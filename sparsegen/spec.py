@@ -33,10 +33,12 @@ OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress":
 SP24_BLOCK = (16, 32)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
-# each tile) and "pingpong" (the same, consumers alternate whole tiles).
-INSTRS = ("mma", "wgmma", "tma", "pingpong", "swap")
-HOPPER_INSTRS = ("wgmma", "tma", "pingpong", "swap")
-TMA_INSTRS = ("tma", "pingpong", "swap")
+# each tile) and "pingpong" (the same, consumers alternate whole tiles); "swap" (W as
+# wgmma's A operand) and "pairs" (swap over pairs of 64-row block rows that share X's copies).
+INSTRS = ("mma", "wgmma", "tma", "pingpong", "swap", "pairs")
+HOPPER_INSTRS = ("wgmma", "tma", "pingpong", "swap", "pairs")
+TMA_INSTRS = ("tma", "pingpong", "swap", "pairs")
+SWAP_INSTRS = ("swap", "pairs")  # W as wgmma's A
 # Opt-in shared memory per block, by compute capability (CUDA programming guide).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
               100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
@@ -131,13 +133,21 @@ class KernelSpec:
         return (16 if self.instr == "tma" else 64) * self.tile.warps_m
 
     @property
+    def sdd_gather(self) -> int:
+        """bsr_sdd on tma: X's columns one work item gathers - 128 per consumer warpgroup at
+        block rows of 64, 256 (the two consumers' rows) at 128."""
+        consumers = self.tile.warps_m // 4
+        return 128 * consumers if self.block[0] == 64 else 256
+
+    @property
     def stage_k(self) -> int:
         """Elements of K one pipeline stage covers (128 bytes' worth)."""
         return STAGE_BYTES_PER_ROW // ELEMENT_BYTES[self.dtype]
 
     def smem_bytes(self) -> int:
-        if self.op == "bsr_sdd" and self.instr == "tma":  # per stage: 64 tokens of dY's bm and 256 X columns
-            return self.tile.stages * (self.block[0] + 256) * 128 + 1024 + 16 * self.tile.stages
+        if self.op == "bsr_sdd" and self.instr == "tma":  # per stage: tile_m tokens of dY's bm and the X columns
+            per_token = (self.block[0] + self.sdd_gather) * ELEMENT_BYTES[self.dtype]
+            return self.tile.stages * self.tile.tile_m * per_token + 1024 + 16 * self.tile.stages
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
         if self.op in ("sp24_compress", "sp24_mask"):
@@ -148,11 +158,11 @@ class KernelSpec:
             return ring + staging + 1024 + 16 * self.tile.stages
         if self.op == "sp24_dds":  # per stage: 256 bytes per X row; 128 of values + 16 (8-bit: 32) of metadata per W row
             return self.tile.stages * (self.tile.tile_m * 256 + self.sp24_w_rows * (128 + 32 // ELEMENT_BYTES[self.dtype]))
-        rows = self.tile.tile_m + self.block[0]
+        rows = self.tile.tile_m + (128 if self.instr == "pairs" else self.block[0])  # pairs: two blocks a stage
         align = 1024 if self.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
         # full + empty mbarriers per stage, and one that orders ping-pong mainloops
         barriers = 16 * self.tile.stages + 8 if self.instr in TMA_INSTRS else 0
-        staging = 2 * 64 * STAGE_BYTES_PER_ROW if self.instr == "swap" else 0  # the transposing store's chunks
+        staging = 2 * 64 * STAGE_BYTES_PER_ROW if self.instr in SWAP_INSTRS else 0  # the transposing store's chunks
         return self.tile.stages * rows * STAGE_BYTES_PER_ROW + align + barriers + staging
 
     def validate(self) -> None:
@@ -163,9 +173,9 @@ class KernelSpec:
         _check_choice("instr", self.instr, INSTRS)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
-        transposed_read = (self.op, self.trans, self.instr) == ("bsr_dds", "nn", "swap")
+        transposed_read = self.op == "bsr_dds" and self.trans == "nn" and self.instr in SWAP_INSTRS
         expect(self.trans == OP_TRANS[self.op] or transposed_read,
-               f"trans {OP_TRANS[self.op]!r} for {self.op} ('nn' only for bsr_dds on swap)", repr(self.trans),
+               f"trans {OP_TRANS[self.op]!r} for {self.op} ('nn' only for bsr_dds on swap or pairs)", repr(self.trans),
                SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
@@ -182,10 +192,11 @@ def _validate_sdd(spec: KernelSpec) -> None:
     t, (bm, bk) = spec.tile, spec.block
     expect(spec.instr in ("mma", "tma") and spec.dtype in ("bf16", "fp16"),
            "instr 'mma' or 'tma' and a 16-bit dtype for bsr_sdd", f"{spec.instr}, {spec.dtype}", SpecError)
-    if spec.instr == "tma":  # a producer and two consumer warpgroups, stages of 64 tokens
+    if spec.instr == "tma":  # a producer and 2 (or, at 64 rows, 4) consumer warpgroups, tile_m tokens a stage
         expect(spec.arch == 90 and bm in (64, 128) and bk in (64, 128), "sm_90 and blocks of 64 or 128 for "
                "the tma bsr_sdd", f"sm_{spec.arch}, block {spec.block}", SpecError)
-        expect(t.tile_m == 64 and t.warps_m == 8 and t.warps_n == 1, "tile t64w8x1 for the tma bsr_sdd",
+        expect(t.tile_m in (32, 64) and t.warps_n == 1 and t.warps_m in ((8, 16) if bm == 64 else (8,)),
+               "tile_m 32 or 64, warps_n 1 and warps_m 8 (16 too for 64-row blocks) for the tma bsr_sdd",
                t.tag, SpecError)
         return
     expect(bk % (16 * t.warps_n) == 0, f"block cols ({bk}) a multiple of 16 x warps_n", t.warps_n, SpecError)
@@ -243,12 +254,13 @@ def _validate_wgmma(spec: KernelSpec) -> None:
            f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
     least = 2 if spec.instr in TMA_INSTRS else 3
     expect(t.stages >= least, f"at least {least} stages for {spec.instr}", t.stages, SpecError)
-    if spec.instr == "swap":  # W as wgmma's A: 64-row halves of the block, X's tokens as N
-        expect(spec.block[0] in (64, 128) and spec.block[1] % 64 == 0 and t.warps_m == 8,
-               "blocks of 64 or 128 rows and a multiple of 64 columns, two consumer warpgroups "
-               "(warps_m 8) for swap", f"block {spec.block}, {t.tag}", SpecError)
-        expect(t.tile_m * spec.block[0] // 128 <= 256, "at most 256 tokens per consumer (wgmma's largest N)",
-               t.tag, SpecError)
+    if spec.instr in SWAP_INSTRS:  # W as wgmma's A: 64-row halves of the block, X's tokens as N
+        rows = (64, 128) if spec.instr == "swap" else (64,)
+        expect(spec.block[0] in rows and spec.block[1] % 64 == 0 and t.warps_m == 8,
+               f"blocks of {' or '.join(map(str, rows))} rows and a multiple of 64 columns, two consumer "
+               f"warpgroups (warps_m 8) for {spec.instr}", f"block {spec.block}, {t.tag}", SpecError)
+        per_consumer = t.tile_m if spec.instr == "pairs" else t.tile_m * spec.block[0] // 128
+        expect(per_consumer <= 256, "at most 256 tokens per consumer (wgmma's largest N)", t.tag, SpecError)
 
 
 def _check_choice(what: str, value, choices) -> None:
@@ -305,7 +317,7 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
             tile_m = 128 if bm >= 128 else 256
             return TileConfig(tile_m=tile_m, warps_m=8, warps_n=1,
                               stages=_stages_that_fit(block, tile_m, arch, most=6))
-        if instr in ("tma", "swap"):  # swap at block 64: 4 stages beat 5 in 7 of 12 cells, tied 3, lost 2
+        if instr in ("tma", "swap", "pairs"):  # swap at block 64: 4 stages beat 5 in 7 of 12 cells, tied 3, lost 2
             return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
     stages = 4 if SMEM_LIMIT.get(arch, 0) > 128 * 1024 else 3
@@ -333,14 +345,24 @@ def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
                       tile=tile or default_tile(block, arch, instr, rows), instr=instr)
 
 
-def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None) -> KernelSpec | None:
+def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None, tile: TileConfig | None = None,
+                    instr: str | None = None) -> KernelSpec | None:
     """dX = dY W read from W's stored blocks (trans "nn", block = W^T's block), where the
-    swap kernel runs that way; None elsewhere (the caller transposes the values instead)."""
+    swap kernel runs that way (or the given instr, swap or pairs); None elsewhere (the
+    caller transposes the values instead)."""
     block = tuple(block)
-    if default_instr(dtype, arch, block, rows) != "swap":
+    instr = instr or _input_grad_instr(default_instr(dtype, arch, block, rows), block)
+    if instr not in SWAP_INSTRS:
         return None
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nn", arch=arch,
-                      tile=default_tile(block, arch, "swap", rows), instr="swap")
+                      tile=tile or default_tile(block, arch, instr, rows), instr=instr)
+
+
+def _input_grad_instr(instr: str, block) -> str:
+    """dX on the swap kernel runs over pairs of W^T's block rows where they have 64 rows: on
+    an H100 at (8192, 4096, 11008), 42 -> 47%, 54 -> 58% and 54 -> 66% of cuBLAS per useful
+    FLOP at densities 0.1, 0.25 and 0.5 (tmp_probe sweep, BENCHMARKS.md)."""
+    return "pairs" if instr == "swap" and block[0] == 64 else instr
 
 
 def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
@@ -407,6 +429,8 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
     wide = [d for d in dtypes if d in BLOCK_DTYPES]
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
     forward = [forward_spec(b, d, arch, rows=rows) for d in wide for b in blocks for rows in (None, 1)]
+    # the swap forward's alternative over pairs of block rows, picked per layout (ops._pairs_pay)
+    forward += [dataclasses.replace(s, instr="pairs") for s in forward if s.instr == "swap" and s.block[0] == 64]
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in wide for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in wide if d != "fp32" for b in blocks]

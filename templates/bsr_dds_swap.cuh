@@ -15,6 +15,13 @@
 // stored weight. Block b of this W is stored block perm[b], untransposed; the producer
 // copies it as it is (64 of its rows = 64 of K per box) and wgmma reads it M-major
 // (imm-trans-a 1) - no transposed copy of the values each step.
+//
+// PAIRS (instr "pairs", 64-row blocks): a tile is two neighbouring block rows, one per
+// consumer. The producer walks the union of their columns (bsr.pair_index), copies X's
+// columns once for both rows and each row's block where it has one; a consumer multiplies
+// only where its own row has a block. X, most of the bytes a stage moves, is then copied
+// once per union column instead of once per block: fewer bytes per useful FLOP wherever
+// the two rows share columns, which is what bounds these kernels.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
 #include "sg_store_t.cuh"
@@ -23,23 +30,34 @@
 namespace sg {
 
 // Wgmma: generated per (WG_T, dtype) - mma(acc, desc_a, desc_b), m64 x WG_T x k16, K-major.
-template <class Wgmma, class Mma, class Elem, int TILE_T, int BM, int BK, int STAGES, bool TRANS_W>
+template <class Wgmma, class Mma, class Elem, int TILE_T, int BM, int BK, int STAGES, bool TRANS_W, bool PAIRS>
 struct BsrDdsSwap {
+  static constexpr int ROWS = PAIRS ? 128 : BM;  // W's rows in one tile
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), STAGE_K = 64;
-  static constexpr int ROW_SPLIT = BM / 64, WG_T = TILE_T * ROW_SPLIT / CONSUMERS, ACC = WG_T / 2;
-  static constexpr int X_BYTES = TILE_T * 128, STAGE_BYTES = X_BYTES + BM * 128, BOX = 64 * 128;
+  static constexpr int ROW_SPLIT = ROWS / 64, WG_T = TILE_T * ROW_SPLIT / CONSUMERS, ACC = WG_T / 2;
+  static constexpr int X_BYTES = TILE_T * 128, STAGE_BYTES = X_BYTES + ROWS * 128, BOX = 64 * 128;
   using Store = TransposedStore<Mma, Elem, WG_T, 64>;
   static_assert((BM == 64 || BM == 128) && BK % 64 == 0 && WG_T % 64 == 0 && WG_T <= 256, "tile shape");
+  static_assert(!PAIRS || BM == 64, "pairs of 64-row block rows");
   // 128 accumulators a thread want more than an even share of the registers: the producer
   // gives its own away (RegisterSplit: 168 a thread at launch, 40 + 2 x 232 after).
   static constexpr bool REBALANCE = ACC >= 128;
 
   __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
-                                 const int* cols, const long long* perm, int first, int g0, int stages, int m0) {
+                                 const int* cols, const long long* perm, const int2* halves, int first, int g0,
+                                 int stages, int m0) {
     for (int s = 0; s < stages; ++s) {
       const int g = g0 + s, buf = g % STAGES, k = s * STAGE_K, blk = k / BK, koff = k % BK;
       const u32 full = bars + 8 * buf, stage = smem + buf * STAGE_BYTES;
       mbar_wait(bars + 8 * (STAGES + buf), ((g / STAGES) & 1) ^ 1);  // a fresh barrier counts as emptied
+      if constexpr (PAIRS) {  // the stored block of each row of the pair, -1 where it has none
+        const int2 half = __ldg(halves + first + blk);
+        mbar_expect_bytes(full, X_BYTES + BOX * ((half.x >= 0) + (half.y >= 0)));
+        tma_load_2d(stage, x_map, __ldg(cols + first + blk) * BK + koff, m0, full);
+        load_block(stage + X_BYTES, w_map, half.x, koff, full);
+        load_block(stage + X_BYTES + BOX, w_map, half.y, koff, full);
+        continue;
+      }
       mbar_expect_bytes(full, STAGE_BYTES);
       tma_load_2d(stage, x_map, __ldg(cols + first + blk) * BK + koff, m0, full);
       if constexpr (TRANS_W) {  // rows koff.. of stored block perm[b] (BK x BM): BM / 64 boxes of 64 x 64
@@ -52,20 +70,41 @@ struct BsrDdsSwap {
     }
   }
 
+  // Rows koff.. of a 64-row stored block (PAIRS); none where the row has no block here.
+  __device__ static void load_block(u32 dst, const TensorMap* w_map, int stored, int koff, u32 full) {
+    if (stored < 0) return;
+    if constexpr (TRANS_W) tma_load_2d(dst, w_map, 0, stored * BK + koff, full);
+    else tma_load_2d(dst, w_map, koff, stored * 64, full);
+  }
+
+  // Whether this warpgroup's rows (r0: 0 or 64, the pair's first or second row) have a
+  // block in stage s; always, without PAIRS.
+  __device__ static bool has_block(const int2* halves, int first, int s, int r0) {
+    if constexpr (!PAIRS) return true;
+    const int2 half = __ldg(halves + first + s * STAGE_K / BK);
+    return (r0 == 0 ? half.x : half.y) >= 0;
+  }
+
   // Warpgroup rows r0.. of the block (W, operand A) and tokens t0.. of the tile (X, B).
-  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int r0, int t0, float (&acc)[ACC]) {
+  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int r0, int t0, float (&acc)[ACC],
+                                 const int2* halves, int first) {
     for (int s = 0; s < stages; ++s) {
       const int g = g0 + s, buf = g % STAGES;
+      const bool mine = has_block(halves, first, s, r0);
       mbar_wait(bars + 8 * buf, (g / STAGES) & 1);
       const u32 stage = smem + buf * STAGE_BYTES;
-      pin(acc);
-      wgmma_fence();
+      if (mine) {
+        pin(acc);
+        wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k)  // k16 steps: 32 bytes along the 128-byte swizzled rows
-        Wgmma::mma(acc, w_descriptor(stage + X_BYTES, r0, k), sw128_descriptor(stage + t0 * 128 + 32 * k));
-      wgmma_commit();
-      pin(acc);
-      wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
+        for (int k = 0; k < 4; ++k)  // k16 steps: 32 bytes along the 128-byte swizzled rows
+          Wgmma::mma(acc, w_descriptor(stage + X_BYTES, r0, k), sw128_descriptor(stage + t0 * 128 + 32 * k));
+        wgmma_commit();
+        pin(acc);
+        wgmma_wait<1>();  // stage s-1 is finished: hand its buffer back to the producer
+      } else {
+        wgmma_wait<0>();  // nothing of this row here (pairs): only stage s-1 to finish
+      }
       if (s > 0) release(bars, g - 1);
     }
     wgmma_wait<0>();
@@ -83,12 +122,15 @@ struct BsrDdsSwap {
     if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + g % STAGES));
   }
 
+  // PAIRS: row_offsets and cols index the pairs' union columns, halves their blocks.
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
-                             const int* cols, const long long* perm, const Elem* bias, Elem* y, int M, int K, int N) {
+                             const int* cols, const long long* perm, const int2* halves, const Elem* bias, Elem* y,
+                             int M, int K, int N) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
     const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + CONSUMERS * Store::BYTES;
-    const int wg = threadIdx.x / 128, block_rows = N / BM, tiles = block_rows * ((M + TILE_T - 1) / TILE_T);
+    const int wg = threadIdx.x / 128, block_rows = (N / BM + ROWS / BM - 1) / (ROWS / BM);  // tile rows
+    const int tiles = block_rows * ((M + TILE_T - 1) / TILE_T);
     if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS, x_map, w_map);
     __syncthreads();
     if (wg == 0) {
@@ -97,7 +139,7 @@ struct BsrDdsSwap {
       for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
         const int block_row = t % block_rows, first = row_offsets[block_row];
         const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
-        produce(x_map, w_map, smem, bars, cols, perm, first, g, stages, t / block_rows * TILE_T);
+        produce(x_map, w_map, smem, bars, cols, perm, halves, first, g, stages, t / block_rows * TILE_T);
         g += stages;
       }
       return;
@@ -108,8 +150,9 @@ struct BsrDdsSwap {
       const int block_row = t % block_rows, first = row_offsets[block_row];
       const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
       float acc[ACC] = {};
-      consume(smem, bars, g, stages, r0, t0, acc);
-      Store::store(staging + c * Store::BYTES, acc, bias, y, t / block_rows * TILE_T + t0, block_row * BM + r0,
+      consume(smem, bars, g, stages, r0, t0, acc, halves, first);
+      // (an odd number of block rows: the last pair's second row lies past N, and stores nothing)
+      Store::store(staging + c * Store::BYTES, acc, bias, y, t / block_rows * TILE_T + t0, block_row * ROWS + r0,
                    M, N, 2 + c);
       g += stages;
     }

@@ -5,8 +5,11 @@
 // so both operands arrive token-major: TMA copies 64 tokens x 64 features per box (128-byte
 // rows, 128-byte swizzle) and wgmma reads them transposed (MN-major: imm-trans 1). One block
 // takes a work item: up to GROUP stored blocks of one block row (consecutive in CSR order),
-// so the dY slice is read once for 256 gathered columns of X. Warpgroup 0 produces; two
-// consumer warpgroups split the item's rows (BM 128) or its columns (BM 64).
+// so the dY slice is read once for GATHER gathered columns of X. Warpgroup 0 produces; the
+// CONSUMERS warpgroups split the item's rows (BM 128) and its columns, WG_N each: 256 at
+// BM 128, 128 at BM 64 - where four consumers gather 512 columns, so each stage's dY box
+// serves twice the columns (fewer bytes per FLOP, which is what bounds this kernel).
+// STAGE_T tokens a stage.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
 #include "sg_tma.cuh"
@@ -14,13 +17,14 @@
 namespace sg {
 
 // Wgmma: generated per (WG_N, dtype) - mma(acc, desc_a, desc_b), m64 x WG_N x k16, both MN-major.
-template <class Wgmma, class Mma, class Elem, int BM, int BK, int STAGES>
+template <class Wgmma, class Mma, class Elem, int BM, int BK, int STAGES, int CONSUMERS, int STAGE_T>
 struct BsrSddTma {
-  static constexpr int GROUP = 256 / BK, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-  static constexpr int ROW_SPLIT = BM / 64, COL_SPLIT = CONSUMERS / ROW_SPLIT, WG_N = 256 / COL_SPLIT;
-  static constexpr int ACC = WG_N / 2, STAGE_T = 64, BOX = 64 * 128, BOXES_PER_BLOCK = BK / 64;
-  static constexpr int A_BYTES = (BM / 64) * BOX, STAGE_BYTES = A_BYTES + 4 * BOX;
-  static_assert((BM == 64 || BM == 128) && (BK == 64 || BK == 128), "blocks of 64 or 128");
+  static constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_SPLIT = BM / 64, COL_SPLIT = CONSUMERS / ROW_SPLIT;
+  static constexpr int WG_N = BM == 64 ? 128 : 256, GATHER = WG_N * COL_SPLIT, GROUP = GATHER / BK;
+  static constexpr int CHUNKS = GATHER / 64, ACC = WG_N / 2, BOX = STAGE_T * 128, BOXES_PER_BLOCK = BK / 64;
+  static constexpr int A_BYTES = (BM / 64) * BOX, STAGE_BYTES = A_BYTES + CHUNKS * BOX;
+  static_assert((BM == 64 || BM == 128) && (BK == 64 || BK == 128) && COL_SPLIT >= 1, "blocks of 64 or 128");
+  static_assert(STAGE_T % 16 == 0, "whole k16 steps of tokens a stage");
 
   // MN-major operands: 64-element chunks of M (or N) one box apart.
   __device__ static u64 descriptor(u32 addr) { return sw128_mn_descriptor(addr, BOX); }
@@ -53,7 +57,7 @@ struct BsrSddTma {
 #pragma unroll
       for (int a = 0; a < BM / 64; ++a) tma_load_2d(stage + a * BOX, dy_map, item.row * BM + 64 * a, t0, full);
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {  // 64-column chunk n of the gathered 256
+      for (int n = 0; n < CHUNKS; ++n) {  // 64-column chunk n of the gathered columns
         const int blk = n / BOXES_PER_BLOCK;
         if (blk < item.count)
           tma_load_2d(stage + A_BYTES + n * BOX, x_map, item.cols[blk] + 64 * (n % BOXES_PER_BLOCK), t0, full);
@@ -70,7 +74,7 @@ struct BsrSddTma {
       pin(acc);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k)  // 16 tokens a step: 16 rows of 128 bytes
+      for (int k = 0; k < STAGE_T / 16; ++k)  // 16 tokens a step: 16 rows of 128 bytes
         Wgmma::mma(acc, descriptor(stage + (r0 / 64) * BOX + k * 16 * 128),
                    descriptor(stage + A_BYTES + (n0 / 64) * BOX + k * 16 * 128));
       wgmma_commit();
@@ -82,7 +86,7 @@ struct BsrSddTma {
   }
 
   // acc holds rows 16w + g (+8) and columns 8j + 2q (+1) of the warpgroup's part: column c
-  // of the gathered 256 belongs to the item's block c / BK.
+  // of the gathered ones belongs to the item's block c / BK.
   __device__ static void store(const float (&acc)[ACC], Elem* dw, const Item& item, int r0, int n0) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
 #pragma unroll
@@ -113,7 +117,7 @@ struct BsrSddTma {
       if (threadIdx.x == 0) produce(dy_map, x_map, smem, bars, item, stages);
       return;
     }
-    const int c = wg - 1, r0 = ROW_SPLIT == 2 ? 64 * c : 0, n0 = COL_SPLIT == 2 ? WG_N * c : 0;
+    const int c = wg - 1, r0 = 64 * (c % ROW_SPLIT), n0 = WG_N * (c / ROW_SPLIT);
     float acc[ACC] = {};
     consume(smem, bars, stages, r0, n0, acc);
     store(acc, dw, item, r0, n0);

@@ -40,6 +40,8 @@ SPECS = GOLDEN_SPECS + [
     forward_spec((128, 32), "bf16", 90, instr="tma", rows=1),
     forward_spec((64, 64), "bf16", 90, instr="pingpong"),
     input_grad_spec((128, 64), "fp16", 90),  # swap, trans nn
+    input_grad_spec((64, 64), "bf16", 90),  # pairs, trans nn
+    forward_spec((64, 128), "fp16", 90, instr="pairs"),
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
     KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
 ]
@@ -54,7 +56,7 @@ def ids(spec):
 # Per instruction family: the head of the kernel type the template instantiates.
 KERNEL_TYPE = {"mma": r"sg::BsrDds<\s*", "wgmma": r"sg::BsrDdsWgmma<\s*Wgmma,\s*",
                "tma": r"sg::BsrDdsTma<\s*Wgmma,\s*", "pingpong": r"sg::BsrDdsTma<\s*Wgmma,\s*",
-               "swap": r"sg::BsrDdsSwap<\s*Wgmma,\s*"}
+               "swap": r"sg::BsrDdsSwap<\s*Wgmma,\s*", "pairs": r"sg::BsrDdsSwap<\s*Wgmma,\s*"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=ids)
@@ -72,8 +74,8 @@ def kernel_type_pattern(spec) -> str:
     constants = [f"sg::{MMA[spec.dtype]}", ELEM[spec.dtype], t.tile_m, *spec.block]
     if spec.instr == "mma":
         constants += [t.warps_m, t.warps_n, t.stages]
-    elif spec.instr == "swap":  # always two consumer warpgroups; trans nn reads W's stored blocks as W^T's
-        constants += [t.stages, str(spec.trans == "nn").lower()]
+    elif spec.instr in ("swap", "pairs"):  # always two consumers; trans nn reads W's stored blocks as W^T's
+        constants += [t.stages, str(spec.trans == "nn").lower(), str(spec.instr == "pairs").lower()]
     else:  # wgmma and the TMA kernels: whole warpgroups of consumers
         constants += [t.warps_m // 4, t.stages]
     if spec.instr in ("tma", "pingpong"):  # the schedule: consumers alternate whole tiles?
@@ -96,7 +98,8 @@ def test_source_carries_the_template_constants(spec):
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.instr != "mma"], ids=ids)
 def test_wgmma_source_issues_the_right_instruction(spec):
     ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
-    n = spec.tile.tile_m * spec.block[0] // 128 if spec.instr == "swap" else spec.block[0]  # swap: tokens are N
+    # W as A: tokens are N (pairs: each consumer's one block row takes all the tile's tokens)
+    n = {"swap": spec.tile.tile_m * spec.block[0] // 128, "pairs": spec.tile.tile_m}.get(spec.instr, spec.block[0])
     instruction = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx}"
     assert instruction in codegen.render(spec)
 

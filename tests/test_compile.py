@@ -68,6 +68,8 @@ def expected_mma(spec: KernelSpec) -> str:
         return f"HGMMA.64x{256 if spec.block[0] == 128 else 128}x16.F32{suffix}"
     if spec.instr == "swap":  # W as A: m64 x each consumer's tokens x k16
         return f"HGMMA.64x{spec.tile.tile_m * spec.block[0] // 128}x16.F32{suffix}"
+    if spec.instr == "pairs":  # W as A, one block row per consumer: m64 x all the tile's tokens x k16
+        return f"HGMMA.64x{spec.tile.tile_m}x16.F32{suffix}"
     if spec.instr != "mma":  # wgmma and tma
         return f"HGMMA.64x{spec.block[0]}x16.F32{suffix}"
     return f"HMMA.{1688 if spec.dtype == 'fp32' else 16816}.F32{suffix}"
@@ -78,7 +80,9 @@ def mma_per_stage(spec: KernelSpec) -> int:
     t = spec.tile
     if spec.op == "sp24_dds" and spec.instr == "tma":  # a stage of K 64: 2 k32 steps
         return 2
-    if spec.instr == "swap" or (spec.op == "bsr_sdd" and spec.instr == "tma"):  # a stage of 64: 4 k16 steps
+    if spec.op == "bsr_sdd" and spec.instr == "tma":  # a stage of tile_m tokens: tile_m / 16 k16 steps
+        return t.tile_m // 16
+    if spec.instr in ("swap", "pairs"):  # a stage of 64: 4 k16 steps
         return 4
     if spec.op == "sp24_dds":  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
         return 4 * 4 * (t.tile_m // t.warps_n // 8)
@@ -107,7 +111,8 @@ def largest_per_kind(specs):
 
 SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.op not in ("sp24_compress", "sp24_mask")])  # no MMAs there
 # How each instruction family moves a stage into shared memory, as SASS spells it.
-STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG"}
+STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG",
+              "pairs": "UTMALDG"}
 
 
 @needs_tools

@@ -5,6 +5,7 @@ import torch
 import sparsegen
 from sparsegen import ops
 from sparsegen.layouts import bsr
+from sparsegen.spec import TileConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -105,6 +106,45 @@ def test_swap_kernel_and_its_transposed_read_match_float64(block, dtype, m):
     want = dy.double() @ layer.to_dense_weight().double()
     assert not dx.isnan().any()
     assert relative_error(dx, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
+@pytest.mark.parametrize("tile", [None, TileConfig(128, 8, 1, 3)], ids=["default", "t128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block", [(64, 64), (64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("m", [65, 300, 2049])
+def test_pairs_kernel_forward_and_input_grad_match_float64(block, dtype, m, tile):
+    """Pairs of 64-row block rows sharing X's copies (instr "pairs"): the forward where W's
+    blocks have 64 rows, dX where W^T's do. Five block rows and seven block columns, so both
+    directions end on a row without a partner; an empty block row and column, partial token
+    tiles, outputs poisoned first."""
+    layout = torch.rand(5, 7) < 0.45
+    layout[1], layout[:, 2] = False, False
+    layer = sparsegen.linear(7 * block[1], 5 * block[0], block=block, layout=layout, device="cuda", dtype=dtype)
+    if block[0] == 64:
+        x = torch.randn(m, 7 * block[1], device="cuda", dtype=dtype)
+        out = torch.full((m, 5 * block[0]), float("nan"), device="cuda", dtype=dtype)
+        ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                    layer.out_features, out=out, tile=tile, instr="pairs")
+        assert not out.isnan().any() and relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+    if block[1] == 64:
+        dy = torch.randn(m, 5 * block[0], device="cuda", dtype=dtype)
+        dx = ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+                            layer.t_flat_index, block[::-1], 7 * block[1], tile=tile, instr="pairs")
+        want = dy.double() @ layer.to_dense_weight().double()
+        assert not dx.isnan().any() and relative_error(dx, want) < TOLERANCE[dtype]
+
+
+def test_pairs_index_follows_a_layout_change():
+    """The pairs kernel's union index is cached per layout: a new layout must not reuse it."""
+    layer = sparsegen.linear(512, 384, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(100, 512, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        out = ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                          layer.out_features, instr="pairs")
+        assert relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
+        with torch.no_grad():
+            layer.set_layout(layer.layout.flatten()[torch.randperm(48)].view(6, 8))  # same count, moved
 
 
 # Run in a child process so that a hang fails the test instead of stalling the suite.
@@ -264,6 +304,28 @@ def test_sdd_kernel_matches_float64(block, dtype, m):
     want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
+@pytest.mark.parametrize("tile", [TileConfig(32, 8, 1, 6), TileConfig(64, 16, 1, 3), TileConfig(32, 16, 1, 6)],
+                         ids=lambda t: t.tag)
+@pytest.mark.parametrize("block", [(64, 64), (64, 128), (128, 128)], ids=str)
+@pytest.mark.parametrize("m", [77, 4099])
+def test_sdd_hopper_tiles_match_float64(block, tile, m):
+    """The wgmma dW kernel's other tiles: 32 tokens a stage, and four consumer warpgroups
+    gathering 512 columns at 64-row blocks; rows of up to 13 stored blocks, so work items
+    come whole, split and partial. Output poisoned first."""
+    if block[0] == 128 and tile.warps_m == 16:
+        pytest.skip("four consumers only for 64-row blocks")
+    kern = sparsegen.runtime.kernel(sparsegen.spec.sdd_spec(block, "bf16", 90, tile, "tma"), 0)
+    mask = torch.rand(7, 13) < 0.6
+    flat = bsr.flat_index(mask, "cuda")
+    dy = torch.randn(m, 7 * block[0], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 13 * block[1], device="cuda", dtype=torch.bfloat16)
+    out = torch.full((flat.numel(), *block), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ops.sdd_into(out, dy, x, flat, block, kern)
+    want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
+    assert not out.isnan().any() and relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
 def test_autocast_on_gpu_matches_float64():

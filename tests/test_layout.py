@@ -163,3 +163,30 @@ def test_sdd_work_items_cover_every_stored_block_once(group):
                 run += 1
             covered += range(start, start + run)
         assert sorted(covered) == list(range(flat.numel()))
+
+
+@pytest.mark.parametrize("grid", [(5, 7), (6, 1), (1, 4), (4, 9)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_pair_index_lists_each_pairs_union_and_its_blocks(grid, transpose):
+    """bsr.pair_index (the pairs kernel's walk) against a plain loop: per pair of block rows
+    (an odd last row alone), every column either row has, once, in order, with each row's
+    stored block there (through perm for W^T's index) or -1."""
+    mask = torch.rand(grid) < 0.4
+    mask[min(1, grid[0] - 1)] = False  # an empty row
+    if transpose:
+        row_offsets, col_indices, perm = bsr.transposed(mask)
+        rows_mask = mask.t()
+    else:
+        (row_offsets, col_indices), perm, rows_mask = bsr.indices(mask), None, mask
+    stored = {}  # (row, col) -> the values' index of that block
+    for r in range(rows_mask.shape[0]):
+        for i in range(int(row_offsets[r]), int(row_offsets[r + 1])):
+            stored[r, int(col_indices[i])] = int(perm[i]) if perm is not None else i
+    pair_offsets, cols, halves = bsr.pair_index(row_offsets, col_indices, perm)
+    assert pair_offsets.numel() == (rows_mask.shape[0] + 1) // 2 + 1
+    for p in range(pair_offsets.numel() - 1):
+        span = range(int(pair_offsets[p]), int(pair_offsets[p + 1]))
+        union = sorted({c for (r, c) in stored if r // 2 == p})
+        assert [int(cols[i]) for i in span] == union
+        for i, c in zip(span, union):
+            assert halves[i].tolist() == [stored.get((2 * p + h, c), -1) for h in (0, 1)]

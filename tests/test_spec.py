@@ -32,8 +32,10 @@ VARIANTS = {
     "dtype=fp16": dataclasses.replace(BASE, dtype="fp16"),
     "dtype=fp32": dataclasses.replace(BASE, dtype="fp32"),
     **{f"arch={a}": dataclasses.replace(BASE, arch=a) for a in specmod.ARCHS if a != BASE.arch},
-    **{f"instr={i}": dataclasses.replace(BASE, instr=i) for i in specmod.INSTRS if i not in (BASE.instr, "swap")},
-    "instr=swap": dataclasses.replace(BASE, instr="swap", tile=TileConfig(256, 8, 1, 3)),  # needs two consumers
+    **{f"instr={i}": dataclasses.replace(BASE, instr=i) for i in specmod.INSTRS
+       if i not in (BASE.instr, *specmod.SWAP_INSTRS)},
+    # W as wgmma's A needs two consumers
+    **{f"instr={i}": dataclasses.replace(BASE, instr=i, tile=TileConfig(256, 8, 1, 3)) for i in specmod.SWAP_INSTRS},
     "tile_m=64": with_tile(tile_m=64),
     "tile_m=256": with_tile(tile_m=256),
     "warps_m=1": with_tile(warps_m=1),
@@ -150,6 +152,8 @@ BAD = {
     "swap with one consumer": dict(instr="swap", tile=TileConfig(128, 4, 1, 3)),
     "swap with 32-row blocks": dict(instr="swap", block=(32, 64), tile=TileConfig(256, 8, 1, 3)),
     "swap past wgmma's n256": dict(instr="swap", block=(128, 64), tile=TileConfig(512, 8, 1, 2)),
+    "pairs of 128-row blocks": dict(instr="pairs", block=(128, 64), tile=TileConfig(256, 8, 1, 3)),
+    "pairs past wgmma's n256": dict(instr="pairs", tile=TileConfig(512, 8, 1, 2)),
     "cluster on bsr_dds": dict(tile=TileConfig(128, 4, 1, 3, cluster=2)),
     "cluster of 3": dict(op="sp24_dds", block=(16, 32), instr="tma", tile=TileConfig(96, 8, 1, 4, cluster=3)),
     "cluster splitting X below 8 rows": dict(op="sp24_dds", block=(16, 32), instr="tma",

@@ -273,7 +273,8 @@ def tune_sdd(shape=(8192, 4096, 11008), density=0.25) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     for block, tiles in {128: [T(64, 8, 1, 4), T(64, 8, 1, 3), T(32, 2, 2, 4), T(64, 2, 2, 3)],
-                         64: [T(64, 8, 1, 5), T(64, 8, 1, 4), T(32, 2, 2, 4), T(64, 2, 2, 3)]}.items():
+                         64: [T(64, 8, 1, 5), T(64, 8, 1, 4), T(64, 16, 1, 3), T(32, 16, 1, 6), T(32, 8, 1, 8),
+                              T(32, 2, 2, 4), T(64, 2, 2, 3)]}.items():
         layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False, device="cuda",
                                  dtype=torch.bfloat16)
         flat = layer.flat_index

@@ -70,6 +70,29 @@ def transposed(mask: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Ten
     return row_offsets, col_indices, perm.to(device)
 
 
+def pair_index(row_offsets: torch.Tensor, col_indices: torch.Tensor, perm: torch.Tensor | None = None):
+    """Block rows taken two at a time (2p, 2p + 1; an odd last row pairs with an empty one):
+    per pair, the union of the two rows' columns, as a block-CSR index of its own
+    (pair_offsets, cols), and `halves` [union columns, 2] (int32): each row's stored block at
+    that column - its position in the values, through `perm` when given - or -1 where the
+    row has none. Reads the index on the host (once per layout: see ops)."""
+    counts = row_offsets.diff().long().cpu()
+    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    cols = col_indices.long().cpu()
+    width = int(cols.max()) + 1 if cols.numel() else 1
+    key = (rows // 2) * width + cols
+    order = torch.argsort(key, stable=True)
+    union, item = torch.unique_consecutive(key[order], return_inverse=True)
+    stored = order if perm is None else perm.long().cpu()[order]
+    halves = torch.full((union.numel(), 2), -1, dtype=torch.int32)
+    halves[item, rows[order] % 2] = stored.to(torch.int32)
+    pairs = (counts.numel() + 1) // 2
+    pair_offsets = torch.searchsorted(union // width, torch.arange(pairs + 1))  # first union column of each
+    device = col_indices.device
+    return (pair_offsets.to(torch.int32).to(device), (union % width).to(torch.int32).to(device),
+            halves.to(device))
+
+
 def transpose_values(values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return values.index_select(0, perm).transpose(1, 2).contiguous()
 

@@ -16,7 +16,8 @@ struct Wgmma {
   }
 };
 
-using Kernel = sg::BsrSddTma<Wgmma, sg::Fp16, unsigned short, 128, 64, 4>;
+using Kernel = sg::BsrSddTma<Wgmma, sg::Fp16, unsigned short, 128, 64, 4, 2,
+                             64>;
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 bsr_sdd_b128x64_fp16_tn_sm90a_tma_t64w8x1s4(const __grid_constant__ sg::TensorMap dy_map, const __grid_constant__ sg::TensorMap x_map,
