@@ -350,19 +350,14 @@ def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:
 
 
 def _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block) -> None:
-    """The Hopper sdd kernel, persistent: whole work items one to a block, the items of the
-    last, partial round split along the tokens (token-major TMA boxes of tile_m x 64)."""
+    """The Hopper sdd kernel: one block per work item (token-major TMA boxes of tile_m x 64)."""
     (m, n), k = dy2.shape, x2.shape[1]
     starts = sdd_item_starts(flat_index, k // block[1], n // block[0], kern.spec.sdd_gather // block[1])
     tokens = kern.spec.tile.tile_m  # a stage's box: tokens x 64 features
     maps = (runtime.tensor_map(dy2.data_ptr(), dy2.dtype, m, n, tokens, 64),
             runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, tokens, 64))
-    blocks = min(starts.numel(), kern.resident_blocks)
-    # The split items' fp32 sums and arrival counts: fewer of them than blocks.
-    partials = torch.zeros(blocks, block[0], kern.spec.sdd_gather, dtype=torch.float32, device=dw.device)
-    arrivals = torch.zeros(blocks, kern.spec.tile.warps_m // 4, dtype=torch.int32, device=dw.device)
-    pointers = (flat_index.data_ptr(), starts.data_ptr(), dw.data_ptr(), partials.data_ptr(), arrivals.data_ptr())
-    kern.launch((blocks, 1, 1), maps, pointers, (m, flat_index.numel(), k // block[1], starts.numel()))
+    kern.launch((starts.numel(), 1, 1), maps, (flat_index.data_ptr(), starts.data_ptr(), dw.data_ptr()),
+                (m, flat_index.numel(), k // block[1]))
 
 
 def sdd_item_starts(flat_index: torch.Tensor, blocks_per_row: int, block_rows: int, group: int) -> torch.Tensor:

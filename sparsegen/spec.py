@@ -147,7 +147,7 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         if self.op == "bsr_sdd" and self.instr == "tma":  # per stage: tile_m tokens of dY's bm and the X columns
             per_token = (self.block[0] + self.sdd_gather) * ELEMENT_BYTES[self.dtype]
-            return self.tile.stages * self.tile.tile_m * per_token + 1024 + 16 * self.tile.stages + 16  # + flags
+            return self.tile.stages * self.tile.tile_m * per_token + 1024 + 16 * self.tile.stages
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
         if self.op in ("sp24_compress", "sp24_mask"):
@@ -366,10 +366,9 @@ def _input_grad_instr(instr: str, block) -> str:
 
 
 def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
-    """The weight-gradient kernel. On sm_90 with blocks of 64 or 128: wgmma fed by TMA,
-    persistent, a work item per 256 gathered columns of one block row (the last round's
-    items split along the tokens), 4 stages of 64 tokens (5, which fit at block 64, came
-    within 2.5% of 4 either way in `tools/bench.py --train` runs on an H200).
+    """The weight-gradient kernel. On sm_90 with blocks of 64 or 128: wgmma fed by TMA, a
+    block per 256 gathered columns of one block row, 4 stages of 64 tokens (5, which fit at
+    block 64, came within 2.5% of 4 either way in `tools/bench.py --train` runs on an H200).
     Elsewhere mma.sync, one threadblock per stored block, 32 or 64 rows of M a stage."""
     bm, bk = block
     if instr is None:

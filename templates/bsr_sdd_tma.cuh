@@ -2,11 +2,9 @@
 // stored BM x BK blocks b of a block-sparse weight, on wgmma fed by TMA (sm_90a).
 //
 // A block's reduction runs over the tokens, which are the rows of both dY and X in memory,
-// so both operands arrive token-major: TMA copies STAGE_T tokens x 64 features per box (128-byte
+// so both operands arrive token-major: TMA copies 64 tokens x 64 features per box (128-byte
 // rows, 128-byte swizzle) and wgmma reads them transposed (MN-major: imm-trans 1). One block
-// takes a work item at a time (persistent; whole rounds of items one to a block, the items
-// of the last, partial round split along the tokens into parts whose fp32 sums meet in
-// global memory): up to GROUP stored blocks of one block row (consecutive in CSR order),
+// takes a work item: up to GROUP stored blocks of one block row (consecutive in CSR order),
 // so the dY slice is read once for GATHER gathered columns of X. Warpgroup 0 produces; the
 // CONSUMERS warpgroups split the item's rows (BM 128) and its columns, WG_N each: 256 at
 // BM 128, 128 at BM 64 - where four consumers gather 512 columns, so each stage's dY box
@@ -27,9 +25,6 @@ struct BsrSddTma {
   static constexpr int A_BYTES = (BM / 64) * BOX, STAGE_BYTES = A_BYTES + CHUNKS * BOX;
   static_assert((BM == 64 || BM == 128) && (BK == 64 || BK == 128) && COL_SPLIT >= 1, "blocks of 64 or 128");
   static_assert(STAGE_T % 16 == 0, "whole k16 steps of tokens a stage");
-  // 128 accumulators a thread, or four consumers, want more than an even share of the
-  // registers: the producer gives its own away (RegisterSplit).
-  static constexpr bool REBALANCE = ACC >= 128 || CONSUMERS > 2;
 
   // MN-major operands: 64-element chunks of M (or N) one box apart.
   __device__ static u64 descriptor(u32 addr) { return sw128_mn_descriptor(addr, BOX); }
@@ -52,14 +47,12 @@ struct BsrSddTma {
     }
   };
 
-  // Stages s0 .. s0 + stages of an item (STAGE_T tokens each); `g0` counts the stages this
-  // block has run before, so the ring's buffer and phase carry over from unit to unit.
   __device__ static void produce(const TensorMap* dy_map, const TensorMap* x_map, u32 smem, u32 bars,
-                                 const Item& item, int g0, int s0, int stages) {
+                                 const Item& item, int stages) {
     for (int s = 0; s < stages; ++s) {
-      const int g = g0 + s, buf = g % STAGES, t0 = (s0 + s) * STAGE_T;
+      const int buf = s % STAGES, t0 = s * STAGE_T;
       const u32 full = bars + 8 * buf, stage = smem + buf * STAGE_BYTES;
-      mbar_wait(bars + 8 * (STAGES + buf), ((g / STAGES) & 1) ^ 1);  // fresh barriers count as emptied
+      mbar_wait(bars + 8 * (STAGES + buf), ((s / STAGES) & 1) ^ 1);  // fresh barriers count as emptied
       mbar_expect_bytes(full, A_BYTES + item.count * BOXES_PER_BLOCK * BOX);
 #pragma unroll
       for (int a = 0; a < BM / 64; ++a) tma_load_2d(stage + a * BOX, dy_map, item.row * BM + 64 * a, t0, full);
@@ -73,10 +66,10 @@ struct BsrSddTma {
   }
 
   // Warpgroup c: rows r0.. of the item's BM, gathered columns n0.. (WG_N of them).
-  __device__ static void consume(u32 smem, u32 bars, int g0, int stages, int r0, int n0, float (&acc)[ACC]) {
+  __device__ static void consume(u32 smem, u32 bars, int stages, int r0, int n0, float (&acc)[ACC]) {
     for (int s = 0; s < stages; ++s) {
-      const int g = g0 + s, buf = g % STAGES;
-      mbar_wait(bars + 8 * buf, (g / STAGES) & 1);
+      const int buf = s % STAGES;
+      mbar_wait(bars + 8 * buf, (s / STAGES) & 1);
       const u32 stage = smem + buf * STAGE_BYTES;
       pin(acc);
       wgmma_fence();
@@ -87,141 +80,47 @@ struct BsrSddTma {
       wgmma_commit();
       pin(acc);
       wgmma_wait<1>();  // stage s-1 is finished: its buffer goes back to the producer
-      if (s > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
+      if (s > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (s - 1) % STAGES));
     }
     wgmma_wait<0>();
-    if (stages > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (g0 + stages - 1) % STAGES));
   }
 
-  // acc[4j + 2h] and acc[4j + 2h + 1] hold row acc_row(r0, h) and columns n0 + 8j + 2q, + 1
-  // (q = lane % 4) of the warpgroup's part; gathered column c belongs to the item's block
-  // c / BK, none past item.count. n0 is a multiple of BK, so a pair's block and column within
-  // it are compile-time offsets from per-row bases: few address registers for 128 pairs.
-  __device__ static int acc_row(int r0, int h) { return r0 + ((threadIdx.x / 32) & 3) * 16 + ((threadIdx.x & 31) >> 2) + 8 * h; }
-
+  // acc holds rows 16w + g (+8) and columns 8j + 2q (+1) of the warpgroup's part: column c
+  // of the gathered ones belongs to the item's block c / BK.
   __device__ static void store(const float (&acc)[ACC], Elem* dw, const Item& item, int r0, int n0) {
-    const int first = n0 / BK;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      Elem* row = dw + ((item.start + first) * BM + acc_row(r0, h)) * BK + 2 * (threadIdx.x & 3);
+    for (int j = 0; j < WG_N / 8; ++j) {
+      const int col = n0 + 8 * j + 2 * (lane & 3), blk = col / BK;
+      if (blk >= item.count) continue;
 #pragma unroll
-      for (int j = 0; j < WG_N / 8; ++j)
-        if (first + 8 * j / BK < item.count)
-          *reinterpret_cast<u32*>(row + (8 * j / BK) * BM * BK + (8 * j) % BK) =
-              Mma::pack(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
-  }
-
-  // A part of a split item: add it into the item's fp32 slot (BM x GATHER); the warpgroup
-  // whose part lands last (`arrivals` counts them) reads the sum back and stores it. `flag`:
-  // a shared word of this warpgroup's; `barrier`: a named barrier of its own.
-  __device__ static void add_part(float (&acc)[ACC], float* slot, int* arrivals, int parts, Elem* dw,
-                                  const Item& item, int r0, int n0, u32 flag, int barrier) {
-    const int first = n0 / BK;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* row = slot + acc_row(r0, h) * GATHER + n0 + 2 * (threadIdx.x & 3);
-#pragma unroll
-      for (int j = 0; j < WG_N / 8; ++j)
-        if (first + 8 * j / BK < item.count) red_add_v2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
-    __threadfence();  // this thread's additions before the count that publishes them
-    warpgroup_sync(barrier);
-    if (threadIdx.x % 128 == 0) st_shared_u32(flag, atomicAdd(arrivals, 1) == parts - 1);
-    warpgroup_sync(barrier);
-    if (!ld_shared_u32(flag)) return;
-    __threadfence();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float* row = slot + acc_row(r0, h) * GATHER + n0 + 2 * (threadIdx.x & 3);
-#pragma unroll
-      for (int j = 0; j < WG_N / 8; ++j) {
-        const float2 sum = __ldcg(reinterpret_cast<const float2*>(row + 8 * j));  // from L2, where the adds went
-        acc[4 * j + 2 * h] = sum.x, acc[4 * j + 2 * h + 1] = sum.y;
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + warp * 16 + (lane >> 2) + 8 * half;
+        Elem* out = dw + ((item.start + blk) * BM + r) * BK + col % BK;
+        *reinterpret_cast<u32*>(out) = Mma::pack(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
       }
     }
-    store(acc, dw, item, r0, n0);
   }
 
-  // Two neighbouring floats added in global memory by one vector reduction (sm_90).
-  __device__ static void red_add_v2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-  }
-
-  // The schedule: with `blocks` persistent blocks and `items` work items of `stages` stages,
-  // whole rounds of items go one to a block; the items left over (fewer than a round, which
-  // would leave most blocks idle at the end) are split along the tokens into `parts` parts.
-  struct Schedule {
-    int whole, parts, units, stages;
-    __device__ Schedule(int items, int blocks, int stages_) : stages(stages_) {
-      whole = items / blocks * blocks;
-      const int rest = items - whole, most = stages / 8 > 1 ? stages / 8 : 1;  // parts of 8+ stages
-      parts = rest == 0 ? 1 : min(min(blocks / rest, most), 16);
-      units = whole + rest * parts;
-    }
-    // unit u: its item, its part (-1: the whole item) and its stages
-    __device__ void unit(int u, int& item, int& part, int& s0, int& count) const {
-      if (u < whole) {
-        item = u, part = -1, s0 = 0, count = stages;
-        return;
-      }
-      item = whole + (u - whole) / parts, part = (u - whole) % parts;
-      s0 = part * stages / parts, count = (part + 1) * stages / parts - s0;
-    }
-  };
-
-  // item_starts: `bound` entries, the items' first blocks, then -1 (the host sizes it
-  // without counting items). partials: an fp32 slot (BM x GATHER) per split item, zeroed;
-  // arrivals: CONSUMERS counters per split item, zeroed.
   __device__ static void run(const TensorMap* dy_map, const TensorMap* x_map, const long long* flat_index,
-                             const long long* item_starts, Elem* dw, float* partials, int* arrivals, int M, int nnz,
-                             int blocks_per_row, int bound) {
+                             const long long* item_starts, Elem* dw, int M, int nnz, int blocks_per_row) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
-    const u32 bars = smem + STAGES * STAGE_BYTES;               // full[STAGES], empty[STAGES], flags
-    const Schedule plan(count_items(item_starts, bound), gridDim.x, (M + STAGE_T - 1) / STAGE_T);
-    const int wg = threadIdx.x / 128;
+    const u32 bars = smem + STAGES * STAGE_BYTES;               // full[STAGES], then empty[STAGES]
+    const long long start = item_starts[blockIdx.x];
+    if (start < 0) return;  // a padding slot: the host sizes the grid without counting items
+    const Item item(flat_index, start, nnz, blocks_per_row);
+    const int wg = threadIdx.x / 128, stages = (M + STAGE_T - 1) / STAGE_T;
     if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS, dy_map, x_map);
     __syncthreads();
-    // Each unit's item, its part (-1: whole), its first stage and stage count, and the stages
-    // this block ran before it (g).
-    const auto walk = [&](auto&& fn) {
-      for (int u = blockIdx.x, g = 0; u < plan.units; u += gridDim.x) {
-        int i, part, s0, stages;
-        plan.unit(u, i, part, s0, stages);
-        fn(i, Item(flat_index, item_starts[i], nnz, blocks_per_row), part, s0, stages, g);
-        g += stages;
-      }
-    };
     if (wg == 0) {
-      if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();
-      if (threadIdx.x == 0)
-        walk([&](int, const Item& item, int, int s0, int stages, int g) {
-          produce(dy_map, x_map, smem, bars, item, g, s0, stages);
-        });
+      if (threadIdx.x == 0) produce(dy_map, x_map, smem, bars, item, stages);
       return;
     }
-    if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
     const int c = wg - 1, r0 = 64 * (c % ROW_SPLIT), n0 = WG_N * (c / ROW_SPLIT);
-    walk([&](int i, const Item& item, int part, int, int stages, int g) {
-      float acc[ACC] = {};
-      consume(smem, bars, g, stages, r0, n0, acc);
-      if (part < 0) return store(acc, dw, item, r0, n0);
-      const int k = i - plan.whole;  // the split item's slot
-      add_part(acc, partials + static_cast<long long>(k) * BM * GATHER, arrivals + k * CONSUMERS + c, plan.parts,
-               dw, item, r0, n0, bars + 16 * STAGES + 4 * c, 1 + c);
-    });
-  }
-
-  // The items before item_starts' -1 padding (binary search: it is sorted that way).
-  __device__ static int count_items(const long long* item_starts, int bound) {
-    int lo = 0, hi = bound;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (item_starts[mid] >= 0) lo = mid + 1;
-      else hi = mid;
-    }
-    return lo;
+    float acc[ACC] = {};
+    consume(smem, bars, stages, r0, n0, acc);
+    store(acc, dw, item, r0, n0);
   }
 };
 

@@ -2,7 +2,6 @@
 // in Y's own row-major layout - no transpose pass - for kernels that put W in wgmma's A.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
-#include "sg_tma.cuh"
 
 namespace sg {
 
@@ -33,9 +32,9 @@ struct TransposedStore {
         for (int i = 0; i < 4; ++i) r[i] = Mma::pack(acc[4 * j + 2 * i] + b[i & 1], acc[4 * j + 2 * i + 1] + b[i & 1]);
         stmatrix_x4_trans(staged(buf, 8 * j - c0 + row, chunk), r);
       }
-      warpgroup_sync(barrier);
+      sync(barrier);
       copy_out(buf, y, t0 + c0, f0, M, N);
-      warpgroup_sync(barrier);  // read before the next chunk overwrites it
+      sync(barrier);  // read before the next chunk overwrites it
     }
   }
 
@@ -59,6 +58,7 @@ struct TransposedStore {
     }
   }
 
+  __device__ static void sync(int barrier) { asm volatile("bar.sync %0, 128;\n" ::"r"(barrier) : "memory"); }
 };
 
 }  // namespace sg

@@ -72,19 +72,6 @@ __device__ __forceinline__ u32 cluster_rank() {
   return rank;
 }
 
-// The 128 threads of one warpgroup, on named barrier `id` (0 is __syncthreads').
-__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
-
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
-  u32 value;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
-  return value;
-}
-
 // Every thread of every block of the cluster.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");

@@ -328,25 +328,6 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
     assert not out.isnan().any() and relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
-@pytest.mark.parametrize("grid", [(34, 16), (67, 37), (3, 5)], ids=str)
-@pytest.mark.parametrize("m", [300, 4099])
-def test_sdd_schedule_whole_rounds_and_split_parts_match_float64(grid, m):
-    """The persistent dW kernel: whole rounds of work items one to a block, the rest split
-    along the tokens with fp32 sums meeting in global memory (a full 34 x 16 grid gives 136
-    items: one round and a few left over on a 132-SM H100); output poisoned first."""
-    block = (64, 64)
-    mask = torch.ones(grid, dtype=torch.bool) if grid == (34, 16) else torch.rand(grid) < 0.6
-    flat = bsr.flat_index(mask, "cuda")
-    dy = torch.randn(m, grid[0] * 64, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, grid[1] * 64, device="cuda", dtype=torch.bfloat16)
-    for _ in range(2):  # a second call reuses nothing of the first's sums
-        out = torch.full((flat.numel(), *block), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ops.sdd_into(out, dy, x, flat, block)
-        want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
-        assert not out.isnan().any() and relative_error(out, want) < TOLERANCE[torch.bfloat16]
-
-
 def test_autocast_on_gpu_matches_float64():
     layer = sparsegen.linear(512, 256, block=(64, 64), density=0.5, device="cuda")  # float32 params
     x = torch.randn(300, 512, device="cuda", requires_grad=True)

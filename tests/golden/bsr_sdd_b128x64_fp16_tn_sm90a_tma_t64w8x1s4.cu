@@ -22,8 +22,7 @@ using Kernel = sg::BsrSddTma<Wgmma, sg::Fp16, unsigned short, 128, 64, 4, 2,
 extern "C" __global__ void __launch_bounds__(384, 1)
 bsr_sdd_b128x64_fp16_tn_sm90a_tma_t64w8x1s4(const __grid_constant__ sg::TensorMap dy_map, const __grid_constant__ sg::TensorMap x_map,
            const long long* __restrict__ flat_index, const long long* __restrict__ item_starts,
-           unsigned short* __restrict__ dw, float* __restrict__ partials, int* __restrict__ arrivals, int M, int nnz,
-           int blocks_per_row, int bound) {
-  Kernel::run(&dy_map, &x_map, flat_index, item_starts, dw, partials, arrivals, M, nnz, blocks_per_row, bound);
+           unsigned short* __restrict__ dw, int M, int nnz, int blocks_per_row) {
+  Kernel::run(&dy_map, &x_map, flat_index, item_starts, dw, M, nnz, blocks_per_row);
 }
 
