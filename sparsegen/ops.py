@@ -247,18 +247,31 @@ def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:
     return (row_offsets.data_ptr(), col_indices.data_ptr(), *tail)
 
 
-# bsr.pair_index per layout. It reads the index on the host, so it is built once and kept
-# while the layer's index tensor lives (keyed by identity: a layer rebuilds its index tensors
-# when its layout changes; _version catches edits in place).
-_PAIR_INDEXES = WeakIdKeyDictionary()
+# Tensors derived from a layer's index that cost host work (or a sync) to build, kept while
+# the index tensor they are keyed by lives (by identity: a layer rebuilds its index tensors
+# when its layout changes; the stamp of data pointers and _version catches edits in place).
+_PER_LAYOUT = WeakIdKeyDictionary()
+
+
+def _per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool = False):
+    """build(*inputs), remembered per (key tensor, what) until one of the tensor inputs changes.
+    Not during CUDA graph capture: what a captured build allocates only holds its values when
+    the graph replays. A build that reads the index on the host cannot run then at all."""
+    stamp = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else t for t in inputs)
+    entries = _PER_LAYOUT.setdefault(key, {})
+    if what in entries and entries[what][0] == stamp:
+        return entries[what][1]
+    if key.is_cuda and torch.cuda.is_current_stream_capturing():
+        expect(not reads_host, f"a warm-up call of the layer before CUDA graph capture (its {what} index is "
+               "built on the host once per layout)", "a first call inside the capture")
+        return build(*inputs)
+    entries[what] = (stamp, build(*inputs))
+    return entries[what][1]
 
 
 def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:
-    stamp = tuple((t.data_ptr(), t._version) for t in (row_offsets, col_indices, perm) if t is not None)
-    entry = _PAIR_INDEXES.get(row_offsets)
-    if entry is None or entry[0] != stamp:
-        entry = _PAIR_INDEXES[row_offsets] = (stamp, bsr.pair_index(row_offsets, col_indices, perm))
-    return entry[1]
+    """bsr.pair_index, which reads the index on the host: built once per layout."""
+    return _per_layout("pairs", row_offsets, bsr.pair_index, row_offsets, col_indices, perm, reads_host=True)
 
 
 def _pairs_pay(spec, row_offsets, col_indices) -> bool:
@@ -352,7 +365,8 @@ def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:
 def _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block) -> None:
     """The Hopper sdd kernel: one block per work item (token-major TMA boxes of tile_m x 64)."""
     (m, n), k = dy2.shape, x2.shape[1]
-    starts = sdd_item_starts(flat_index, k // block[1], n // block[0], kern.spec.sdd_gather // block[1])
+    starts = _per_layout("sdd items", flat_index, sdd_item_starts, flat_index, k // block[1], n // block[0],
+                         kern.spec.sdd_gather // block[1])
     tokens = kern.spec.tile.tile_m  # a stage's box: tokens x 64 features
     maps = (runtime.tensor_map(dy2.data_ptr(), dy2.dtype, m, n, tokens, 64),
             runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, tokens, 64))

@@ -407,6 +407,18 @@ def test_cuda_graph_replays_forward_and_backward_on_new_inputs(make_layer):
             assert not got.isnan().any() and relative_error(got, want) < TOLERANCE[dtype]
 
 
+def test_cuda_graph_capture_of_a_layout_never_run_names_the_warm_up():
+    """The pairs kernels' index is built on the host once per layout, which cannot happen
+    inside a capture: a clear error (the documented warm-up fixes it), not a CUDA one."""
+    warm = sparsegen.linear(512, 384, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    warm(x)  # kernels compiled and loaded; the new layer's layout is still unseen
+    fresh = sparsegen.linear(512, 384, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(sparsegen.InputError, match="warm-up"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fresh(x)
+
+
 def as_dense(layer, values: torch.Tensor) -> torch.Tensor:
     """`values` (the layer's stored values or their gradient) laid out as the dense weight, in float64."""
     if isinstance(layer, sparsegen.BlockSparseLinear):
