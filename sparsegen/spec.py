@@ -250,8 +250,9 @@ def _validate_wgmma(spec: KernelSpec) -> None:
     expect(t.warps_n == 1 and t.warps_m % 4 == 0,
            "warps_n = 1 and warps_m a multiple of 4 (whole warpgroups) for wgmma",
            f"warps {t.warps_m}x{t.warps_n}", SpecError)
-    expect(t.tile_m % (16 * t.warps_m) == 0, "each warpgroup to own whole m64 tiles",
-           f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
+    if spec.instr not in SWAP_INSTRS:  # (swap: tokens are wgmma's N, checked below)
+        expect(t.tile_m % (16 * t.warps_m) == 0, "each warpgroup to own whole m64 tiles",
+               f"tile_m {t.tile_m} for {t.warps_m // 4} warpgroups", SpecError)
     least = 2 if spec.instr in TMA_INSTRS else 3
     expect(t.stages >= least, f"at least {least} stages for {spec.instr}", t.stages, SpecError)
     if spec.instr in SWAP_INSTRS:  # W as wgmma's A: 64-row halves of the block, X's tokens as N
@@ -260,7 +261,8 @@ def _validate_wgmma(spec: KernelSpec) -> None:
                f"blocks of {' or '.join(map(str, rows))} rows and a multiple of 64 columns, two consumer "
                f"warpgroups (warps_m 8) for {spec.instr}", f"block {spec.block}, {t.tag}", SpecError)
         per_consumer = t.tile_m if spec.instr == "pairs" else t.tile_m * spec.block[0] // 128
-        expect(per_consumer <= 256, "at most 256 tokens per consumer (wgmma's largest N)", t.tag, SpecError)
+        expect(per_consumer <= 256 and per_consumer % 64 == 0, "64, 128, 192 or 256 tokens per consumer (wgmma's "
+               "largest N is 256; the store stages 64 at a time)", t.tag, SpecError)
 
 
 def _check_choice(what: str, value, choices) -> None:
@@ -272,7 +274,7 @@ def _validate_tile(spec: KernelSpec) -> None:
     _check_choice("cluster", t.cluster, CLUSTER_SIZES)
     expect(t.cluster == 1 or (spec.op == "sp24_dds" and spec.instr == "tma"),
            "cluster 1 (only sp24_dds on TMA shares tiles across a cluster)", t.cluster, SpecError)
-    if spec.op == "bsr_dds":  # warps split tile_m rows of X and the block's rows of W
+    if spec.op == "bsr_dds" and spec.instr not in SWAP_INSTRS:  # warps split tile_m rows of X and the block's rows of W
         expect(t.tile_m % (16 * t.warps_m) == 0,
                f"tile_m a multiple of 16 x warps_m = {16 * t.warps_m}", t.tile_m, SpecError)
         expect(bm % (16 * t.warps_n) == 0,

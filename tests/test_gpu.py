@@ -109,7 +109,8 @@ def test_swap_kernel_and_its_transposed_read_match_float64(block, dtype, m):
 
 
 @pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
-@pytest.mark.parametrize("tile", [None, TileConfig(128, 8, 1, 3)], ids=["default", "t128"])
+@pytest.mark.parametrize("tile", [None, TileConfig(128, 8, 1, 3), TileConfig(192, 8, 1, 5)],
+                         ids=["default", "t128", "t192"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block", [(64, 64), (64, 128), (128, 64)], ids=str)
 @pytest.mark.parametrize("m", [65, 300, 2049])

@@ -154,6 +154,7 @@ BAD = {
     "swap past wgmma's n256": dict(instr="swap", block=(128, 64), tile=TileConfig(512, 8, 1, 2)),
     "pairs of 128-row blocks": dict(instr="pairs", block=(128, 64), tile=TileConfig(256, 8, 1, 3)),
     "pairs past wgmma's n256": dict(instr="pairs", tile=TileConfig(512, 8, 1, 2)),
+    "swap with 96 tokens a consumer": dict(instr="swap", tile=TileConfig(192, 8, 1, 3)),
     "cluster on bsr_dds": dict(tile=TileConfig(128, 4, 1, 3, cluster=2)),
     "cluster of 3": dict(op="sp24_dds", block=(16, 32), instr="tma", tile=TileConfig(96, 8, 1, 4, cluster=3)),
     "cluster splitting X below 8 rows": dict(op="sp24_dds", block=(16, 32), instr="tma",
