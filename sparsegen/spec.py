@@ -353,6 +353,8 @@ def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None, tile:
     swap kernel runs that way (or the given instr, swap or pairs); None elsewhere (the
     caller transposes the values instead)."""
     block = tuple(block)
+    expect(instr in (None, *SWAP_INSTRS), "instr 'swap' or 'pairs' to read the stored blocks as W^T's",
+           repr(instr), SpecError)
     instr = instr or _input_grad_instr(default_instr(dtype, arch, block, rows), block)
     if instr not in SWAP_INSTRS:
         return None

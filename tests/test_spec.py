@@ -212,3 +212,11 @@ def test_default_specs_cover_every_dtype_once_per_block():
     assert all(s.arch == 90 for s in specs)
     assert {s.op for s in specs} == set(specmod.OPS)
     assert {s.dtype for s in specs if s.op == "bsr_sdd"} == {"bf16", "fp16"}  # fp32 dW: dense GEMM
+
+
+def test_input_grad_spec_refuses_a_family_that_cannot_read_w_transposed():
+    with pytest.raises(SpecError, match="'swap' or 'pairs'"):
+        specmod.input_grad_spec((64, 64), "bf16", 90, instr="mma")
+    assert specmod.input_grad_spec((64, 64), "bf16", 90).instr == "pairs"
+    assert specmod.input_grad_spec((128, 64), "bf16", 90).instr == "swap"
+    assert specmod.input_grad_spec((64, 64), "bf16", 80) is None  # elsewhere: a transposed copy
