@@ -8,8 +8,6 @@
 
 namespace sg {
 
-typedef unsigned long long u64;
-
 // Shared-memory matrix descriptor: start address, stride of 1024 bytes between groups of
 // 8 rows, 128-byte swizzle. The leading offset is unused for swizzled K-major operands.
 __device__ __forceinline__ u64 sw128_descriptor(u32 addr) {

@@ -6,6 +6,7 @@ namespace sg {
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned long long u64;
 
 // Shared-memory tiles are rows of 128 bytes (8 chunks of 16 bytes). Chunk c of row r
 // lives at chunk c ^ (r % 8), so the 8 rows an ldmatrix reads hit 8 distinct bank groups.

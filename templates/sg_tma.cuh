@@ -48,6 +48,21 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int i
                ::"r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar) : "memory");
 }
 
+// An L2 eviction policy for the copies below: "evict_last" for data that should outlast
+// the rest in L2.
+__device__ __forceinline__ u64 l2_evict_last() {
+  u64 policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// tma_load_2d with an L2 eviction policy.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int inner, int outer, u32 bar, u64 policy) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               ::"r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar), "l"(policy) : "memory");
+}
+
 // The same, with the box written to every block of the cluster in `cta_mask`, at dst's
 // offset in each, completing the bytes on each block's barrier at bar's offset.
 __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* map, int inner, int outer, u32 bar,
