@@ -1,6 +1,7 @@
 """Ops over block-CSR weights: input checks, the CPU reference, and the GPU launch."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Optional
@@ -12,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
+from .spec import ARCHS, MIN_ARCH, SWAP_INSTRS, TMA_INSTRS, forward_spec, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
@@ -224,11 +225,11 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
         return shaped
     if perm is None:
         kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
-        if tile is None and instr is None and _pairs_pay(kern.spec, row_offsets, col_indices):
-            kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, False, None, "pairs")
     else:
         kern = _transposed_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
-    grid = _grid(kern.spec, m, out_features, x.device)
+    if tile is None and instr is None:
+        kern = _swap_variant(kern, x.dtype, m, row_offsets, col_indices, perm)
+    grid = _grid(kern, m, out_features, x.device)
     maps, operands = _operands(kern.spec, x2, values, block)
     bias_ptr = bias.data_ptr() if bias is not None else 0
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
@@ -274,6 +275,24 @@ def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:
     return _per_layout("pairs", row_offsets, bsr.pair_index, row_offsets, col_indices, perm, reads_host=True)
 
 
+def _swap_variant(kern, dtype: torch.dtype, m: int, row_offsets, col_indices, perm):
+    """The swap family's choices at 64-row blocks that depend on the call (H100 sweeps,
+    BENCHMARKS.md): the forward runs `pairs` where the layout's pairs share enough columns
+    (dX always does), and clusters of two blocks share W's copies once there are 8 or more
+    token tiles (3-5% faster at densities 0.25-0.5; with fewer tiles a cluster's second one
+    would often lie past M)."""
+    spec = kern.spec
+    if spec.instr not in SWAP_INSTRS or spec.block[0] != 64:
+        return kern
+    pairs = spec.instr == "pairs" or (perm is None and _pairs_pay(spec, row_offsets, col_indices))
+    instr, cluster = "pairs" if pairs else "swap", 2 if -(-m // spec.tile.tile_m) >= 8 else 1
+    if (instr, cluster) == (spec.instr, spec.tile.cluster):
+        return kern
+    tile = dataclasses.replace(spec.tile, cluster=cluster)
+    pick = _forward_kernel if perm is None else _transposed_kernel
+    return pick(spec.block, dtype, kern.device_index, False, tile, instr)
+
+
 def _pairs_pay(spec, row_offsets, col_indices) -> bool:
     """Whether the forward's swap kernel should run over pairs of block rows instead. The
     rule fits an H100 (tmp_probe-style sweep over issue #2's shapes at block 64, BENCHMARKS.md):
@@ -287,9 +306,13 @@ def _pairs_pay(spec, row_offsets, col_indices) -> bool:
     return col_indices.numel() >= 1.2 * union and union >= 24 * pairs
 
 
-def _grid(spec, m: int, n: int, device) -> tuple[int, int, int]:
+def _grid(kern, m: int, n: int, device) -> tuple[int, int, int]:
+    spec, cluster = kern.spec, kern.spec.tile.cluster
     rows = 128 if spec.instr == "pairs" else spec.block[0]  # pairs: two block rows a tile
     tiles = (-(-n // rows), -(-m // spec.tile.tile_m))
+    if cluster > 1:  # persistent clusters, each taking `cluster` neighbouring token tiles of one tile row
+        groups = tiles[0] * -(-tiles[1] // cluster)
+        return (cluster * min(groups, kern.resident_blocks // cluster), 1, 1)
     if spec.instr in TMA_INSTRS:  # persistent: one block per SM walks the tiles
         return (min(tiles[0] * tiles[1], runtime.sm_count(device.index or 0)), 1, 1)
     return (*tiles, 1)
@@ -301,11 +324,12 @@ def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tupl
         return (), (x2.data_ptr(), values.data_ptr())
     sub_k = min(block[1], 64)  # one TMA box per block width, at most 128 bytes
     x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
+    share = spec.tile.cluster  # in a cluster each block copies 1/cluster of a W box's rows
     if spec.trans == "nn":  # the stored blocks, [block[1] x block[0]] each, in 64 x 64 boxes
-        w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[1], block[0], 64, 64)
+        w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[1], block[0], 64 // share, 64)
     else:
         w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[0], block[1],
-                                   block[0], sub_k)
+                                   block[0] // share, sub_k)
     return (x_map, w_map), ()
 
 

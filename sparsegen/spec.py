@@ -272,8 +272,11 @@ def _check_choice(what: str, value, choices) -> None:
 def _validate_tile(spec: KernelSpec) -> None:
     t, (bm, _) = spec.tile, spec.block
     _check_choice("cluster", t.cluster, CLUSTER_SIZES)
-    expect(t.cluster == 1 or (spec.op == "sp24_dds" and spec.instr == "tma"),
-           "cluster 1 (only sp24_dds on TMA shares tiles across a cluster)", t.cluster, SpecError)
+    shares = (spec.op == "sp24_dds" and spec.instr == "tma") or (spec.instr in SWAP_INSTRS and bm == 64)
+    expect(t.cluster in (1, 2) or (t.cluster == 4 and spec.op == "sp24_dds"), "a cluster of 1 or 2 (4: sp24_dds)",
+           t.cluster, SpecError)
+    expect(t.cluster == 1 or shares, "cluster 1 (clusters share tiles only in sp24_dds on TMA, and in swap and "
+           "pairs at 64-row blocks)", t.cluster, SpecError)
     if spec.op == "bsr_dds" and spec.instr not in SWAP_INSTRS:  # warps split tile_m rows of X and the block's rows of W
         expect(t.tile_m % (16 * t.warps_m) == 0,
                f"tile_m a multiple of 16 x warps_m = {16 * t.warps_m}", t.tile_m, SpecError)
@@ -421,6 +424,10 @@ def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> Kern
                       tile=TileConfig(64, 4, 2, 2), instr="mma")
 
 
+def _clustered(spec: KernelSpec) -> KernelSpec:
+    return dataclasses.replace(spec, tile=dataclasses.replace(spec.tile, cluster=2))
+
+
 def supported_dtypes(arch: int) -> tuple[str, ...]:
     """The dtypes with kernels on `arch` (e4m3 needs sm_89's fp8 tensor cores)."""
     return tuple(d for d in DTYPES if arch >= MIN_ARCH.get(d, 80))
@@ -433,12 +440,15 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
     wide = [d for d in dtypes if d in BLOCK_DTYPES]
     blocks = blocks or [(b, b) for b in BLOCK_SIDES] + [(32, 64), (64, 32)]
     forward = [forward_spec(b, d, arch, rows=rows) for d in wide for b in blocks for rows in (None, 1)]
-    # the swap forward's alternative over pairs of block rows, picked per layout (ops._pairs_pay)
+    # the swap family's variants picked per call (ops._swap_variant): pairs of block rows,
+    # clusters of two blocks sharing W's copies
     forward += [dataclasses.replace(s, instr="pairs") for s in forward if s.instr == "swap" and s.block[0] == 64]
+    forward += [_clustered(s) for s in forward if s.instr in SWAP_INSTRS and s.block[0] == 64]
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in wide for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in wide if d != "fp32" for b in blocks]
     backward += [s for d in wide for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
+    backward += [_clustered(s) for s in backward if s.instr in SWAP_INSTRS and s.block[0] == 64]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]

@@ -30,7 +30,12 @@
 namespace sg {
 
 // Wgmma: generated per (WG_T, dtype) - mma(acc, desc_a, desc_b), m64 x WG_T x k16, K-major.
-template <class Wgmma, class Mma, class Elem, int TILE_T, int BM, int BK, int STAGES, bool TRANS_W, bool PAIRS>
+// CLUSTER 2 (64-row blocks): the two blocks of a cluster take the same tile row and
+// neighbouring token tiles, so they read the same W blocks; each copies half the rows of
+// every W box and multicasts it to both. A buffer is refilled only once the consumers of
+// both blocks have released it.
+template <class Wgmma, class Mma, class Elem, int TILE_T, int BM, int BK, int STAGES, bool TRANS_W, bool PAIRS,
+          int CLUSTER = 1>
 struct BsrDdsSwap {
   static constexpr int ROWS = PAIRS ? 128 : BM;  // W's rows in one tile
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), STAGE_K = 64;
@@ -39,13 +44,14 @@ struct BsrDdsSwap {
   using Store = TransposedStore<Mma, Elem, WG_T, 64>;
   static_assert((BM == 64 || BM == 128) && BK % 64 == 0 && WG_T % 64 == 0 && WG_T <= 256, "tile shape");
   static_assert(!PAIRS || BM == 64, "pairs of 64-row block rows");
+  static_assert(CLUSTER == 1 || BM == 64, "clusters share 64-row W boxes");
   // 128 accumulators a thread want more than an even share of the registers: the producer
   // gives its own away (RegisterSplit: 168 a thread at launch, 40 + 2 x 232 after).
   static constexpr bool REBALANCE = ACC >= 128;
 
   __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
                                  const int* cols, const long long* perm, const int2* halves, int first, int g0,
-                                 int stages, int m0) {
+                                 int stages, int m0, u32 rank) {
     // X's columns are re-read by every tile row with a block there, the tiles running about
     // the same time: kept in L2 ahead of W's blocks, 0-2% faster on an H100 at block 64 (the
     // reverse, X first out, was 1.1-2x slower; an ad-hoc A/B in BENCHMARKS.md).
@@ -58,8 +64,8 @@ struct BsrDdsSwap {
         const int2 half = __ldg(halves + first + blk);
         mbar_expect_bytes(full, X_BYTES + BOX * ((half.x >= 0) + (half.y >= 0)));
         tma_load_2d(stage, x_map, __ldg(cols + first + blk) * BK + koff, m0, full, x_policy);
-        load_block(stage + X_BYTES, w_map, half.x, koff, full);
-        load_block(stage + X_BYTES + BOX, w_map, half.y, koff, full);
+        load_block(stage + X_BYTES, w_map, half.x, koff, full, rank);
+        load_block(stage + X_BYTES + BOX, w_map, half.y, koff, full, rank);
         continue;
       }
       mbar_expect_bytes(full, STAGE_BYTES);
@@ -67,18 +73,28 @@ struct BsrDdsSwap {
       if constexpr (TRANS_W) {  // rows koff.. of stored block perm[b] (BK x BM): BM / 64 boxes of 64 x 64
         const int stored = static_cast<int>(__ldg(perm + first + blk));
 #pragma unroll
-        for (int h = 0; h < BM / 64; ++h) tma_load_2d(stage + X_BYTES + h * BOX, w_map, 64 * h, stored * BK + koff, full);
-      } else {
+        for (int h = 0; h < BM / 64; ++h) load_w(stage + X_BYTES + h * BOX, w_map, 64 * h, stored * BK + koff, full, rank);
+      } else if constexpr (CLUSTER == 1) {
         tma_load_2d(stage + X_BYTES, w_map, koff, (first + blk) * BM, full);
+      } else {
+        load_w(stage + X_BYTES, w_map, koff, (first + blk) * BM, full, rank);
       }
     }
   }
 
   // Rows koff.. of a 64-row stored block (PAIRS); none where the row has no block here.
-  __device__ static void load_block(u32 dst, const TensorMap* w_map, int stored, int koff, u32 full) {
+  __device__ static void load_block(u32 dst, const TensorMap* w_map, int stored, int koff, u32 full, u32 rank) {
     if (stored < 0) return;
-    if constexpr (TRANS_W) tma_load_2d(dst, w_map, 0, stored * BK + koff, full);
-    else tma_load_2d(dst, w_map, koff, stored * 64, full);
+    if constexpr (TRANS_W) load_w(dst, w_map, 0, stored * BK + koff, full, rank);
+    else load_w(dst, w_map, koff, stored * 64, full, rank);
+  }
+
+  // A 64-row W box at (inner, outer) into dst; in a cluster each block copies its share of
+  // the rows (the host's W boxes are 64 / CLUSTER rows) to the same place in every block.
+  __device__ static void load_w(u32 dst, const TensorMap* w_map, int inner, int outer, u32 full, u32 rank) {
+    constexpr int SHARE = 64 / CLUSTER;
+    if constexpr (CLUSTER == 1) tma_load_2d(dst, w_map, inner, outer, full);
+    else tma_load_2d_multicast(dst + rank * SHARE * 128, w_map, inner, outer + rank * SHARE, full, (1 << CLUSTER) - 1);
   }
 
   // Whether this warpgroup's rows (r0: 0 or 64, the pair's first or second row) have a
@@ -122,11 +138,21 @@ struct BsrDdsSwap {
     return sw128_descriptor(region + r0 * 128 + 32 * k);
   }
 
+  // Buffer g % STAGES is read: tell this block's producer, and in a cluster every block's
+  // (each multicasts into it).
   __device__ static void release(u32 bars, int g) {
-    if (threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + g % STAGES));
+    if (threadIdx.x % 128 != 0) return;
+    const u32 empty = bars + 8 * (STAGES + g % STAGES);
+    if constexpr (CLUSTER == 1) mbar_arrive(empty);
+    else
+#pragma unroll
+      for (int cta = 0; cta < CLUSTER; ++cta) mbar_arrive_cluster(empty, cta);
   }
 
   // PAIRS: row_offsets and cols index the pairs' union columns, halves their blocks.
+  // Tiles: (tile row, group of CLUSTER neighbouring token tiles), tile rows fastest, so the
+  // blocks running at once share X's rows in L2; block `rank` of a cluster takes the
+  // group's token tile `rank`. Persistent: a cluster walks groups c, c + clusters, ...
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
                              const int* cols, const long long* perm, const int2* halves, const Elem* bias, Elem* y,
                              int M, int K, int N) {
@@ -134,32 +160,38 @@ struct BsrDdsSwap {
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
     const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + CONSUMERS * Store::BYTES;
     const int wg = threadIdx.x / 128, block_rows = (N / BM + ROWS / BM - 1) / (ROWS / BM);  // tile rows
-    const int tiles = block_rows * ((M + TILE_T - 1) / TILE_T);
-    if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS, x_map, w_map);
-    __syncthreads();
+    const int groups = block_rows * (((M + TILE_T - 1) / TILE_T + CLUSTER - 1) / CLUSTER);
+    const u32 rank = CLUSTER == 1 ? 0 : cluster_rank();
+    const int first_group = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
+    if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS * CLUSTER, x_map, w_map);
+    if constexpr (CLUSTER == 1) __syncthreads(); else cluster_sync();  // partners' barriers are ready
     if (wg == 0) {
       if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();
-      if (threadIdx.x != 0) return;
-      for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
+      if (threadIdx.x == 0)
+        for (int t = first_group, g = 0; t < groups; t += step) {
+          const int block_row = t % block_rows, first = row_offsets[block_row];
+          const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
+          produce(x_map, w_map, smem, bars, cols, perm, halves, first, g, stages,
+                  (t / block_rows * CLUSTER + rank) * TILE_T, rank);
+          g += stages;
+        }
+    } else {
+      if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
+      const int c = wg - 1, r0 = ROW_SPLIT == 2 ? 64 * c : 0, t0 = ROW_SPLIT == 2 ? 0 : WG_T * c;
+      for (int t = first_group, g = 0; t < groups; t += step) {
         const int block_row = t % block_rows, first = row_offsets[block_row];
         const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
-        produce(x_map, w_map, smem, bars, cols, perm, halves, first, g, stages, t / block_rows * TILE_T);
+        float acc[ACC] = {};
+        consume(smem, bars, g, stages, r0, t0, acc, halves, first);
+        // (an odd number of block rows: the last pair's second row lies past N, and stores
+        // nothing; a cluster's token tile past M stores nothing either)
+        Store::store(staging + c * Store::BYTES, acc, bias, y, (t / block_rows * CLUSTER + rank) * TILE_T + t0,
+                     block_row * ROWS + r0, M, N, 2 + c);
         g += stages;
       }
-      return;
     }
-    if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
-    const int c = wg - 1, r0 = ROW_SPLIT == 2 ? 64 * c : 0, t0 = ROW_SPLIT == 2 ? 0 : WG_T * c;
-    for (int t = blockIdx.x, g = 0; t < tiles; t += gridDim.x) {
-      const int block_row = t % block_rows, first = row_offsets[block_row];
-      const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
-      float acc[ACC] = {};
-      consume(smem, bars, g, stages, r0, t0, acc, halves, first);
-      // (an odd number of block rows: the last pair's second row lies past N, and stores nothing)
-      Store::store(staging + c * Store::BYTES, acc, bias, y, t / block_rows * TILE_T + t0, block_row * ROWS + r0,
-                   M, N, 2 + c);
-      g += stages;
-    }
+    // No block may leave while its partner still arrives on its barriers or copies into it.
+    if constexpr (CLUSTER > 1) cluster_sync();
   }
 };
 

@@ -42,6 +42,7 @@ SPECS = GOLDEN_SPECS + [
     input_grad_spec((128, 64), "fp16", 90),  # swap, trans nn
     input_grad_spec((64, 64), "bf16", 90),  # pairs, trans nn
     forward_spec((64, 128), "fp16", 90, instr="pairs"),
+    forward_spec((64, 64), "bf16", 90, TileConfig(256, 8, 1, 4, cluster=2), "swap"),
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
     KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
 ]
@@ -62,7 +63,8 @@ KERNEL_TYPE = {"mma": r"sg::BsrDds<\s*", "wgmma": r"sg::BsrDdsWgmma<\s*Wgmma,\s*
 @pytest.mark.parametrize("spec", SPECS, ids=ids)
 def test_source_names_the_kernel_and_its_mma(spec):
     source = codegen.render(spec)
-    assert re.search(rf'extern "C" __global__ void __launch_bounds__\({spec.threads}(, *\d+)?\)\s*'
+    cluster = rf"__cluster_dims__\({spec.tile.cluster}, 1, 1\) " if spec.tile.cluster > 1 else ""
+    assert re.search(rf'extern "C" __global__ void {cluster}__launch_bounds__\({spec.threads}(, *\d+)?\)\s*'
                      rf'{spec.name}\(', source)
     assert f"sg::{MMA[spec.dtype]}," in source
     assert [m for m in MMA.values() if f"sg::{m}" in source] == [MMA[spec.dtype]]
@@ -75,7 +77,7 @@ def kernel_type_pattern(spec) -> str:
     if spec.instr == "mma":
         constants += [t.warps_m, t.warps_n, t.stages]
     elif spec.instr in ("swap", "pairs"):  # always two consumers; trans nn reads W's stored blocks as W^T's
-        constants += [t.stages, str(spec.trans == "nn").lower(), str(spec.instr == "pairs").lower()]
+        constants += [t.stages, str(spec.trans == "nn").lower(), str(spec.instr == "pairs").lower(), t.cluster]
     else:  # wgmma and the TMA kernels: whole warpgroups of consumers
         constants += [t.warps_m // 4, t.stages]
     if spec.instr in ("tma", "pingpong"):  # the schedule: consumers alternate whole tiles?

@@ -136,6 +136,29 @@ def test_pairs_kernel_forward_and_input_grad_match_float64(block, dtype, m, tile
         assert not dx.isnan().any() and relative_error(dx, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.skipif(not is_hopper(), reason="wgmma and TMA need sm_90")
+@pytest.mark.parametrize("instr", ["swap", "pairs"])
+@pytest.mark.parametrize("m", [65, 300, 2049])
+def test_clusters_sharing_w_match_float64(instr, m):
+    """Clusters of two blocks on neighbouring token tiles, each copying half of every W box
+    to both (multicast): forward and dX, a cluster whose second token tile lies past M
+    (M = 65, 2049), five block rows (pairs: one without a partner), outputs poisoned."""
+    tile = TileConfig(256, 8, 1, 4, cluster=2)
+    layout = torch.rand(5, 7) < 0.45
+    layout[1], layout[:, 2] = False, False
+    layer = sparsegen.linear(7 * 64, 5 * 64, block=(64, 64), layout=layout, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 7 * 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((m, 5 * 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
+                out=out, tile=tile, instr=instr)
+    assert not out.isnan().any() and relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
+    dy = torch.randn(m, 5 * 64, device="cuda", dtype=torch.bfloat16)
+    dx = ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+                        layer.t_flat_index, (64, 64), 7 * 64, tile=tile, instr=instr)
+    want = dy.double() @ layer.to_dense_weight().double()
+    assert not dx.isnan().any() and relative_error(dx, want) < TOLERANCE[torch.bfloat16]
+
+
 def test_pairs_index_follows_a_layout_change():
     """The pairs kernel's union index is cached per layout: a new layout must not reuse it."""
     layer = sparsegen.linear(512, 384, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16)

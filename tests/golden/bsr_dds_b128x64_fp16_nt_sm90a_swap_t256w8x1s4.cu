@@ -17,7 +17,7 @@ struct Wgmma {
 };
 
 using Kernel = sg::BsrDdsSwap<Wgmma, sg::Fp16, unsigned short, 256, 128, 64, 4,
-                              false, false>;
+                              false, false, 1>;
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 bsr_dds_b128x64_fp16_nt_sm90a_swap_t256w8x1s4(const __grid_constant__ sg::TensorMap x_map, const __grid_constant__ sg::TensorMap w_map,
