@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, MIN_ARCH, SWAP_INSTRS, TMA_INSTRS, forward_spec, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
+from .spec import ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
@@ -229,7 +229,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
         kern = _transposed_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
     if tile is None and instr is None:
         kern = _swap_variant(kern, x.dtype, m, row_offsets, col_indices, perm)
-    grid = _grid(kern, m, out_features, x.device)
+    grid = _grid(kern, m, out_features)
     maps, operands = _operands(kern.spec, x2, values, block)
     bias_ptr = bias.data_ptr() if bias is not None else 0
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
@@ -279,12 +279,12 @@ def _swap_variant(kern, dtype: torch.dtype, m: int, row_offsets, col_indices, pe
     """The swap family's choices at 64-row blocks that depend on the call (H100 sweeps,
     BENCHMARKS.md): the forward runs `pairs` where the layout's pairs share enough columns
     (dX always does), and clusters of two blocks share W's copies once there are 8 or more
-    token tiles (3-5% faster at densities 0.25-0.5; with fewer tiles a cluster's second one
-    would often lie past M)."""
+    token tiles (0-5% faster at densities 0.25-0.5, dX 3-5%; with fewer tiles a cluster's
+    second one would often lie past M)."""
     spec = kern.spec
-    if spec.instr not in SWAP_INSTRS or spec.block[0] != 64:
+    if not has_call_variants(spec):
         return kern
-    pairs = spec.instr == "pairs" or (perm is None and _pairs_pay(spec, row_offsets, col_indices))
+    pairs = spec.instr == "pairs" or (perm is None and _pairs_pay(row_offsets, col_indices))
     instr, cluster = "pairs" if pairs else "swap", 2 if -(-m // spec.tile.tile_m) >= 8 else 1
     if (instr, cluster) == (spec.instr, spec.tile.cluster):
         return kern
@@ -293,20 +293,18 @@ def _swap_variant(kern, dtype: torch.dtype, m: int, row_offsets, col_indices, pe
     return pick(spec.block, dtype, kern.device_index, False, tile, instr)
 
 
-def _pairs_pay(spec, row_offsets, col_indices) -> bool:
+def _pairs_pay(row_offsets, col_indices) -> bool:
     """Whether the forward's swap kernel should run over pairs of block rows instead. The
     rule fits an H100 (tmp_probe-style sweep over issue #2's shapes at block 64, BENCHMARKS.md):
     pairs won 6-24% where the two rows of a pair shared a fifth of their columns or more
     (1.2+ blocks per union column, density ~0.4 and up) over long rows, and lost up to 16%
     at density 0.1-0.25 or with 16 blocks a row (K = 1024)."""
-    if spec.instr != "swap" or spec.block[0] != 64:
-        return False
     pair_offsets, _, halves = _pair_index(row_offsets, col_indices, None)
     union, pairs = halves.shape[0], pair_offsets.numel() - 1
     return col_indices.numel() >= 1.2 * union and union >= 24 * pairs
 
 
-def _grid(kern, m: int, n: int, device) -> tuple[int, int, int]:
+def _grid(kern, m: int, n: int) -> tuple[int, int, int]:
     spec, cluster = kern.spec, kern.spec.tile.cluster
     rows = 128 if spec.instr == "pairs" else spec.block[0]  # pairs: two block rows a tile
     tiles = (-(-n // rows), -(-m // spec.tile.tile_m))
@@ -314,7 +312,7 @@ def _grid(kern, m: int, n: int, device) -> tuple[int, int, int]:
         groups = tiles[0] * -(-tiles[1] // cluster)
         return (cluster * min(groups, kern.resident_blocks // cluster), 1, 1)
     if spec.instr in TMA_INSTRS:  # persistent: one block per SM walks the tiles
-        return (min(tiles[0] * tiles[1], runtime.sm_count(device.index or 0)), 1, 1)
+        return (min(tiles[0] * tiles[1], runtime.sm_count(kern.device_index)), 1, 1)
     return (*tiles, 1)
 
 

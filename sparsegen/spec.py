@@ -272,7 +272,7 @@ def _check_choice(what: str, value, choices) -> None:
 def _validate_tile(spec: KernelSpec) -> None:
     t, (bm, _) = spec.tile, spec.block
     _check_choice("cluster", t.cluster, CLUSTER_SIZES)
-    shares = (spec.op == "sp24_dds" and spec.instr == "tma") or (spec.instr in SWAP_INSTRS and bm == 64)
+    shares = (spec.op == "sp24_dds" and spec.instr == "tma") or has_call_variants(spec)
     expect(t.cluster in (1, 2) or (t.cluster == 4 and spec.op == "sp24_dds"), "a cluster of 1 or 2 (4: sp24_dds)",
            t.cluster, SpecError)
     expect(t.cluster == 1 or shares, "cluster 1 (clusters share tiles only in sp24_dds on TMA, and in swap and "
@@ -424,6 +424,12 @@ def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> Kern
                       tile=TileConfig(64, 4, 2, 2), instr="mma")
 
 
+def has_call_variants(spec: KernelSpec) -> bool:
+    """The swap family at 64-row blocks: the kernels whose pairs and cluster variants
+    ops._swap_variant picks per call (and precompile builds)."""
+    return spec.instr in SWAP_INSTRS and spec.block[0] == 64
+
+
 def _clustered(spec: KernelSpec) -> KernelSpec:
     return dataclasses.replace(spec, tile=dataclasses.replace(spec.tile, cluster=2))
 
@@ -442,13 +448,13 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
     forward = [forward_spec(b, d, arch, rows=rows) for d in wide for b in blocks for rows in (None, 1)]
     # the swap family's variants picked per call (ops._swap_variant): pairs of block rows,
     # clusters of two blocks sharing W's copies
-    forward += [dataclasses.replace(s, instr="pairs") for s in forward if s.instr == "swap" and s.block[0] == 64]
-    forward += [_clustered(s) for s in forward if s.instr in SWAP_INSTRS and s.block[0] == 64]
+    forward += [dataclasses.replace(s, instr="pairs") for s in forward if has_call_variants(s) and s.instr == "swap"]
+    forward += [_clustered(s) for s in forward if has_call_variants(s)]
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in wide for b in blocks if b[0] != b[1]]
     backward += [sdd_spec(b, d, arch) for d in wide if d != "fp32" for b in blocks]
     backward += [s for d in wide for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
-    backward += [_clustered(s) for s in backward if s.instr in SWAP_INSTRS and s.block[0] == 64]
+    backward += [_clustered(s) for s in backward if has_call_variants(s)]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]

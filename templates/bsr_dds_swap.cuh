@@ -74,8 +74,6 @@ struct BsrDdsSwap {
         const int stored = static_cast<int>(__ldg(perm + first + blk));
 #pragma unroll
         for (int h = 0; h < BM / 64; ++h) load_w(stage + X_BYTES + h * BOX, w_map, 64 * h, stored * BK + koff, full, rank);
-      } else if constexpr (CLUSTER == 1) {
-        tma_load_2d(stage + X_BYTES, w_map, koff, (first + blk) * BM, full);
       } else {
         load_w(stage + X_BYTES, w_map, koff, (first + blk) * BM, full, rank);
       }
@@ -89,8 +87,9 @@ struct BsrDdsSwap {
     else load_w(dst, w_map, koff, stored * 64, full, rank);
   }
 
-  // A 64-row W box at (inner, outer) into dst; in a cluster each block copies its share of
-  // the rows (the host's W boxes are 64 / CLUSTER rows) to the same place in every block.
+  // A W box at (inner, outer) into dst: the host's box (BM rows; 64 in a cluster), or in a
+  // cluster each block's share of its 64 rows (the host's boxes are 64 / CLUSTER rows),
+  // copied to the same place in every block.
   __device__ static void load_w(u32 dst, const TensorMap* w_map, int inner, int outer, u32 full, u32 rank) {
     constexpr int SHARE = 64 / CLUSTER;
     if constexpr (CLUSTER == 1) tma_load_2d(dst, w_map, inner, outer, full);

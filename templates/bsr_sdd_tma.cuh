@@ -2,14 +2,14 @@
 // stored BM x BK blocks b of a block-sparse weight, on wgmma fed by TMA (sm_90a).
 //
 // A block's reduction runs over the tokens, which are the rows of both dY and X in memory,
-// so both operands arrive token-major: TMA copies 64 tokens x 64 features per box (128-byte
+// so both operands arrive token-major: TMA copies STAGE_T tokens x 64 features per box (128-byte
 // rows, 128-byte swizzle) and wgmma reads them transposed (MN-major: imm-trans 1). One block
 // takes a work item: up to GROUP stored blocks of one block row (consecutive in CSR order),
 // so the dY slice is read once for GATHER gathered columns of X. Warpgroup 0 produces; the
 // CONSUMERS warpgroups split the item's rows (BM 128) and its columns, WG_N each: 256 at
-// BM 128, 128 at BM 64 - where four consumers gather 512 columns, so each stage's dY box
-// serves twice the columns (fewer bytes per FLOP, which is what bounds this kernel).
-// STAGE_T tokens a stage.
+// BM 128, 128 at BM 64. Four consumers at BM 64 gather 512 columns, so a stage's dY box
+// serves twice the columns; measured no faster inside a training step on an H100
+// (BENCHMARKS.md), so the default tile keeps two and 64-token stages.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
 #include "sg_tma.cuh"
