@@ -344,13 +344,22 @@ SDD_MAX_DENSITY = {"mma": 0.3, "tma": 0.6}
 
 
 @functools.lru_cache(maxsize=None)
-def _sdd_spec(block: tuple[int, int], dtype: torch.dtype, device_index: int):
-    return sdd_spec(block, DTYPE_NAMES[dtype], runtime.device_arch(torch.device("cuda", device_index)))
+def _sdd_spec(block: tuple[int, int], dtype: torch.dtype, device_index: int, many_blocks: bool = False):
+    return sdd_spec(block, DTYPE_NAMES[dtype], runtime.device_arch(torch.device("cuda", device_index)),
+                    many_blocks=many_blocks)
 
 
 @functools.lru_cache(maxsize=None)
-def _sdd_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
-    return runtime.kernel(_sdd_spec(block, dtype, device_index), device_index)
+def _sdd_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, many_blocks: bool):
+    return runtime.kernel(_sdd_spec(block, dtype, device_index, many_blocks), device_index)
+
+
+# Stored blocks per SM from which the sdd kernel's wide tile (sdd_spec's many_blocks, items
+# of 8 blocks) pays at 64-row blocks. On an H100 (tmp_probe sweep, BENCHMARKS.md), wide over
+# narrow time: 0.83-0.85 at 7.8 and 15.5 blocks an SM, 0.90-0.94 at 21-42, 0.99 at 8.3 (short
+# rows: partial items); 1.25-1.58 at 0.8-3.9, where the narrow tile's items still fit one
+# round on the SMs and the wide one leaves half of them idle.
+SDD_WIDE_BLOCKS_PER_SM = 6
 
 
 def weight_grad(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, block) -> torch.Tensor:
@@ -375,7 +384,9 @@ def _sdd_max_density(dy2: torch.Tensor, block) -> float:
 def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:
     """Run the generated sdd kernel (or `kern`, a tile being tried) for these contiguous,
     16-bit CUDA operands into dw."""
-    kern = kern or _sdd_kernel(tuple(block), dy2.dtype, dy2.device.index or 0)
+    device_index = dy2.device.index or 0
+    many_blocks = flat_index.numel() >= SDD_WIDE_BLOCKS_PER_SM * runtime.sm_count(device_index)
+    kern = kern or _sdd_kernel(tuple(block), dy2.dtype, device_index, many_blocks)
     if kern.spec.instr == "tma":
         _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block)
     else:

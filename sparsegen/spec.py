@@ -47,9 +47,9 @@ STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "e4m3": 1}
 # The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds). The arch's
 # "a" suffix follows from instr, so from_name checks it by rebuilding the name.
+_TAG_PATTERN = r"t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)(?:c(?P<cluster>\d+))?"
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
-                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)"
-                      r"_t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)(?:c(?P<cluster>\d+))?")
+                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)_" + _TAG_PATTERN)
 _NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER]"
 CLUSTER_SIZES = (1, 2, 4)
 
@@ -73,6 +73,17 @@ class TileConfig:
     def tag(self) -> str:
         cluster = f"c{self.cluster}" if self.cluster > 1 else ""
         return f"t{self.tile_m}w{self.warps_m}x{self.warps_n}s{self.stages}{cluster}"
+
+    @classmethod
+    def from_tag(cls, tag: str) -> "TileConfig":
+        """The tile whose .tag is tag (t64w8x1s4, t64w8x1s4c2)."""
+        match = re.fullmatch(_TAG_PATTERN, tag)
+        expect(match is not None, "a tile tag like t64w8x1s4 or t64w8x1s4c2", repr(tag), SpecError)
+        return cls._from_groups(match.groupdict())
+
+    @classmethod
+    def _from_groups(cls, g: dict) -> "TileConfig":
+        return cls(**{k: int(g[k]) for k in ("tile_m", "warps_m", "warps_n", "stages")}, cluster=int(g["cluster"] or 1))
 
 
 @dataclass(frozen=True)
@@ -115,8 +126,7 @@ class KernelSpec:
         expect(match is not None, "a kernel name like bsr_dds_b32x32_bf16_nt_sm80_mma_t128w4x1s4 "
                f"({_NAME_FORM})", repr(name), SpecError)
         g = match.groupdict()
-        tile = TileConfig(**{k: int(g[k]) for k in ("tile_m", "warps_m", "warps_n", "stages")},
-                          cluster=int(g["cluster"] or 1))
+        tile = TileConfig._from_groups(g)
         spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
                    trans=g["trans"], arch=int(g["arch"]), tile=tile, instr=g["instr"])
         expect(spec.name == name, f"the name {spec.name} for these fields", repr(name), SpecError)
@@ -195,8 +205,8 @@ def _validate_sdd(spec: KernelSpec) -> None:
     if spec.instr == "tma":  # a producer and 2 (or, at 64 rows, 4) consumer warpgroups, tile_m tokens a stage
         expect(spec.arch == 90 and bm in (64, 128) and bk in (64, 128), "sm_90 and blocks of 64 or 128 for "
                "the tma bsr_sdd", f"sm_{spec.arch}, block {spec.block}", SpecError)
-        expect(t.tile_m in (32, 64) and t.warps_n == 1 and t.warps_m in ((8, 16) if bm == 64 else (8,)),
-               "tile_m 32 or 64, warps_n 1 and warps_m 8 (16 too for 64-row blocks) for the tma bsr_sdd",
+        expect(t.tile_m in (32, 48, 64) and t.warps_n == 1 and t.warps_m in ((8, 16) if bm == 64 else (8,)),
+               "tile_m 32, 48 or 64, warps_n 1 and warps_m 8 (16 too for 64-row blocks) for the tma bsr_sdd",
                t.tag, SpecError)
         return
     expect(bk % (16 * t.warps_n) == 0, f"block cols ({bk}) a multiple of 16 x warps_n", t.warps_n, SpecError)
@@ -372,17 +382,23 @@ def _input_grad_instr(instr: str, block) -> str:
     return "pairs" if instr == "swap" and block[0] == 64 else instr
 
 
-def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
+def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None,
+             many_blocks: bool = False) -> KernelSpec:
     """The weight-gradient kernel. On sm_90 with blocks of 64 or 128: wgmma fed by TMA, a
     block per 256 gathered columns of one block row, 4 stages of 64 tokens (5, which fit at
     block 64, came within 2.5% of 4 either way in `tools/bench.py --train` runs on an H200).
+    At 64-row blocks with `many_blocks` (ops.SDD_WIDE_BLOCKS_PER_SM): four consumers gathering
+    512 columns, 4 stages of 48 tokens - 6-17% faster on an H100 at (8192, 4096, 11008) and
+    (8192, 4096, 4096), densities 0.25-0.5 (a dY box serves twice the columns; 4 stages of
+    48 tokens beat 3 of 64 by 6-8%, 6 of 32 lost 10-20%).
     Elsewhere mma.sync, one threadblock per stored block, 32 or 64 rows of M a stage."""
     bm, bk = block
     if instr is None:
         instr = "tma" if tile is None and arch == 90 and bm in (64, 128) and bk in (64, 128) else "mma"
     if instr == "tma":
+        wide = many_blocks and bm == 64
         return KernelSpec(op="bsr_sdd", block=tuple(block), dtype=dtype, trans="tn", arch=arch,
-                          tile=tile or TileConfig(64, 8, 1, 4), instr="tma")
+                          tile=tile or (TileConfig(48, 16, 1, 4) if wide else TileConfig(64, 8, 1, 4)), instr="tma")
     rows, stages = (64, 3) if bm >= 128 and bk >= 128 else (32, 4)  # tools/bench.py --train sweep
     tile = tile or TileConfig(tile_m=rows, warps_m=2 if bm >= 32 else 1, warps_n=2 if bk >= 32 else 1,
                               stages=stages)
@@ -452,7 +468,8 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
     forward += [_clustered(s) for s in forward if has_call_variants(s)]
     # The backward: dX is the forward op on W^T (blocks transposed), dW the sdd op.
     backward = [forward_spec(b[::-1], d, arch) for d in wide for b in blocks if b[0] != b[1]]
-    backward += [sdd_spec(b, d, arch) for d in wide if d != "fp32" for b in blocks]
+    backward += [sdd_spec(b, d, arch, many_blocks=many) for d in wide if d != "fp32" for b in blocks
+                 for many in (False, True)]
     backward += [s for d in wide for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
     backward += [_clustered(s) for s in backward if has_call_variants(s)]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"

@@ -129,6 +129,14 @@ def test_name_round_trips_through_from_name():
         assert KernelSpec.from_name(s.name) == s
 
 
+def test_tile_tag_round_trips_and_a_bad_tag_is_a_spec_error():
+    for s in every_default_spec():
+        assert TileConfig.from_tag(s.tile.tag) == s.tile
+    for bad in ("t64w8x1", "64w8x1s4", "t64w8x1s4c", "t64w8x1s4 "):
+        with pytest.raises(SpecError, match="tile tag"):
+            TileConfig.from_tag(bad)
+
+
 BAD = {
     "dtype": dict(dtype="fp64"),
     "block side 48": dict(block=(48, 32)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import subprocess
@@ -263,28 +264,31 @@ def backward_parts(layer, x, dy):
     return dx, lambda: ops.weight_grad(dy, x, flat, layer.block)
 
 
-def tune_sdd(shape=(8192, 4096, 11008), density=0.25) -> None:
-    """Tile configurations of the weight-gradient kernel, against dense GEMM + gather."""
+SDD_TILES = {128: ["t64w8x1s4", "t48w8x1s5", "t32w8x1s8", "t32w2x2s4"],
+             64: ["t64w8x1s4", "t64w8x1s5", "t48w8x1s6", "t64w16x1s3", "t48w16x1s4", "t32w16x1s6", "t32w2x2s4"]}
+
+
+def tune_sdd(shape=(8192, 4096, 11008), densities=(0.25, 0.5)) -> None:
+    """Tile configurations of the weight-gradient kernel (warps_n 1: the wgmma one),
+    interleaved with cuBLAS's dense dW: per useful FLOP, the issue's measure."""
     from sparsegen import runtime
-    from sparsegen.layouts import bsr
-    from sparsegen.spec import TileConfig as T, sdd_spec
+    from sparsegen.spec import TileConfig, sdd_spec
 
     m, k, n = shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    for block, tiles in {128: [T(64, 8, 1, 4), T(64, 8, 1, 3), T(32, 2, 2, 4), T(64, 2, 2, 3)],
-                         64: [T(64, 8, 1, 5), T(64, 8, 1, 4), T(64, 16, 1, 3), T(32, 16, 1, 6), T(32, 8, 1, 8),
-                              T(32, 2, 2, 4), T(64, 2, 2, 3)]}.items():
+    for (block, tags), density in itertools.product(SDD_TILES.items(), densities):
         layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False, device="cuda",
                                  dtype=torch.bfloat16)
-        flat = layer.flat_index
-        dense_ms = median_ms(lambda: bsr.gather_blocks(dy.t() @ x, flat, layer.block))
-        for tile in tiles:  # warps_n 1: the wgmma kernel (tma), else mma.sync
-            kern = runtime.kernel(sdd_spec(layer.block, "bf16", 90, tile, "tma" if tile.warps_n == 1 else "mma"), 0)
-            out = torch.empty_like(layer.values)
-            launch = lambda: ops.sdd_into(out, dy, x, flat, layer.block, kern)
-            print(f"sdd b{block} d{density} {kern.spec.instr} {tile.tag}: {median_ms(launch):.3f} ms "
-                  f"(dense GEMM + gather {dense_ms:.3f} ms)", flush=True)
+        flat, out = layer.flat_index, torch.empty_like(layer.values)
+        tiles = [TileConfig.from_tag(tag) for tag in tags]
+        kernels = [runtime.kernel(sdd_spec(layer.block, "bf16", 90, t, "tma" if t.warps_n == 1 else "mma"), 0)
+                   for t in tiles]
+        launches = [lambda kern=kern: ops.sdd_into(out, dy, x, flat, layer.block, kern) for kern in kernels]
+        dense, *times = interleaved(lambda: median_ms(lambda: dy.t() @ x), *[lambda f=f: median_ms(f) for f in launches])
+        for tag, ms in zip(tags, times):
+            print(f"sdd b{block} d{density} {tag}: {ms:.3f} ms, {dense * layer.density / ms:.0%} of cuBLAS "
+                  f"per useful FLOP (dense dW {dense:.3f} ms)", flush=True)
 
 
 def compile_times() -> None:
