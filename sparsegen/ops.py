@@ -241,7 +241,8 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
 
 def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:
     """The index pointers a kernel takes: W's block CSR, and perm for swap (0: none); pairs
-    take the union columns of pairs of block rows and each row's block there instead."""
+    take the union columns of pairs of block rows, each row's block there and the pairs'
+    rows instead."""
     if spec.instr == "pairs":
         return tuple(t.data_ptr() for t in _pair_index(row_offsets, col_indices, perm))
     tail = (perm.data_ptr() if perm is not None else 0,) if spec.instr == "swap" else ()
@@ -298,8 +299,10 @@ def _pairs_pay(row_offsets, col_indices) -> bool:
     rule fits an H100 (tmp_probe-style sweep over issue #2's shapes at block 64, BENCHMARKS.md):
     pairs won 6-24% where the two rows of a pair shared a fifth of their columns or more
     (1.2+ blocks per union column, density ~0.4 and up) over long rows, and lost up to 16%
-    at density 0.1-0.25 or with 16 blocks a row (K = 1024)."""
-    pair_offsets, _, halves = _pair_index(row_offsets, col_indices, None)
+    at density 0.1-0.25 or with 16 blocks a row (K = 1024). Fitted with neighbouring rows as
+    pairs; with pairs matched by shared columns, d 0.25 qualifies at (8192, 4096, 11008) and
+    (8192, 11008, 4096) and ran 12-16% faster than swap."""
+    pair_offsets, _, halves, _ = _pair_index(row_offsets, col_indices, None)
     union, pairs = halves.shape[0], pair_offsets.numel() - 1
     return col_indices.numel() >= 1.2 * union and union >= 24 * pairs
 

@@ -16,8 +16,9 @@
 // copies it as it is (64 of its rows = 64 of K per box) and wgmma reads it M-major
 // (imm-trans-a 1) - no transposed copy of the values each step.
 //
-// PAIRS (instr "pairs", 64-row blocks): a tile is two neighbouring block rows, one per
-// consumer. The producer walks the union of their columns (bsr.pair_index), copies X's
+// PAIRS (instr "pairs", 64-row blocks): a tile is two block rows, one per consumer, matched
+// by the columns they share (bsr.overlap_pairs; pair_rows names them). The producer walks
+// the union of their columns (bsr.pair_index), copies X's
 // columns once for both rows and each row's block where it has one; a consumer multiplies
 // only where its own row has a block. X, most of the bytes a stage moves, is then copied
 // once per union column instead of once per block: fewer bytes per useful FLOP wherever
@@ -148,13 +149,21 @@ struct BsrDdsSwap {
       for (int cta = 0; cta < CLUSTER; ++cta) mbar_arrive_cluster(empty, cta);
   }
 
+  // The first row of Y a consumer stores: its rows r0.. of the tile row's block row, or
+  // with PAIRS of its block row in the pair (past N for an odd one out: nothing stored).
+  __device__ static int first_row(const int2* pair_rows, int tile_row, int r0) {
+    if constexpr (!PAIRS) return tile_row * ROWS + r0;
+    const int2 rows = __ldg(pair_rows + tile_row);
+    return 64 * (r0 == 0 ? rows.x : rows.y);
+  }
+
   // PAIRS: row_offsets and cols index the pairs' union columns, halves their blocks.
   // Tiles: (tile row, group of CLUSTER neighbouring token tiles), tile rows fastest, so the
   // blocks running at once share X's rows in L2; block `rank` of a cluster takes the
   // group's token tile `rank`. Persistent: a cluster walks groups c, c + clusters, ...
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
-                             const int* cols, const long long* perm, const int2* halves, const Elem* bias, Elem* y,
-                             int M, int K, int N) {
+                             const int* cols, const long long* perm, const int2* halves, const int2* pair_rows,
+                             const Elem* bias, Elem* y, int M, int K, int N) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
     const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + CONSUMERS * Store::BYTES;
@@ -182,10 +191,9 @@ struct BsrDdsSwap {
         const int stages = (row_offsets[block_row + 1] - first) * BK / STAGE_K;
         float acc[ACC] = {};
         consume(smem, bars, g, stages, r0, t0, acc, halves, first);
-        // (an odd number of block rows: the last pair's second row lies past N, and stores
-        // nothing; a cluster's token tile past M stores nothing either)
+        // (a cluster's token tile past M stores nothing)
         Store::store(staging + c * Store::BYTES, acc, bias, y, (t / block_rows * CLUSTER + rank) * TILE_T + t0,
-                     block_row * ROWS + r0, M, N, 2 + c);
+                     first_row(pair_rows, block_row, r0), M, N, 2 + c);
         g += stages;
       }
     }

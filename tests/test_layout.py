@@ -165,12 +165,13 @@ def test_sdd_work_items_cover_every_stored_block_once(group):
         assert sorted(covered) == list(range(flat.numel()))
 
 
-@pytest.mark.parametrize("grid", [(5, 7), (6, 1), (1, 4), (4, 9)])
+@pytest.mark.parametrize("grid", [(5, 7), (6, 1), (1, 4), (4, 9), (9, 12)])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_pair_index_lists_each_pairs_union_and_its_blocks(grid, transpose):
-    """bsr.pair_index (the pairs kernel's walk) against a plain loop: per pair of block rows
-    (an odd last row alone), every column either row has, once, in order, with each row's
-    stored block there (through perm for W^T's index) or -1."""
+    """bsr.pair_index (the pairs kernel's walk) against a plain loop: the pairs cover every
+    block row once (an odd one out with the row past the end); per pair, every column
+    either row has, once, in order, with each row's stored block there (through perm for
+    W^T's index) or -1."""
     mask = torch.rand(grid) < 0.4
     mask[min(1, grid[0] - 1)] = False  # an empty row
     if transpose:
@@ -182,11 +183,24 @@ def test_pair_index_lists_each_pairs_union_and_its_blocks(grid, transpose):
     for r in range(rows_mask.shape[0]):
         for i in range(int(row_offsets[r]), int(row_offsets[r + 1])):
             stored[r, int(col_indices[i])] = int(perm[i]) if perm is not None else i
-    pair_offsets, cols, halves = bsr.pair_index(row_offsets, col_indices, perm)
-    assert pair_offsets.numel() == (rows_mask.shape[0] + 1) // 2 + 1
-    for p in range(pair_offsets.numel() - 1):
+    pair_offsets, cols, halves, pair_rows = bsr.pair_index(row_offsets, col_indices, perm)
+    n = rows_mask.shape[0]
+    assert sorted(pair_rows.flatten().tolist()) == list(range(n + n % 2))
+    assert pair_offsets.numel() == pair_rows.shape[0] + 1
+    for p, rows in enumerate(pair_rows.tolist()):
         span = range(int(pair_offsets[p]), int(pair_offsets[p + 1]))
-        union = sorted({c for (r, c) in stored if r // 2 == p})
+        union = sorted({c for (r, c) in stored if r in rows})
         assert [int(cols[i]) for i in span] == union
         for i, c in zip(span, union):
-            assert halves[i].tolist() == [stored.get((2 * p + h, c), -1) for h in (0, 1)]
+            assert halves[i].tolist() == [stored.get((r, c), -1) for r in rows]
+
+
+def test_overlap_pairs_matches_the_rows_that_share_most():
+    """Rows 0 and 3 share four columns, 1 and 2 three; neighbours share none. A fifth row
+    with nothing in common pairs with the row past the end."""
+    mask = torch.zeros(5, 8, dtype=torch.bool)
+    mask[0, :4] = mask[3, :4] = True
+    mask[1, 4:7] = mask[2, 4:7] = True
+    mask[4, 7] = True
+    rows, cols = mask.nonzero().unbind(1)
+    assert bsr.overlap_pairs(rows, cols, 5, 8).tolist() == [[0, 3], [1, 2], [4, 5]]

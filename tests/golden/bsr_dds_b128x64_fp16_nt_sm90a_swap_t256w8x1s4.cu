@@ -24,7 +24,7 @@ bsr_dds_b128x64_fp16_nt_sm90a_swap_t256w8x1s4(const __grid_constant__ sg::Tensor
            const int* __restrict__ row_offsets, const int* __restrict__ col_indices,
            const long long* __restrict__ perm, const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
            int M, int K, int N, int w_rows) {
-  Kernel::run(&x_map, &w_map, row_offsets, col_indices, perm, nullptr, bias, y, M, K, N);
+  Kernel::run(&x_map, &w_map, row_offsets, col_indices, perm, nullptr, nullptr, bias, y, M, K, N);
 }
 
 
