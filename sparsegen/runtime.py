@@ -12,17 +12,12 @@ from .errors import LaunchError
 from .spec import KernelSpec
 
 
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result, what: str):
-    status, *values = result
-    if int(status) != 0:
-        raise LaunchError(f"CUDA driver call {what} failed: {status!r}")
-    return values[0] if len(values) == 1 else (values or None)
+def _call(what: str, status: int) -> None:
+    """Raise LaunchError for a failed driver call, with the driver's name for the error."""
+    if status != 0:
+        name = ctypes.c_char_p()
+        _libcuda().cuGetErrorName(status, ctypes.byref(name))
+        raise LaunchError(f"CUDA driver call {what} failed: {(name.value or b'?').decode()} ({status})")
 
 
 def device_arch(device: torch.device) -> int:
@@ -38,21 +33,28 @@ def sm_count(device_index: int) -> int:
 def _ensure_context(device_index: int) -> None:
     """Make torch's primary context current on this thread, as the driver API needs."""
     torch.cuda.init()  # torch creates the primary context; we share it
-    driver = _driver()
-    dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-    ctx = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-    _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    lib, dev, ctx = _libcuda(), ctypes.c_int(), ctypes.c_void_p()
+    _call("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device_index))
+    _call("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    _call("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
 
 
 @functools.lru_cache(maxsize=1)
 def _libcuda():
-    """The driver library itself: the launch path calls it through ctypes, which costs a
-    few microseconds where the cuda.bindings wrappers cost tens."""
+    """The driver library itself, called through ctypes: a launch costs a few microseconds
+    where the cuda.bindings wrappers cost tens, and a new process skips their first call
+    (about 15 ms on an H100 host, resolving the driver's entry points)."""
     lib = ctypes.CDLL("libcuda.so.1")
-    u32, ptr = ctypes.c_uint, ctypes.c_void_p
-    lib.cuLaunchKernel.argtypes = [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr]
-    lib.cuTensorMapEncodeTiled.argtypes = [ptr, ctypes.c_int, u32, ptr, ptr, ptr, ptr, ptr,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    u32, i32, ptr, out = ctypes.c_uint, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p  # out: T* results
+    argtypes = {"cuLaunchKernel": [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr],
+                "cuTensorMapEncodeTiled": [ptr, i32, u32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32],
+                "cuDeviceGet": [out, i32], "cuDevicePrimaryCtxRetain": [out, i32], "cuCtxSetCurrent": [ptr],
+                "cuModuleLoadData": [out, ctypes.c_char_p], "cuModuleGetFunction": [out, ptr, ctypes.c_char_p],
+                "cuFuncSetAttribute": [ptr, i32, i32], "cuGetErrorName": [i32, out],
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor": [out, ptr, i32, ctypes.c_size_t],
+                "cuOccupancyMaxActiveClusters": [out, ptr, ptr]}
+    for name, types in argtypes.items():
+        getattr(lib, name).argtypes = types
     return lib
 
 
@@ -77,31 +79,30 @@ class Kernel:
             _ensure_context(device_index)
             self._function = self._load(cubin)
             self.resident_blocks = self._resident_blocks()
-        self._handle = int(self._function)
+        self._handle = self._function.value
         self._cu_launch = _libcuda().cuLaunchKernel
 
     def _load(self, cubin: bytes):
-        driver = _driver()
-        self._module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({self.spec.name})")
-        function = _check(driver.cuModuleGetFunction(self._module, self.spec.name.encode()),
-                          "cuModuleGetFunction")
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(function, attr, self.smem), "cuFuncSetAttribute")
+        lib, module, function = _libcuda(), ctypes.c_void_p(), ctypes.c_void_p()
+        _call(f"cuModuleLoadData({self.spec.name})", lib.cuModuleLoadData(ctypes.byref(module), cubin))
+        self._module = module  # kept (a failed load above leaves the old one): the function lives as long as it
+        _call("cuModuleGetFunction", lib.cuModuleGetFunction(ctypes.byref(function), module, self.spec.name.encode()))
+        _call("cuFuncSetAttribute", lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem))
         return function
 
     def _resident_blocks(self) -> int:
         """Blocks of this kernel the GPU runs at once (persistent kernels size their grid by it;
         a block more would wait for a whole one to finish). Clusters must fit whole in a GPC."""
-        driver, cluster = _driver(), self.spec.tile.cluster
+        lib, cluster, count = _libcuda(), self.spec.tile.cluster, ctypes.c_int()
         if cluster == 1:
-            per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, self.threads, self.smem)
-            return max(1, _check(per_sm, "cuOccupancyMaxActiveBlocksPerMultiprocessor")) * sm_count(self.device_index)
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = self.threads, 1, 1
-        config.sharedMemBytes = self.smem
-        clusters = _check(driver.cuOccupancyMaxActiveClusters(self._function, config), "cuOccupancyMaxActiveClusters")
-        return max(1, clusters) * cluster
+            _call("cuOccupancyMaxActiveBlocksPerMultiprocessor", lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(count), self._function, self.threads, self.smem))
+            return max(1, count.value) * sm_count(self.device_index)
+        config = _LaunchConfig(gridDimX=cluster, gridDimY=1, gridDimZ=1, blockDimX=self.threads, blockDimY=1,
+                               blockDimZ=1, sharedMemBytes=self.smem)
+        _call("cuOccupancyMaxActiveClusters", lib.cuOccupancyMaxActiveClusters(
+            ctypes.byref(count), self._function, ctypes.byref(config)))
+        return max(1, count.value) * cluster
 
     def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
         """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""
@@ -125,6 +126,14 @@ class Kernel:
 
 
 _CUDA_ERROR_INVALID_CONTEXT = 201
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig (no launch attributes: cluster shapes are compiled in)."""
+    _fields_ = [(name, ctypes.c_uint) for name in ("gridDimX", "gridDimY", "gridDimZ", "blockDimX", "blockDimY",
+                                                   "blockDimZ", "sharedMemBytes")]
+    _fields_ += [("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
 
 class _Params:

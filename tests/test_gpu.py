@@ -452,3 +452,16 @@ def as_dense(layer, values: torch.Tensor) -> torch.Tensor:
         return bsr.values_to_dense(values.double(), layer.layout, layer.block)
     from sparsegen.layouts import semi24
     return semi24.decompress(values.double(), layer.metadata, (layer.out_features, layer.in_features))
+
+
+def test_a_failed_driver_call_names_the_error():
+    """The driver is called through ctypes: a failure raises LaunchError with the driver's
+    own name for the status, and a module that does not load says which kernel it was."""
+    from sparsegen import runtime
+    from sparsegen.errors import LaunchError
+
+    with pytest.raises(LaunchError, match=r"cuExample failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
+        runtime._call("cuExample", 1)
+    kern = runtime.kernel(sparsegen.spec.forward_spec((32, 32), "bf16", runtime.device_arch(torch.device("cuda"))), 0)
+    with pytest.raises(LaunchError, match=rf"cuModuleLoadData\({kern.spec.name}\) failed: CUDA_ERROR_\w+"):
+        kern._load(b"not a cubin" * 16)
