@@ -279,19 +279,28 @@ def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:
 def _swap_variant(kern, dtype: torch.dtype, m: int, row_offsets, col_indices, perm):
     """The swap family's choices at 64-row blocks that depend on the call (H100 sweeps,
     BENCHMARKS.md): the forward runs `pairs` where the layout's pairs share enough columns
-    (dX always does), and clusters of two blocks share W's copies once there are 8 or more
-    token tiles (0-5% faster at densities 0.25-0.5, dX 3-5%; with fewer tiles a cluster's
-    second one would often lie past M)."""
+    (dX always does), and clusters of two blocks share W's copies where tiles are many and
+    long (_cluster_pays)."""
     spec = kern.spec
     if not has_call_variants(spec):
         return kern
     pairs = spec.instr == "pairs" or (perm is None and _pairs_pay(row_offsets, col_indices))
-    instr, cluster = "pairs" if pairs else "swap", 2 if -(-m // spec.tile.tile_m) >= 8 else 1
+    instr = "pairs" if pairs else "swap"
+    cluster = 2 if _cluster_pays(-(-m // spec.tile.tile_m), col_indices.numel() * spec.block[1] // 64,
+                                 row_offsets.numel() - 1) else 1
     if (instr, cluster) == (spec.instr, spec.tile.cluster):
         return kern
     tile = dataclasses.replace(spec.tile, cluster=cluster)
     pick = _forward_kernel if perm is None else _transposed_kernel
     return pick(spec.block, dtype, kern.device_index, False, tile, instr)
+
+
+def _cluster_pays(token_tiles: int, stages: int, block_rows: int) -> bool:
+    """Clusters of two (sharing W's copies) from 32 token tiles and 16 stages (64 columns of
+    K) a block row on average. On an H100 they gained 0-5% at (8192, 4096, 11008) and
+    (8192, 11008, 4096) with 16-86 stages a row (dX 3-5%), lost 2-4% with 6.4, and lost 5-6%
+    at (4096, 4096, 4096) (16 token tiles) and (16384, 1024, 4096) (4 stages a row)."""
+    return token_tiles >= 32 and stages >= 16 * max(block_rows, 1)
 
 
 def _pairs_pay(row_offsets, col_indices) -> bool:
@@ -384,12 +393,18 @@ def _sdd_max_density(dy2: torch.Tensor, block) -> float:
     return SDD_MAX_DENSITY[_sdd_spec(tuple(block), dy2.dtype, dy2.device.index or 0).instr]
 
 
+def sdd_kernel_for(dy2: torch.Tensor, flat_index: torch.Tensor, block):
+    """The sdd kernel weight_grad runs for this many stored blocks on dy2's GPU: the wide
+    tile from SDD_WIDE_BLOCKS_PER_SM blocks an SM (at 64-row blocks on sm_90)."""
+    device_index = dy2.device.index or 0
+    many_blocks = flat_index.numel() >= SDD_WIDE_BLOCKS_PER_SM * runtime.sm_count(device_index)
+    return _sdd_kernel(tuple(block), dy2.dtype, device_index, many_blocks)
+
+
 def sdd_into(dw, dy2, x2, flat_index, block, kern=None) -> torch.Tensor:
     """Run the generated sdd kernel (or `kern`, a tile being tried) for these contiguous,
     16-bit CUDA operands into dw."""
-    device_index = dy2.device.index or 0
-    many_blocks = flat_index.numel() >= SDD_WIDE_BLOCKS_PER_SM * runtime.sm_count(device_index)
-    kern = kern or _sdd_kernel(tuple(block), dy2.dtype, device_index, many_blocks)
+    kern = kern or sdd_kernel_for(dy2, flat_index, block)
     if kern.spec.instr == "tma":
         _launch_sdd_tma(kern, dy2, x2, flat_index, dw, block)
     else:

@@ -64,6 +64,8 @@ def _slow_current_stream(device_index: int) -> int:
 
 # The raw-handle query inductor uses costs ~1 us; building a torch Stream object, ~10.
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
+# Likewise the raw device query: torch.cuda.current_device() adds its lazy-init check (~3 us).
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 class Kernel:
@@ -106,7 +108,7 @@ class Kernel:
 
     def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
         """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""
-        if torch.cuda.current_device() != self.device_index:
+        if _current_device() != self.device_index:
             # The driver launches into the thread's current context: make it this device's.
             with torch.cuda.device(self.device_index):
                 return self.launch(grid, maps, pointers, ints)

@@ -355,6 +355,25 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
     assert not out.isnan().any() and relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(not is_hopper(), reason="the wide tile is the wgmma kernel's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_weight_grad_takes_the_wide_tile_for_many_blocks(dtype):
+    """Enough stored 64-row blocks for the wide dW tile (ops.SDD_WIDE_BLOCKS_PER_SM an SM):
+    the default sdd kernel is the wide one, and it matches float64, output poisoned first."""
+    sms = sparsegen.runtime.sm_count(0)
+    rows = cols = int((4 * ops.SDD_WIDE_BLOCKS_PER_SM * sms) ** 0.5) + 1  # twice enough at density 0.5
+    mask = torch.rand(rows, cols) < 0.5
+    flat = bsr.flat_index(mask, "cuda")
+    dy = torch.randn(93, rows * 64, device="cuda", dtype=dtype)
+    x = torch.randn(93, cols * 64, device="cuda", dtype=dtype)
+    assert ops.sdd_kernel_for(dy, flat, (64, 64)).spec.tile == TileConfig(48, 16, 1, 4)
+    assert ops.sdd_kernel_for(dy, flat[: 4 * sms], (64, 64)).spec.tile == TileConfig(64, 8, 1, 4)
+    got = torch.full((flat.numel(), 64, 64), float("nan"), device="cuda", dtype=dtype)
+    ops.sdd_into(got, dy, x, flat, (64, 64))
+    want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, (64, 64))
+    assert not got.isnan().any() and relative_error(got, want) < TOLERANCE[dtype]
+
+
 def test_autocast_on_gpu_matches_float64():
     layer = sparsegen.linear(512, 256, block=(64, 64), density=0.5, device="cuda")  # float32 params
     x = torch.randn(300, 512, device="cuda", requires_grad=True)
