@@ -18,11 +18,11 @@
 //
 // PAIRS (instr "pairs", 64-row blocks): a tile is two block rows, one per consumer, matched
 // by the columns they share (bsr.overlap_pairs; pair_rows names them). The producer walks
-// the union of their columns (bsr.pair_index), copies X's
-// columns once for both rows and each row's block where it has one; a consumer multiplies
-// only where its own row has a block. X, most of the bytes a stage moves, is then copied
-// once per union column instead of once per block: fewer bytes per useful FLOP wherever
-// the two rows share columns, which is what bounds these kernels.
+// the union of their columns (bsr.pair_index), copies X's columns once for both rows and
+// each row's block where it has one; a consumer multiplies only where its own row has a
+// block. X, most of the bytes a stage moves, is then copied once per union column instead
+// of once per block: fewer bytes per useful FLOP wherever the two rows share columns, which
+// is what bounds these kernels.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
 #include "sg_store_t.cuh"

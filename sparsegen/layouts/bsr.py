@@ -82,9 +82,7 @@ def pair_index(row_offsets: torch.Tensor, col_indices: torch.Tensor, perm: torch
     cols = col_indices.long().cpu()
     width = int(cols.max()) + 1 if cols.numel() else 1
     pair_rows = overlap_pairs(rows, cols, counts.numel(), width)
-    pair_of, member = torch.empty(counts.numel() + 1, dtype=torch.long), torch.empty(counts.numel() + 1, dtype=torch.long)
-    pair_of[pair_rows.flatten()] = torch.arange(pair_rows.shape[0]).repeat_interleave(2)
-    member[pair_rows.flatten()] = torch.tensor([0, 1]).repeat(pair_rows.shape[0])
+    pair_of, member = _slots(pair_rows)
     key = pair_of[rows] * width + cols
     order = torch.argsort(key, stable=True)
     union, item = torch.unique_consecutive(key[order], return_inverse=True)
@@ -95,6 +93,15 @@ def pair_index(row_offsets: torch.Tensor, col_indices: torch.Tensor, perm: torch
     device = col_indices.device
     return (pair_offsets.to(torch.int32).to(device), (union % width).to(torch.int32).to(device),
             halves.to(device), pair_rows.to(torch.int32).to(device))
+
+
+def _slots(pair_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block row (and the row past the end): its pair, and whether it is the pair's
+    first (0) or second (1) row."""
+    pair_of, member = torch.empty(pair_rows.numel(), dtype=torch.long), torch.empty(pair_rows.numel(), dtype=torch.long)
+    pair_of[pair_rows.flatten()] = torch.arange(pair_rows.shape[0]).repeat_interleave(2)
+    member[pair_rows.flatten()] = torch.tensor([0, 1]).repeat(pair_rows.shape[0])
+    return pair_of, member
 
 
 def overlap_pairs(rows: torch.Tensor, cols: torch.Tensor, n_rows: int, width: int, candidates: int = 16):
