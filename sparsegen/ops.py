@@ -223,6 +223,9 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
+    if perm is None and tile is None and instr is None and _dense_pays(block, values.shape[0], m, k, out_features):
+        _dense_forward(x2, values, row_offsets, col_indices, bias, block, y)
+        return shaped
     if perm is None:
         kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
     else:
@@ -237,6 +240,39 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     ints = (m, k, out_features) + _tma_tail(kern.spec, values)
     kern.launch(grid, maps, pointers, ints)
     return shaped
+
+
+# Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
+# (BENCHMARKS.md) block 16 ran 0.6-0.84x dense at d 0.1 and 0.2x at 0.5, block 32 0.9-1.03x
+# at 0.25 and 0.45-0.54x at 0.5, while scattering the blocks into a dense weight costs ~6% of
+# the GEMM at M = 8192. Per smaller block side, the density from which the forward takes that
+# path, for DENSE_MIN_ROWS tokens or more (with fewer the GEMM does too little work to pay
+# for reading and writing a dense weight).
+DENSE_FROM_DENSITY = {16: 0.08, 32: 0.3}
+DENSE_MIN_ROWS = 1024
+
+
+def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) -> bool:
+    least = DENSE_FROM_DENSITY.get(min(block))
+    grid = (out_features // block[0]) * (k // block[1])
+    return least is not None and m >= DENSE_MIN_ROWS and stored_blocks >= least * grid
+
+
+@torch.no_grad()  # like the kernels: callers differentiate this op themselves (autograd.py)
+def _dense_forward(x2, values, row_offsets, col_indices, bias, block, y) -> None:
+    """Y = X W^T (+ bias) by cuBLAS, W scattered from its blocks into a transient dense weight."""
+    rows = _per_layout("block rows", row_offsets, _block_rows, row_offsets, col_indices)
+    weight = bsr.scatter_rows(values, rows, col_indices, (y.shape[1], x2.shape[1]), block)
+    if bias is None:
+        torch.mm(x2, weight.t(), out=y)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=y)
+
+
+def _block_rows(row_offsets: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """Each stored block's block row (no host sync: the output size is known)."""
+    rows = torch.arange(row_offsets.numel() - 1, device=row_offsets.device)
+    return torch.repeat_interleave(rows, row_offsets.diff(), output_size=col_indices.numel())
 
 
 def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:

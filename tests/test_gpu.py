@@ -374,6 +374,24 @@ def test_weight_grad_takes_the_wide_tile_for_many_blocks(dtype):
     assert not got.isnan().any() and relative_error(got, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("block, density, rows", [((16, 16), 0.5, 1100), ((32, 32), 0.6, 1025), ((32, 64), 0.7, 2000),
+                                                  ((16, 16), 0.5, 1000)])
+def test_small_blocks_at_high_density_forward_matches_float64(block, density, rows, dtype):
+    """Blocks of 16 or 32 dense enough (ops.DENSE_FROM_DENSITY) over enough tokens run cuBLAS on
+    the blocks scattered into a dense weight; fewer tokens keep the kernel. Either way the
+    answer matches float64, with bias, into a poisoned `out` and with leading batch dims."""
+    layer = sparsegen.linear(5 * block[1], 7 * block[0], block=block, density=density, device="cuda", dtype=dtype)
+    assert ops._dense_pays(block, layer.values.shape[0], rows, layer.in_features, layer.out_features) == (rows >= 1024)
+    x = torch.randn(rows, layer.in_features, device="cuda", dtype=dtype)
+    out = torch.full((rows, layer.out_features), float("nan"), device="cuda", dtype=dtype)
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
+                out=out)
+    assert not out.isnan().any() and relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
+    batched = layer(x.view(rows // 5 if rows % 5 == 0 else 1, -1, layer.in_features))
+    assert relative_error(batched.reshape(rows, -1), reference(layer, x)) < TOLERANCE[dtype]
+
+
 def test_autocast_on_gpu_matches_float64():
     layer = sparsegen.linear(512, 256, block=(64, 64), density=0.5, device="cuda")  # float32 params
     x = torch.randn(300, 512, device="cuda", requires_grad=True)
@@ -419,21 +437,22 @@ def capture_forward_backward(layer, x, grad_out):
     return graph, out
 
 
-@pytest.mark.parametrize("make_layer", [
-    lambda: sparsegen.linear(320, 192, block=(16, 16), density=0.25, device="cuda", dtype=torch.bfloat16),
-    lambda: sparsegen.linear(512, 384, block=(64, 64), density=0.25, device="cuda", dtype=torch.bfloat16),
-    lambda: sparsegen.linear(512, 384, block=(128, 128), density=0.5, device="cuda", dtype=torch.float16),
-    lambda: sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16),
-], ids=["b16", "b64", "b128", "2:4"])
-def test_cuda_graph_replays_forward_and_backward_on_new_inputs(make_layer):
+@pytest.mark.parametrize("make_layer, rows", [
+    (lambda: sparsegen.linear(320, 192, block=(16, 16), density=0.25, device="cuda", dtype=torch.bfloat16), 300),
+    (lambda: sparsegen.linear(320, 192, block=(16, 16), density=0.5, device="cuda", dtype=torch.bfloat16), 1100),
+    (lambda: sparsegen.linear(512, 384, block=(64, 64), density=0.25, device="cuda", dtype=torch.bfloat16), 300),
+    (lambda: sparsegen.linear(512, 384, block=(128, 128), density=0.5, device="cuda", dtype=torch.float16), 300),
+    (lambda: sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16), 300),
+], ids=["b16", "b16-dense-forward", "b64", "b128", "2:4"])
+def test_cuda_graph_replays_forward_and_backward_on_new_inputs(make_layer, rows):
     """Training steps replayed as one CUDA graph (what torch.compile's reduce-overhead mode
     and the training demo do): no host sync or allocation in the launches, and each replay,
     on fresh inputs and with its outputs poisoned first, gives the float64 answers."""
     torch.manual_seed(0)
     layer = make_layer()
     dtype = layer.values.dtype
-    x = torch.randn(300, layer.in_features, device="cuda", dtype=dtype, requires_grad=True)
-    grad_out = torch.randn(300, layer.out_features, device="cuda", dtype=dtype)
+    x = torch.randn(rows, layer.in_features, device="cuda", dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(rows, layer.out_features, device="cuda", dtype=dtype)
     graph, out = capture_forward_backward(layer, x, grad_out)
     weight64 = layer.to_dense_weight().double()
     for _ in range(2):
