@@ -13,7 +13,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import runtime
 from .errors import expect
 from .layouts import bsr
-from .spec import ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, sdd_spec, sp24_compress_spec, sp24_spec
+from .spec import (ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, scatter_spec,
+                   sdd_spec, sp24_compress_spec, sp24_spec)
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
@@ -244,35 +245,59 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
 
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
 # (BENCHMARKS.md) block 16 ran 0.6-0.84x dense at d 0.1 and 0.2x at 0.5, block 32 0.9-1.03x
-# at 0.25 and 0.45-0.54x at 0.5, while scattering the blocks into a dense weight costs ~6% of
-# the GEMM at M = 8192. Per smaller block side, the density from which the forward takes that
-# path, for DENSE_MIN_ROWS tokens or more (with fewer the GEMM does too little work to pay
-# for reading and writing a dense weight).
+# at 0.25 and 0.45-0.54x at 0.5, while scattering the blocks into a dense weight (the
+# generated bsr_scatter kernel: 25 us for 4096 x 4096, 58 us for 11008 x 4096) costs 5-13%
+# of the GEMM at M = 4096-8192. Per smaller block side, the density from which the forward
+# takes that path, for DENSE_MIN_ROWS tokens or more (with fewer the GEMM does too little
+# work to pay for reading and writing a dense weight).
 DENSE_FROM_DENSITY = {16: 0.08, 32: 0.3}
 DENSE_MIN_ROWS = 1024
 
 
 def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) -> bool:
+    if m < DENSE_MIN_ROWS:  # first: the cheapest test, and the one small batches fail
+        return False
     least = DENSE_FROM_DENSITY.get(min(block))
-    grid = (out_features // block[0]) * (k // block[1])
-    return least is not None and m >= DENSE_MIN_ROWS and stored_blocks >= least * grid
+    return least is not None and stored_blocks >= least * (out_features // block[0]) * (k // block[1])
 
 
 @torch.no_grad()  # like the kernels: callers differentiate this op themselves (autograd.py)
 def _dense_forward(x2, values, row_offsets, col_indices, bias, block, y) -> None:
     """Y = X W^T (+ bias) by cuBLAS, W scattered from its blocks into a transient dense weight."""
-    rows = _per_layout("block rows", row_offsets, _block_rows, row_offsets, col_indices)
-    weight = bsr.scatter_rows(values, rows, col_indices, (y.shape[1], x2.shape[1]), block)
+    weight = dense_weight(values, row_offsets, col_indices, (y.shape[1], x2.shape[1]), block)
     if bias is None:
         torch.mm(x2, weight.t(), out=y)
     else:
         torch.addmm(bias, x2, weight.t(), out=y)
 
 
-def _block_rows(row_offsets: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
-    """Each stored block's block row (no host sync: the output size is known)."""
-    rows = torch.arange(row_offsets.numel() - 1, device=row_offsets.device)
-    return torch.repeat_interleave(rows, row_offsets.diff(), output_size=col_indices.numel())
+def dense_weight(values, row_offsets, col_indices, shape, block) -> torch.Tensor:
+    """The dense W [N, K] of CUDA `values` on the generated bsr_scatter kernel: one pass that
+    writes W once (2.5x faster on an H100 than zeros plus an indexed write, BENCHMARKS.md)."""
+    (n, k), (bm, bk) = shape, tuple(block)
+    slot = _per_layout("block slots", row_offsets, _block_slots, row_offsets, col_indices, n // bm, k // bk)
+    kern = _scatter_kernel((bm, bk), values.dtype, values.device.index or 0)
+    values = values.contiguous() if values.data_ptr() % 16 == 0 else values.clone()  # read 16 bytes at a time
+    dense = values.new_empty(n, k)
+    chunks = -(-bm * k * values.element_size() // 16 // kern.threads)
+    kern.launch(((n // bm) * chunks, 1, 1), (), (values.data_ptr(), slot.data_ptr(), dense.data_ptr()), (k, chunks))
+    return dense
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(scatter_spec(block, DTYPE_NAMES[dtype], arch), device_index)
+
+
+def _block_slots(row_offsets: torch.Tensor, col_indices: torch.Tensor, block_rows: int, block_cols: int):
+    """Per block position (row-major), its stored block's index in the values, or -1 (int32;
+    no host sync: every size is known)."""
+    rows = torch.arange(block_rows, device=row_offsets.device)
+    rows = torch.repeat_interleave(rows, row_offsets.diff(), output_size=col_indices.numel())
+    slot = torch.full((block_rows * block_cols,), -1, dtype=torch.int32, device=row_offsets.device)
+    slot[rows * block_cols + col_indices] = torch.arange(col_indices.numel(), dtype=torch.int32, device=slot.device)
+    return slot
 
 
 def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:

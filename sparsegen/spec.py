@@ -26,10 +26,12 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # 16 x 32 tile of W, the granule its shapes come in. sp24_compress: prune a dense W to 2:4
 # and pack values and metadata (one thread per metadata word; tile gives the block size).
 # sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
-OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress", "sp24_mask")
+# bsr_scatter: the dense W of a block-sparse one (the forward's dense path, ops._dense_forward).
+OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress", "sp24_mask", "bsr_scatter")
 SP24_OPS = ("sp24_dds", "sp24_compress", "sp24_mask")
 TRANSPOSES = ("nt", "tn", "nn")  # nn: bsr_dds reading W's stored blocks as W^T (dX = dY W; swap only)
-OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt", "sp24_mask": "nt"}  # operand layouts
+OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt", "sp24_mask": "nt",
+            "bsr_scatter": "nt"}  # operand layouts
 SP24_BLOCK = (16, 32)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
@@ -160,7 +162,7 @@ class KernelSpec:
             return self.tile.stages * self.tile.tile_m * per_token + 1024 + 16 * self.tile.stages
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
-        if self.op in ("sp24_compress", "sp24_mask"):
+        if self.op in ("sp24_compress", "sp24_mask", "bsr_scatter"):
             return 0
         if self.op == "sp24_dds" and self.instr == "tma":  # 128 bytes per X row, 64 + 8 (e4m3: 16) per W row
             staging = self.sp24_w_rows * 2 * (64 if self.tile.tile_m >= 128 else 32)  # the store's token chunks
@@ -189,6 +191,9 @@ class KernelSpec:
                SpecError)
         if self.op == "bsr_sdd":
             _validate_sdd(self)
+        if self.op == "bsr_scatter":
+            expect(self.instr == "mma" and self.dtype in BLOCK_DTYPES, f"instr 'mma' and a dtype in {BLOCK_DTYPES} "
+                   "for bsr_scatter (it copies, no tensor cores)", f"{self.instr}, {self.dtype}", SpecError)
         if self.dtype in BYTE_DTYPES:
             _validate_byte_dtype(self)
         if self.op in SP24_OPS:
@@ -440,6 +445,12 @@ def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> Kern
                       tile=TileConfig(64, 4, 2, 2), instr="mma")
 
 
+def scatter_spec(block, dtype: str, arch: int) -> KernelSpec:
+    """The dense weight of a block-sparse one: 256 threads a block, 16 bytes each."""
+    return KernelSpec(op="bsr_scatter", block=tuple(block), dtype=dtype, trans="nt", arch=arch,
+                      tile=TileConfig(64, 4, 2, 2), instr="mma")
+
+
 def has_call_variants(spec: KernelSpec) -> bool:
     """The swap family at 64-row blocks: the kernels whose pairs and cluster variants
     ops._swap_variant picks per call (and precompile builds)."""
@@ -472,6 +483,8 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
                  for many in (False, True)]
     backward += [s for d in wide for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
     backward += [_clustered(s) for s in backward if has_call_variants(s)]
+    # the forward's dense path for small blocks at high density (ops.DENSE_FROM_DENSITY)
+    forward += [scatter_spec(b, d, arch) for d in wide for b in blocks if min(b) <= 32]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]

@@ -109,7 +109,8 @@ def largest_per_kind(specs):
     return [s for _, s in largest.values()]
 
 
-SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.op not in ("sp24_compress", "sp24_mask")])  # no MMAs there
+NO_MMA_OPS = ("sp24_compress", "sp24_mask", "bsr_scatter")
+SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.op not in NO_MMA_OPS])
 # How each instruction family moves a stage into shared memory, as SASS spells it.
 STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG",
               "pairs": "UTMALDG"}
@@ -126,6 +127,16 @@ def test_sass_uses_tensor_cores_without_spills(spec, tmp_path):
     assert STAGE_LOAD[spec.instr] in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spill in SASS"
     assert re.search(rf"Function {spec.name}:\s*REG:\d+ STACK:0 SHARED:\d+ LOCAL:0\b", usage), usage
+
+
+@needs_tools
+@pytest.mark.parametrize("spec", [s for s in DEFAULT_SPECS if s.op == "bsr_scatter" and s.arch == 90 and s.block == (16, 16)],
+                         ids=lambda s: s.name)
+def test_scatter_moves_16_bytes_a_thread_without_spills(spec, tmp_path):
+    """The dense path's weight kernel: 128-bit loads and stores (one pass, coalesced), no spill."""
+    sass, usage = disassemble(spec, tmp_path)
+    assert re.search(r"\bSTG\.E\.128\b", sass) and re.search(r"\bLDG\.E\.(CONSTANT\.)?128\b", sass), sass[-2000:]
+    assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
 def test_sass_checks_cover_every_dtype_and_instruction():

@@ -392,6 +392,23 @@ def test_small_blocks_at_high_density_forward_matches_float64(block, density, ro
     assert relative_error(batched.reshape(rows, -1), reference(layer, x)) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("block", [(16, 16), (32, 32), (16, 64), (64, 16), (128, 32)], ids=str)
+def test_dense_weight_kernel_writes_every_element(block, dtype):
+    """The generated bsr_scatter kernel (the dense path's weight) against the mask oracle,
+    with an empty block row and column; the memory it lands in was NaN just before, so a
+    position it skipped would show."""
+    mask = torch.rand(7, 5) < 0.5
+    mask[2], mask[:, 1] = False, False
+    values = torch.randn(int(mask.sum()), *block, device="cuda", dtype=dtype)
+    row_offsets, col_indices = bsr.indices(mask, "cuda")
+    shape = (7 * block[0], 5 * block[1])
+    del_me = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+    del del_me  # the caching allocator hands this block to the next allocation of its size
+    got = ops.dense_weight(values, row_offsets, col_indices, shape, block)
+    assert torch.equal(got, bsr.values_to_dense(values, mask, block))
+
+
 def test_autocast_on_gpu_matches_float64():
     layer = sparsegen.linear(512, 256, block=(64, 64), density=0.5, device="cuda")  # float32 params
     x = torch.randn(300, 512, device="cuda", requires_grad=True)

@@ -204,14 +204,3 @@ def test_overlap_pairs_matches_the_rows_that_share_most():
     mask[4, 7] = True
     rows, cols = mask.nonzero().unbind(1)
     assert bsr.overlap_pairs(rows, cols, 5, 8).tolist() == [[0, 3], [1, 2], [4, 5]]
-
-@pytest.mark.parametrize("grid, block", [((5, 7), (16, 32)), ((1, 1), (16, 16)), ((6, 3), (64, 16))])
-def test_scatter_rows_matches_the_mask_oracle(grid, block):
-    """bsr.scatter_rows (the dense-forward path's weight) against values_to_dense; an empty row too."""
-    mask = torch.rand(grid) < 0.5
-    mask[0] = False
-    values = torch.randn(int(mask.sum()), *block)
-    row_offsets, col_indices = bsr.indices(mask)
-    rows = torch.repeat_interleave(torch.arange(grid[0]), row_offsets.diff().long())
-    dense = bsr.scatter_rows(values, rows, col_indices, (grid[0] * block[0], grid[1] * block[1]), block)
-    assert torch.equal(dense, bsr.values_to_dense(values, mask, block))

@@ -148,15 +148,6 @@ def scatter_blocks(values: torch.Tensor, flat: torch.Tensor, shape, block) -> to
     return grid.reshape(n // bm, k // bk, bm, bk).transpose(1, 2).reshape(n, k)
 
 
-def scatter_rows(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape, block) -> torch.Tensor:
-    """The dense weight from each stored block's block row and column, written into its
-    place in one pass (no intermediate grid of blocks to transpose)."""
-    (n, k), (bm, bk) = shape, block
-    dense = values.new_zeros(n, k)
-    dense.view(n // bm, bm, k // bk, bk).permute(0, 2, 1, 3)[rows, cols] = values
-    return dense
-
-
 def blocks_of(dense: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """[N, K] -> [N/bm, K/bk, bm, bk] view-like tensor of its blocks."""
     n, k = dense.shape
