@@ -246,7 +246,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
 # (BENCHMARKS.md) block 16 ran 0.6-0.84x dense at d 0.1 and 0.2x at 0.5, block 32 0.9-1.03x
 # at 0.25 and 0.45-0.54x at 0.5, while scattering the blocks into a dense weight (the
-# generated bsr_scatter kernel: 25 us for 4096 x 4096, 58 us for 11008 x 4096) costs 5-13%
+# generated bsr_scatter kernel: 25 us for 4096 x 4096, 58 us for 11008 x 4096) costs 5-14%
 # of the GEMM at M = 4096-8192. Per smaller block side, the density from which the forward
 # takes that path, for DENSE_MIN_ROWS tokens or more (with fewer the GEMM does too little
 # work to pay for reading and writing a dense weight).
@@ -273,9 +273,9 @@ def _dense_forward(x2, values, row_offsets, col_indices, bias, block, y) -> None
 
 def dense_weight(values, row_offsets, col_indices, shape, block) -> torch.Tensor:
     """The dense W [N, K] of CUDA `values` on the generated bsr_scatter kernel: one pass that
-    writes W once (2.5x faster on an H100 than zeros plus an indexed write, BENCHMARKS.md)."""
+    writes W once (about 3x faster on an H100 than zeros plus an indexed write, BENCHMARKS.md)."""
     (n, k), (bm, bk) = shape, tuple(block)
-    slot = _per_layout("block slots", row_offsets, _block_slots, row_offsets, col_indices, n // bm, k // bk)
+    slot = _per_layout("block slots", row_offsets, bsr.block_slots, row_offsets, col_indices, k // bk)
     kern = _scatter_kernel((bm, bk), values.dtype, values.device.index or 0)
     values = values.contiguous() if values.data_ptr() % 16 == 0 else values.clone()  # read 16 bytes at a time
     dense = values.new_empty(n, k)
@@ -288,16 +288,6 @@ def dense_weight(values, row_offsets, col_indices, shape, block) -> torch.Tensor
 def _scatter_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     return runtime.kernel(scatter_spec(block, DTYPE_NAMES[dtype], arch), device_index)
-
-
-def _block_slots(row_offsets: torch.Tensor, col_indices: torch.Tensor, block_rows: int, block_cols: int):
-    """Per block position (row-major), its stored block's index in the values, or -1 (int32;
-    no host sync: every size is known)."""
-    rows = torch.arange(block_rows, device=row_offsets.device)
-    rows = torch.repeat_interleave(rows, row_offsets.diff(), output_size=col_indices.numel())
-    slot = torch.full((block_rows * block_cols,), -1, dtype=torch.int32, device=row_offsets.device)
-    slot[rows * block_cols + col_indices] = torch.arange(col_indices.numel(), dtype=torch.int32, device=slot.device)
-    return slot
 
 
 def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:
@@ -359,7 +349,7 @@ def _swap_variant(kern, dtype: torch.dtype, m: int, row_offsets, col_indices, pe
 def _cluster_pays(token_tiles: int, stages: int, block_rows: int) -> bool:
     """Clusters of two (sharing W's copies) from 32 token tiles and 16 stages (64 columns of
     K) a block row on average. On an H100 they gained 0-5% at (8192, 4096, 11008) and
-    (8192, 11008, 4096) with 16-86 stages a row (dX 3-5%), lost 2-4% with 6.4, and lost 5-6%
+    (8192, 11008, 4096) with 16-86 stages a row (dX 3-5%), lost up to 3.5% with 6.4, and 5-6%
     at (4096, 4096, 4096) (16 token tiles) and (16384, 1024, 4096) (4 stages a row)."""
     return token_tiles >= 32 and stages >= 16 * max(block_rows, 1)
 

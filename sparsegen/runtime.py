@@ -119,8 +119,7 @@ class Kernel:
             # thread when a kernel is its first GPU work - has no current context.
             _ensure_context(self.device_index)
             status = self._launch_raw(grid, params)
-        if status != 0:
-            raise LaunchError(f"launch of {self.spec.name} failed: CUresult {status}")
+        _call(f"cuLaunchKernel({self.spec.name})", status)
 
     def _launch_raw(self, grid, params) -> int:
         return self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
@@ -176,9 +175,7 @@ class TensorMap:
             self.address, _TMA_DTYPES[dtype], 2, ptr, u64x2(cols, rows), u64x2(cols * size, 0),
             u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE[box_cols * size] if swizzle else 0,
             _L2_PROMOTE_256B, 0)
-        if status != 0:
-            raise LaunchError(f"cuTensorMapEncodeTiled failed: CUresult {status} "
-                              f"(rows {rows}, cols {cols}, box {box_rows}x{box_cols})")
+        _call(f"cuTensorMapEncodeTiled(rows {rows}, cols {cols}, box {box_rows}x{box_cols})", status)
 
 
 # A descriptor holds only an address and a shape, so it is safe to reuse whenever both

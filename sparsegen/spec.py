@@ -395,7 +395,7 @@ def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr
     At 64-row blocks with `many_blocks` (ops.SDD_WIDE_BLOCKS_PER_SM): four consumers gathering
     512 columns, 4 stages of 48 tokens - 6-17% faster on an H100 at (8192, 4096, 11008) and
     (8192, 4096, 4096), densities 0.25-0.5 (a dY box serves twice the columns; 4 stages of
-    48 tokens beat 3 of 64 by 6-8%, 6 of 32 lost 10-20%).
+    48 tokens beat 3 of 64 by 6-8%, 6 of 32 lost 6-13%).
     Elsewhere mma.sync, one threadblock per stored block, 32 or 64 rows of M a stage."""
     bm, bk = block
     if instr is None:
@@ -439,16 +439,19 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
                       instr=instr)
 
 
+# Kernels without tensor cores (pruning, scattering): of the tile only its 256 threads count.
+THREADS_256 = TileConfig(64, 4, 2, 2)
+
+
 def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> KernelSpec:
     """256 threads a block, one metadata word (or, for op sp24_mask, one 4 x 4 tile) each."""
-    return KernelSpec(op=op, block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch,
-                      tile=TileConfig(64, 4, 2, 2), instr="mma")
+    return KernelSpec(op=op, block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=THREADS_256, instr="mma")
 
 
 def scatter_spec(block, dtype: str, arch: int) -> KernelSpec:
     """The dense weight of a block-sparse one: 256 threads a block, 16 bytes each."""
-    return KernelSpec(op="bsr_scatter", block=tuple(block), dtype=dtype, trans="nt", arch=arch,
-                      tile=TileConfig(64, 4, 2, 2), instr="mma")
+    return KernelSpec(op="bsr_scatter", block=tuple(block), dtype=dtype, trans="nt", arch=arch, tile=THREADS_256,
+                      instr="mma")
 
 
 def has_call_variants(spec: KernelSpec) -> bool:

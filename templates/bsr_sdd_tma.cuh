@@ -8,8 +8,8 @@
 // so the dY slice is read once for GATHER gathered columns of X. Warpgroup 0 produces; the
 // CONSUMERS warpgroups split the item's rows (BM 128) and its columns, WG_N each: 256 at
 // BM 128, 128 at BM 64. Four consumers at BM 64 gather 512 columns, so a stage's dY box
-// serves twice the columns; measured no faster inside a training step on an H100
-// (BENCHMARKS.md), so the default tile keeps two and 64-token stages.
+// serves twice the columns: the default for layers with many blocks (sdd_spec's
+// many_blocks), with 4 stages of 48 tokens; smaller layers keep two and 64-token stages.
 #pragma once
 #include "bsr_dds_wgmma.cuh"
 #include "sg_tma.cuh"

@@ -204,3 +204,16 @@ def test_overlap_pairs_matches_the_rows_that_share_most():
     mask[4, 7] = True
     rows, cols = mask.nonzero().unbind(1)
     assert bsr.overlap_pairs(rows, cols, 5, 8).tolist() == [[0, 3], [1, 2], [4, 5]]
+
+
+@pytest.mark.parametrize("grid", [(5, 7), (1, 1), (6, 3)])
+def test_block_slots_inverts_flat_index(grid):
+    """bsr.block_slots (the scatter kernel's map): each stored block's position names its
+    index in the values, every other position -1; an empty row too."""
+    mask = torch.rand(grid) < 0.5
+    mask[0] = False
+    row_offsets, col_indices = bsr.indices(mask)
+    slot = bsr.block_slots(row_offsets, col_indices, grid[1])
+    want = torch.full((mask.numel(),), -1, dtype=torch.int32)
+    want[bsr.flat_index(mask)] = torch.arange(int(mask.sum()), dtype=torch.int32)
+    assert torch.equal(slot, want)

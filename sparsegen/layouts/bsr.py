@@ -77,12 +77,11 @@ def pair_index(row_offsets: torch.Tensor, col_indices: torch.Tensor, perm: torch
     stored block at that column - its position in the values, through `perm` when given -
     or -1 where the row has none; and `pair_rows` [pairs, 2] (int32): the two block rows.
     Reads the index on the host (once per layout: see ops)."""
-    counts = row_offsets.diff().long().cpu()
-    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    cols = col_indices.long().cpu()
+    row_offsets, cols = row_offsets.cpu(), col_indices.long().cpu()
+    rows, block_rows = stored_block_rows(row_offsets, cols.numel()), row_offsets.numel() - 1
     width = int(cols.max()) + 1 if cols.numel() else 1
-    pair_rows = overlap_pairs(rows, cols, counts.numel(), width)
-    pair_of, member = _slots(pair_rows)
+    pair_rows = overlap_pairs(rows, cols, block_rows, width)
+    pair_of, member = _pair_members(pair_rows)
     key = pair_of[rows] * width + cols
     order = torch.argsort(key, stable=True)
     union, item = torch.unique_consecutive(key[order], return_inverse=True)
@@ -95,7 +94,24 @@ def pair_index(row_offsets: torch.Tensor, col_indices: torch.Tensor, perm: torch
             halves.to(device), pair_rows.to(torch.int32).to(device))
 
 
-def _slots(pair_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_block_rows(row_offsets: torch.Tensor, stored: int) -> torch.Tensor:
+    """Each stored block's block row, from the CSR row offsets (no host sync: `stored`, the
+    number of stored blocks, is the output's size)."""
+    rows = torch.arange(row_offsets.numel() - 1, device=row_offsets.device)
+    return torch.repeat_interleave(rows, row_offsets.diff(), output_size=stored)
+
+
+def block_slots(row_offsets: torch.Tensor, col_indices: torch.Tensor, block_cols: int) -> torch.Tensor:
+    """Per block position of the grid (row-major), its stored block's index in the values,
+    or -1 (int32): the inverse of flat_index."""
+    block_rows = row_offsets.numel() - 1
+    flat = stored_block_rows(row_offsets, col_indices.numel()) * block_cols + col_indices
+    slot = torch.full((block_rows * block_cols,), -1, dtype=torch.int32, device=col_indices.device)
+    slot[flat] = torch.arange(col_indices.numel(), dtype=torch.int32, device=slot.device)
+    return slot
+
+
+def _pair_members(pair_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block row (and the row past the end): its pair, and whether it is the pair's
     first (0) or second (1) row."""
     pair_of, member = torch.empty(pair_rows.numel(), dtype=torch.long), torch.empty(pair_rows.numel(), dtype=torch.long)
