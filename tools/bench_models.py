@@ -1,0 +1,490 @@
+"""Whole models, dense against sparsegen, side by side in one process: the figure that says
+whether sparsegen makes a user's model faster.
+
+GPU:  PYTHONPATH=. python tools/bench_models.py --json out/models.json [--cases bert16,llama_prefill]
+      [--modes eager,compile,reduce-overhead] [--variants dense,2:4,b64d0.5] [--host]
+then: python tools/bench_models.py --report out/models.json [...more.json] --markdown M.md --plot P.png
+CPU smoke run (tiny configs, eager): python tools/bench_models.py --smoke
+
+Models come from transformers configs (no download) and are patched with sparsegen.patch.
+Speedup = dense time / variant time in the same mode and run. Each sparse model's output is
+compared with its dense equivalent (the same weights, masked) run eagerly.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import sparsegen
+
+# Which linears a variant replaces, per model family: every projection, or the MLP's.
+PATTERNS = {
+    "bert": {"all": r"encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
+                    r"|intermediate\.dense|output\.dense)",
+             "mlp": r"encoder\.layer\.\d+\.(intermediate|output)\.dense"},
+    "llama": {"all": r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj", "mlp": r"model\.layers\.\d+\.mlp\.\w+_proj"},
+    "gpt2": {"all": r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)",
+             "mlp": r"transformer\.h\.\d+\.mlp\.(c_fc|c_proj)"},
+}
+# variant name -> (which linears, patch settings); None: the dense model. "peer" is PyTorch's
+# to_sparse_semi_structured on the weights of sparsegen's 2:4 variant.
+VARIANTS = {
+    "dense": None,
+    "2:4": ("all", {"sparsity": "2:4"}),
+    "b64d0.5": ("mlp", {"block": (64, 64), "density": 0.5}),
+    "b64d0.25": ("mlp", {"block": (64, 64), "density": 0.25}),
+    "b128d0.25": ("mlp", {"block": (128, 128), "density": 0.25}),
+    "2:4-recipe": ("mlp", {"sparsity": "2:4", "training": {"mask_interval": 100}}),
+    "peer-2:4": ("all", {"sparsity": "2:4"}),
+}
+INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
+TRAINING_VARIANTS = ["dense", "2:4", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
+MODES = ["eager", "compile", "reduce-overhead"]
+
+
+@dataclass
+class Case:
+    """A model and one call of it: `build(dtype-ready model)` -> step(model) -> tensor to check."""
+    name: str
+    family: str
+    make_model: Callable[[], nn.Module]
+    make_step: Callable[[nn.Module], Callable[[], torch.Tensor]]
+    training: bool = False
+    variants: tuple = tuple(INFERENCE_VARIANTS)
+
+
+# ---- models -------------------------------------------------------------------------------
+
+def bert_config(smoke: bool):
+    from transformers import BertConfig
+
+    if smoke:
+        return BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512)
+    return BertConfig()  # BERT-base: 12 layers, hidden 768, MLP 3072
+
+
+def llama_config(smoke: bool):
+    from transformers import LlamaConfig
+
+    if smoke:
+        return LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512)
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=12, num_attention_heads=16,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+
+
+def gpt2_config(smoke: bool):
+    from transformers import GPT2Config
+
+    if smoke:
+        return GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=128, vocab_size=512, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)  # GPT-2 medium
+
+
+def built(model_class, config, device, dtype) -> nn.Module:
+    torch.manual_seed(0)
+    config._attn_implementation = "sdpa"
+    return model_class(config).to(device=device, dtype=dtype).eval()
+
+
+def bert_case(batch: int, device, dtype, smoke: bool) -> Case:
+    from transformers import BertModel
+
+    config = bert_config(smoke)
+    tokens = 16 if smoke else 128
+    ids = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
+    return Case(f"BERT-base, batch {batch} x {tokens}", "bert",
+                lambda: built(lambda c: BertModel(c, add_pooling_layer=False), config, device, dtype),
+                lambda model: lambda: model(input_ids=ids).last_hidden_state)
+
+
+def llama_prefill_case(device, dtype, smoke: bool) -> Case:
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(smoke)
+    tokens = 32 if smoke else 2048
+    ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
+    # As generate's prefill: logits of the last position only, no cache kept.
+    return Case(f"Llama-shaped prefill 1 x {tokens}", "llama", lambda: built(LlamaForCausalLM, config, device, dtype),
+                lambda model: lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits)
+
+
+def llama_decode_case(batch: int, device, dtype, smoke: bool) -> Case:
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(smoke)
+    context = 16 if smoke else 512
+    prompt = torch.randint(0, config.vocab_size, (batch, context + 1), device=device)
+    return Case(f"Llama-shaped decode {batch} seq, {context}-token KV cache", "llama",
+                lambda: built(LlamaForCausalLM, config, device, dtype),
+                lambda model: decode_step(model, config, prompt))
+
+
+def decode_step(model: nn.Module, config, prompt: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One decode step the way generate runs it with a static cache: all but the last token
+    of `prompt` are prefilled once (untimed); every timed step writes the same position, so
+    each sees the same state."""
+    from transformers import StaticCache
+
+    (batch, length), context = prompt.shape, prompt.shape[1] - 1
+    cache = StaticCache(config=config, max_cache_len=context + 8)
+    with torch.no_grad():
+        model(input_ids=prompt[:, :context], past_key_values=cache, use_cache=True)
+    token, position = prompt[:, context:], torch.tensor([context], device=prompt.device)
+    return lambda: model(input_ids=token, past_key_values=cache, cache_position=position,
+                         position_ids=position.expand(batch, 1), use_cache=True).logits
+
+
+def gpt2_train_case(device, smoke: bool) -> Case:
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config(smoke)
+    batch, tokens = (2, 32) if smoke else (8, 1024)
+    ids = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
+    return Case(f"GPT-2-medium training step, batch {batch} x {tokens}, bf16 autocast, fused AdamW", "gpt2",
+                lambda: built(GPT2LMHeadModel, config, device, torch.float32).train(),
+                lambda model: train_step(model, ids), training=True, variants=tuple(TRAINING_VARIANTS))
+
+
+def train_step(model: nn.Module, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Forward, backward and a fused AdamW step; returns the loss (of the weights before the step)."""
+    fused = ids.is_cuda
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def cases(names: list[str], device, smoke: bool) -> list[Case]:
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32
+    makers = {"bert16": lambda: bert_case(16, device, dtype, smoke), "bert128": lambda: bert_case(128, device, dtype, smoke),
+              "llama_prefill": lambda: llama_prefill_case(device, bf16, smoke),
+              "llama_decode1": lambda: llama_decode_case(1, device, bf16, smoke),
+              "llama_decode8": lambda: llama_decode_case(8, device, bf16, smoke),
+              "gpt2_train": lambda: gpt2_train_case(device, smoke)}
+    return [makers[name]() for name in names]
+
+
+# ---- variants ------------------------------------------------------------------------------
+
+def patched(model: nn.Module, family: str, variant: str) -> nn.Module:
+    """The model with the variant's layers swapped in (in place; the peer's are sparsegen's 2:4
+    layers until peer_semi_structured swaps them)."""
+    if VARIANTS[variant] is None:
+        return model
+    which, settings = VARIANTS[variant]
+    sparsegen.patch(model, {PATTERNS[family][which]: settings})
+    return model
+
+
+def dense_equivalent(model: nn.Module) -> nn.Module:
+    """A copy with every sparsegen layer replaced by an nn.Linear holding its masked weight."""
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        if hasattr(module, "to_linear"):
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, module.to_linear())
+    return reference
+
+
+def peer_semi_structured(model: nn.Module) -> nn.Module:
+    """Each sparsegen 2:4 layer becomes an nn.Linear whose weight is PyTorch's
+    SparseSemiStructuredTensor (cuSPARSELt on sm_90) of the same pruned weight."""
+    from torch.sparse import to_sparse_semi_structured
+
+    for name, module in list(dense_equivalent(model).named_modules()):
+        if isinstance(module, nn.Linear) and isinstance(model.get_submodule(name), sparsegen.Sparse24Linear):
+            module.weight = nn.Parameter(to_sparse_semi_structured(module.weight.detach()), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module)
+    return model
+
+
+# ---- modes and timing ----------------------------------------------------------------------
+
+def in_mode(model: nn.Module, mode: str) -> nn.Module:
+    if mode == "eager":
+        return model
+    return torch.compile(model, mode=None if mode == "compile" else mode)
+
+
+def timed_ms(step: Callable, device, reps: int) -> float:
+    """Median of `reps` calls, each between CUDA events (wall clock on the CPU)."""
+    times = []
+    for _ in range(reps):
+        torch.compiler.cudagraph_mark_step_begin()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def measure(case: Case, variant: str, modes: list[str], device, reps: int) -> list[dict]:
+    """One model of `variant`: its time in every mode and its output against the masked dense model."""
+    model = patched(case.make_model(), case.family, variant)
+    expected = None if variant == "dense" else expected_output(case, model)
+    try:
+        model = peer_semi_structured(model) if variant == "peer-2:4" else model
+    except Exception as error:  # a peer that refuses the device or the shapes: recorded, the run goes on
+        return [failed_row(dict(case=case.name, variant=variant, mode=mode), error) for mode in modes]
+    rows = []
+    for mode in modes:
+        rows.append(measure_mode(case, variant, model, mode, expected, device, reps))
+        torch._dynamo.reset()
+    return rows
+
+
+def expected_output(case: Case, model: nn.Module) -> torch.Tensor:
+    """The case's output on the dense model with the sparse model's (masked) weights, eagerly."""
+    reference = dense_equivalent(model)
+    with torch.set_grad_enabled(case.training):
+        return case.make_step(reference)().float().clone()
+
+
+def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected, device, reps: int) -> dict:
+    row = dict(case=case.name, variant=variant, mode=mode)
+    try:
+        state = copy.deepcopy(model.state_dict()) if case.training else None
+        step = case.make_step(in_mode(model, mode))
+        with torch.set_grad_enabled(case.training):
+            first = step().float().clone()
+            for _ in range(2):  # warm-up: compilation, graph recording
+                step()
+            row["ms"] = timed_ms(step, device, reps)
+        if expected is not None:
+            row["error"] = relative_error(first, expected)
+        if state is not None:
+            model.load_state_dict(state)
+    except Exception as error:  # a cell that fails is recorded, and the run goes on
+        return failed_row(row, error)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def failed_row(row: dict, error: Exception) -> dict:
+    text = str(error).strip().splitlines()
+    row["failed"] = f"{type(error).__name__}: {text[0][:200] if text else ''}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_case(case: Case, variants: list[str], modes: list[str], device, reps: int) -> list[dict]:
+    rows = []
+    for variant in [v for v in case.variants if v in variants]:
+        rows += measure(case, variant, modes, device, reps)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---- host cost per linear call -------------------------------------------------------------
+
+HOST_LAYERS, HOST_WIDTH, HOST_TOKENS = 24, 1024, 16
+
+
+def host_stack(kind: str, device) -> nn.Module:
+    """24 stacked 1024x1024 layers of one kind: a forward whose GPU work is small."""
+    torch.manual_seed(0)
+    make = {"nn.Linear": lambda: nn.Linear(HOST_WIDTH, HOST_WIDTH),
+            "BlockSparseLinear b64 d0.5": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, block=(64, 64), density=0.5),
+            "Sparse24Linear": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, sparsity="2:4")}[kind]
+    return nn.Sequential(*[make() for _ in range(HOST_LAYERS)]).to(device=device, dtype=torch.bfloat16)
+
+
+def host_us_per_call(stack: nn.Module, x: torch.Tensor, calls: int = 200) -> float:
+    """Wall time per linear call, the GPU left to catch up only at the end: with these layers
+    the host, not the GPU, sets the pace, so this is the host's cost of a call."""
+    with torch.no_grad():
+        for _ in range(20):
+            stack(x)
+        torch.cuda.synchronize() if x.is_cuda else None
+        begin = time.perf_counter()
+        for _ in range(calls):
+            stack(x)
+        torch.cuda.synchronize() if x.is_cuda else None
+    return (time.perf_counter() - begin) / (calls * HOST_LAYERS) * 1e6
+
+
+def host_costs(device) -> list[dict]:
+    x = torch.randn(HOST_TOKENS, HOST_WIDTH, device=device, dtype=torch.bfloat16)
+    rows = []
+    for kind in ["nn.Linear", "BlockSparseLinear b64 d0.5", "Sparse24Linear"]:
+        stack = host_stack(kind, device)
+        for mode in ["eager", "compile"]:
+            rounds = [host_us_per_call(in_mode(stack, mode), x) for _ in range(3)]
+            rows.append(dict(layer=kind, mode=mode, host_us=statistics.median(rounds)))
+            print(json.dumps(rows[-1]), flush=True)
+            torch._dynamo.reset()
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Each row with dense's time of its case and mode beside it, and the ratio."""
+    dense = {(r["case"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "dense"}
+    out = []
+    for r in rows:
+        base = dense.get((r["case"], r["mode"]))
+        ratio = base / r["ms"] if base and r.get("ms") else None
+        out.append(dict(r, dense_ms=base, speedup=ratio))
+    return out
+
+
+def cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "failed" in r:
+        return "fails"
+    text = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+    return text + (f" (err {r['error']:.0e})" if r.get("error") is not None and r["error"] > 2e-2 else "")
+
+
+def model_table(rows: list[dict]) -> list[str]:
+    rows = speedups(rows)
+    variants = [v for v in VARIANTS if v != "dense" and any(r["variant"] == v for r in rows)]
+    lines = ["| model | mode | dense ms | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["case"] == case):
+            pick = {r["variant"]: r for r in rows if r["case"] == case and r["mode"] == mode}
+            dense_ms = pick.get("dense", {}).get("ms")
+            lines.append(f"| {case} | {mode} | {dense_ms:.3f} | " if dense_ms else f"| {case} | {mode} | - | ")
+            lines[-1] += " | ".join(cell(pick.get(v)) for v in variants) + " |"
+    return lines
+
+
+def failures(rows: list[dict]) -> list[str]:
+    return [f"- {r['case']}, {r['variant']}, {r['mode']}: {r['failed']}" for r in rows if "failed" in r]
+
+
+def errors_line(rows: list[dict]) -> str:
+    errs = [r["error"] for r in rows if r.get("error") is not None]
+    return (f"Output against the dense model with the same (masked) weights: relative error "
+            f"{min(errs):.1e} - {max(errs):.1e} over {len(errs)} cells." if errs else "")
+
+
+def host_table(rows: list[dict]) -> list[str]:
+    base = {r["mode"]: r["host_us"] for r in rows if r["layer"] == "nn.Linear"}
+    lines = ["| layer | mode | host us per call | x nn.Linear |", "|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {r['mode']} | {r['host_us']:.1f} | {r['host_us'] / base[r['mode']]:.2f} |"
+              for r in rows if r["mode"] in base]
+    return lines
+
+
+def report(results: list[dict], markdown: Path | None, plot_path: Path | None) -> None:
+    rows = [r for result in results for r in result.get("rows", [])]
+    host = [r for result in results for r in result.get("host", [])]
+    meta = results[0]["meta"]
+    lines = [f"GPU: {meta['gpu']} - date: {meta['date']} - torch {meta['torch']}, transformers "
+             f"{meta['transformers']} - commands: " + "; ".join(f"`{r['meta']['command']}`" for r in results), "",
+             "Speedup over dense in the same mode and run (above 1: faster).", ""]
+    lines += model_table(rows) + ["", errors_line(rows)] + failures(rows)
+    if host:
+        lines += ["", f"Host time per linear call ({HOST_LAYERS} stacked {HOST_WIDTH}x{HOST_WIDTH} bf16 layers, "
+                  f"{HOST_TOKENS} tokens):", ""] + host_table(host)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if markdown:
+        markdown.write_text(text)
+    if plot_path:
+        plot(speedups(rows), plot_path)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [r for r in rows if r["variant"] != "dense" and r.get("speedup")]
+    labels = list(dict.fromkeys(f"{r['case']}\n{r['mode']}" for r in cells))
+    variants = list(dict.fromkeys(r["variant"] for r in cells))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(labels)), 5))
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        pick = {f"{r['case']}\n{r['mode']}": r["speedup"] for r in cells if r["variant"] == variant}
+        ax.bar([j + i * width for j in range(len(labels))], [pick.get(label, 0) for label in labels], width,
+               label=variant)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=70, fontsize=6)
+    ax.set(ylabel="speedup over dense, same mode", title="sparsegen: whole models")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def meta(argv) -> dict:
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(gpu=gpu, date=str(datetime.date.today()), torch=torch.__version__,
+                transformers=transformers.__version__,
+                command="PYTHONPATH=. python tools/bench_models.py " + " ".join(argv))
+
+
+ALL_CASES = ["bert16", "bert128", "llama_prefill", "llama_decode1", "llama_decode8", "gpt2_train"]
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(ALL_CASES))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--host", action="store_true", help="also the host cost per linear call")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, eager only")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--report", type=Path, nargs="+", help="tabulate these result files instead")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args(argv)
+    if args.report:
+        return report([json.loads(p.read_text()) for p in args.report], args.markdown, args.plot)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    modes = ["eager"] if args.smoke else args.modes.split(",")
+    result = dict(meta=meta(argv), rows=[], host=host_costs(device) if args.host else [])
+    for case in cases(args.cases.split(","), device, args.smoke):
+        result["rows"] += run_case(case, args.variants.split(","), modes, device, 3 if args.smoke else args.reps)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    report([result], args.markdown, args.plot)
+
+
+if __name__ == "__main__":
+    main()
