@@ -1,5 +1,5 @@
-"""The 2:4 linear as a torch.library custom op (fake version and gradients, for
-torch.compile) and as an autograd.Function for eager GPU training.
+"""The 2:4 linear: the sparsegen::sp24_dds op and an autograd.Function over it, which
+torch.compile traces (see autograd.py).
 
 Y = X W^T + b with W 2:4 ([N, K/2] values + metadata). dX = dY W runs cuBLAS on the
 decompressed W; dW is dY^T X gathered at the stored positions, so the values' gradient
@@ -7,17 +7,15 @@ has their shape.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops
+from . import library, ops
 from .layouts import semi24
 
 
-def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """Pure PyTorch, any device and dtype; autograd differentiates it as it is."""
     weight = semi24.decompress(values, metadata, (out_features, x.shape[-1]))
     return F.linear(x, weight, bias)
@@ -29,14 +27,17 @@ def sp24_any_device(x, values, metadata, bias, out_features: int) -> Tensor:
     return sp24_reference(x, values, metadata, bias, out_features)
 
 
-@torch.library.custom_op("sparsegen::sp24_linear", mutates_args=())
-def sp24_linear(x: Tensor, values: Tensor, metadata: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+sp24_dds_op = library.define(
+    "sp24_dds(Tensor x, Tensor values, Tensor metadata, Tensor? bias, int out_features) -> Tensor",
+    sp24_any_device, lambda x, values, metadata, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
+
+
+def forward_product(x, values, metadata, bias, out_features: int) -> Tensor:
+    """Y = X W^T + b with no gradient: the op inside a compiled graph, else the kernel (or the
+    reference) called directly."""
+    if torch.compiler.is_compiling():
+        return sp24_dds_op(x, values, metadata, bias, out_features)
     return sp24_any_device(x, values, metadata, bias, out_features)
-
-
-@sp24_linear.register_fake
-def _(x, values, metadata, bias, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _gradients(x, values, metadata, has_bias, need, dy):
@@ -51,32 +52,21 @@ def _gradients(x, values, metadata, has_bias, need, dy):
     return dx, dvalues, None, dbias
 
 
-def _setup_context(ctx, inputs, output):
-    x, values, metadata, bias, _ = inputs
-    ctx.save_for_backward(x, values, metadata)
-    ctx.has_bias = bias is not None
-
-
-def _backward(ctx, dy):
-    x, values, metadata = ctx.saved_tensors
-    return _gradients(x, values, metadata, ctx.has_bias, ctx.needs_input_grad, dy) + (None,)
-
-
-sp24_linear.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerSp24Linear(torch.autograd.Function):
-    """The same, straight to the kernel: no custom-op dispatch on the eager hot path."""
+class _Sp24Linear(torch.autograd.Function):
+    """Y = X W^T + b and its gradients; torch.compile traces it (see autograd.py)."""
 
     @staticmethod
     def forward(ctx, x, values, metadata, bias, out_features):
-        _setup_context(ctx, (x, values, metadata, bias, out_features), None)
-        return ops.sp24_dds(x, values, metadata, bias, out_features)
+        ctx.save_for_backward(x, values, metadata)
+        ctx.has_bias = bias is not None
+        return forward_product(x, values, metadata, bias, out_features)
 
     @staticmethod
     def backward(ctx, dy):
-        return _backward(ctx, dy)
+        x, values, metadata = ctx.saved_tensors
+        return _gradients(x, values, metadata, ctx.has_bias, ctx.needs_input_grad, dy) + (None,)
 
 
-def eager_sp24_linear(x, values, metadata, bias, out_features: int) -> Tensor:
-    return _EagerSp24Linear.apply(x, values, metadata, bias, out_features)
+def sp24_linear(x, values, metadata, bias, out_features: int) -> Tensor:
+    """Differentiable Y = X W^T + b with W 2:4, on any device, traceable by torch.compile."""
+    return _Sp24Linear.apply(x, values, metadata, bias, out_features)

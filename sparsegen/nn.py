@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, eager_block_sparse_linear
+from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
 from .errors import expect
 from .layouts import bsr
 
@@ -40,6 +40,12 @@ def autocast_inputs(x: torch.Tensor, values: torch.Tensor, bias):
         return x, values, bias
     dtype = torch.get_autocast_dtype(x.device.type)
     return x.to(dtype), values.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    """Whether autograd must record this call (under torch.compile: decided when tracing)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
 
 
 class BlockSparseLinear(nn.Module):
@@ -112,18 +118,11 @@ class BlockSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
-        compiling = torch.compiler.is_compiling()  # then: traced as the custom op, any device
-        kernels = not compiling and x.is_cuda and ops.has_kernels(x.device.index or 0)
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad)
-        if compiling:
+        if needs_grad(x, values, bias):
             return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
-        if kernels and needs_grad:
-            return eager_block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
-        if not kernels:  # the PyTorch reference (CPU, older GPUs); autograd differentiates it
-            return ops.indexed_reference(x, values, bias, self.flat_index, self.block, self.out_features)
-        # GPU inference: straight to the kernel, no dispatcher or autograd on the host path.
-        return ops.bsr_dds(x, values, self.row_offsets, self.col_indices, bias, self.block,
-                           self.out_features)
+        # Inference: the product alone, no autograd on the host path.
+        return forward_product(x, values, bias, self.row_offsets, self.col_indices, self.flat_index, self.block,
+                               self.out_features)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from . import ops
-from .autograd24 import eager_sp24_linear, sp24_linear, sp24_reference
+from .autograd24 import forward_product, sp24_linear
 from .errors import expect
 from .layouts import semi24
-from .nn import autocast_inputs, dense_linear
+from .nn import autocast_inputs, dense_linear, needs_grad
 from .sparse24 import Sparse24Tensor, prune_and_compress
 from .train24 import Sparse24TrainingLinear
 
@@ -71,13 +71,9 @@ class Sparse24Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
-        if torch.compiler.is_compiling():
+        if needs_grad(x, values, bias):
             return sp24_linear(x, values, self.metadata, bias, self.out_features)
-        if not ops.runs_16bit_kernels(x):
-            return sp24_reference(x, values, self.metadata, bias, self.out_features)
-        if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad):
-            return eager_sp24_linear(x, values, self.metadata, bias, self.out_features)
-        return ops.sp24_dds(x, values, self.metadata, bias, self.out_features)
+        return forward_product(x, values, self.metadata, bias, self.out_features)
 
     def to_linear(self) -> nn.Linear:
         """A dense nn.Linear with this layer's (2:4) weight."""

@@ -1,16 +1,15 @@
 """Ops over block-CSR weights: input checks, the CPU reference, and the GPU launch."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import warnings
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import runtime
+from . import library, plans, runtime
 from .errors import expect
 from .layouts import bsr
 from .spec import (ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, scatter_spec,
@@ -120,17 +119,12 @@ def _transposed_kernel(block: tuple[int, int], dtype: torch.dtype, device_index:
     return runtime.kernel(spec, device_index) if spec else None
 
 
-@torch.library.custom_op("sparsegen::bsr_input_grad", mutates_args=())
-def input_grad_op(dy: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, row_offsets: torch.Tensor,
-                  col_indices: torch.Tensor, flat_index: torch.Tensor, block_rows: int, block_cols: int,
-                  out_features: int) -> torch.Tensor:
-    """input_grad as an op of its own, so compiled backwards trace it."""
-    return input_grad(dy, values, perm, row_offsets, col_indices, flat_index, (block_rows, block_cols), out_features)
-
-
-@input_grad_op.register_fake
-def _(dy, values, perm, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
-    return dy.new_empty((*dy.shape[:-1], out_features))
+input_grad_op = library.define(
+    "bsr_input_grad(Tensor dy, Tensor values, Tensor perm, Tensor row_offsets, Tensor col_indices, "
+    "Tensor flat_index, int block_rows, int block_cols, int out_features) -> Tensor",
+    lambda dy, values, perm, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features: input_grad(
+        dy, values, perm, row_offsets, col_indices, flat_index, (block_rows, block_cols), out_features),
+    lambda dy, *index_and_sizes: dy.new_empty((*dy.shape[:-1], index_and_sizes[-1])))
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,18 +157,13 @@ def _on_covered_gpu(t: torch.Tensor, dtypes: tuple) -> bool:
     return t.is_cuda and t.dtype in dtypes and has_kernels(t.device.index or 0)
 
 
-@torch.library.custom_op("sparsegen::bsr_dds", mutates_args=())
-def bsr_dds_op(x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor],
-               row_offsets: torch.Tensor, col_indices: torch.Tensor, flat_index: torch.Tensor,
-               block_rows: int, block_cols: int, out_features: int) -> torch.Tensor:
-    """Y = X W^T (+ b) with no gradient of its own (the backward of bsr_linear calls it)."""
-    return bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index,
-                              (block_rows, block_cols), out_features)
-
-
-@bsr_dds_op.register_fake
-def _(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
+bsr_dds_op = library.define(
+    "bsr_dds(Tensor x, Tensor values, Tensor? bias, Tensor row_offsets, Tensor col_indices, Tensor flat_index, "
+    "int block_rows, int block_cols, int out_features) -> Tensor",
+    lambda x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features:
+        bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, (block_rows, block_cols),
+                           out_features),
+    lambda x, *rest: x.new_empty((*x.shape[:-1], rest[-1])))
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,23 +213,45 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
-    if perm is None and tile is None and instr is None and _dense_pays(block, values.shape[0], m, k, out_features):
+    if tile is None and instr is None:
+        plan = _PLANS.get(row_offsets, (m, x.dtype, tuple(block), out_features, perm is None),
+                          lambda: _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features))
+    else:
+        plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr)
+    if plan is None:
         _dense_forward(x2, values, row_offsets, col_indices, bias, block, y)
         return shaped
-    if perm is None:
-        kern = _forward_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
-    else:
-        kern = _transposed_kernel(tuple(block), x.dtype, x.device.index or 0, m <= 64, tile, instr)
-    if tile is None and instr is None:
-        kern = _swap_variant(kern, x.dtype, m, row_offsets, col_indices, perm)
-    grid = _grid(kern, m, out_features)
-    maps, operands = _operands(kern.spec, x2, values, block)
-    bias_ptr = bias.data_ptr() if bias is not None else 0
-    index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
-    pointers = (*operands, *index, bias_ptr, y.data_ptr())
-    ints = (m, k, out_features) + _tma_tail(kern.spec, values)
-    kern.launch(grid, maps, pointers, ints)
+    maps, operands = _operands(plan.kern.spec, x2, values, block)
+    pointers = (*operands, *plan.index, bias.data_ptr() if bias is not None else 0, y.data_ptr())
+    plan.kern.launch(plan.grid, maps, pointers, (m, k, out_features) + plan.tail)
     return shaped
+
+
+@dataclasses.dataclass(frozen=True)
+class _BsrPlan:
+    kern: runtime.Kernel
+    grid: tuple[int, int, int]
+    index: tuple[int, ...]          # the index pointers the kernel takes
+    tail: tuple[int, ...]           # the int arguments after (M, K, N)
+    keep: tuple[torch.Tensor, ...]  # what `index` points into
+
+
+_PLANS = plans.PlanCache()
+
+
+def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile=None, instr=None):
+    """What bsr_dds launches for these operands: None for the dense path (cuBLAS on the
+    scattered weight), else the kernel, its grid and index."""
+    (m, k), device_index = x2.shape, x2.device.index or 0
+    if perm is None and tile is None and instr is None and _dense_pays(block, values.shape[0], m, k, out_features):
+        return None
+    pick = _forward_kernel if perm is None else _transposed_kernel
+    kern = pick(tuple(block), x2.dtype, device_index, m <= 64, tile, instr)
+    if tile is None and instr is None:
+        kern = _swap_variant(kern, x2.dtype, m, row_offsets, col_indices, perm)
+    index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
+    return _BsrPlan(kern, _grid(kern, m, out_features), tuple(t.data_ptr() if t is not None else 0 for t in index),
+                    _tma_tail(kern.spec, values), tuple(t for t in index if t is not None))
 
 
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
@@ -290,14 +301,13 @@ def _scatter_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: in
     return runtime.kernel(scatter_spec(block, DTYPE_NAMES[dtype], arch), device_index)
 
 
-def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple[int, ...]:
-    """The index pointers a kernel takes: W's block CSR, and perm for swap (0: none); pairs
+def _kernel_index(spec, row_offsets, col_indices, perm) -> tuple:
+    """The index tensors a kernel takes: W's block CSR, and perm for swap (None: none); pairs
     take the union columns of pairs of block rows, each row's block there and the pairs'
     rows instead."""
     if spec.instr == "pairs":
-        return tuple(t.data_ptr() for t in _pair_index(row_offsets, col_indices, perm))
-    tail = (perm.data_ptr() if perm is not None else 0,) if spec.instr == "swap" else ()
-    return (row_offsets.data_ptr(), col_indices.data_ptr(), *tail)
+        return tuple(_pair_index(row_offsets, col_indices, perm))
+    return (row_offsets, col_indices, perm) if spec.instr == "swap" else (row_offsets, col_indices)
 
 
 # Tensors derived from a layer's index that cost host work (or a sync) to build, kept while
@@ -318,8 +328,33 @@ def _per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool =
         expect(not reads_host, f"a warm-up call of the layer before CUDA graph capture (its {what} index is "
                "built on the host once per layout)", "a first call inside the capture")
         return build(*inputs)
-    entries[what] = (stamp, build(*inputs))
+    entries[what] = (stamp, _outside_graph_pools(build, inputs, key.device))
     return entries[what][1]
+
+
+def _outside_graph_pools(build, inputs: tuple, device: torch.device):
+    """build(*inputs) on a thread of its own: torch.compile's CUDA graphs (reduce-overhead)
+    run their warm-up with every allocation of the calling thread routed into the graphs'
+    memory pool, where a tensor kept past the call breaks the next recording ("tensors in
+    the cudagraph pool not tracked as outputs"). Another thread allocates from the ordinary
+    pool. The caller's stream is synchronized first (the inputs may be being written on
+    it) and the builder's after (the result is read on the caller's)."""
+    if device.type != "cuda":
+        return build(*inputs)
+    torch.cuda.current_stream(device).synchronize()
+    return _builder().submit(_build_and_sync, build, inputs, device).result()
+
+
+def _build_and_sync(build, inputs: tuple, device: torch.device):
+    with torch.cuda.device(device):
+        result = build(*inputs)
+        torch.cuda.current_stream(device).synchronize()
+    return result
+
+
+@functools.lru_cache(maxsize=1)
+def _builder() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsegen-index")
 
 
 def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:
@@ -486,16 +521,10 @@ def sdd_item_starts(flat_index: torch.Tensor, blocks_per_row: int, block_rows: i
     return torch.nonzero_static(in_row % group == 0, size=bound, fill_value=-1).squeeze(1)
 
 
-@torch.library.custom_op("sparsegen::bsr_sdd", mutates_args=())
-def bsr_sdd_op(dy2: torch.Tensor, x2: torch.Tensor, flat_index: torch.Tensor, block_rows: int,
-               block_cols: int) -> torch.Tensor:
-    """The weight gradient as an op of its own, so compiled backwards trace it."""
-    return weight_grad(dy2, x2, flat_index, (block_rows, block_cols))
-
-
-@bsr_sdd_op.register_fake
-def _(dy2, x2, flat_index, block_rows, block_cols):
-    return dy2.new_empty((flat_index.shape[0], block_rows, block_cols))
+bsr_sdd_op = library.define(
+    "bsr_sdd(Tensor dy2, Tensor x2, Tensor flat_index, int block_rows, int block_cols) -> Tensor",
+    lambda dy2, x2, flat_index, block_rows, block_cols: weight_grad(dy2, x2, flat_index, (block_rows, block_cols)),
+    lambda dy2, x2, flat_index, block_rows, block_cols: dy2.new_empty((flat_index.shape[0], block_rows, block_cols)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -573,18 +602,28 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     if k == 0:  # an empty sum (and no tensor map describes an empty tensor)
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
-    device_index = x.device.index or 0
-    kern = _sp24_kernel(x.dtype, device_index, _rows_bucket(m), tile, instr,
-                        _narrow_tiles(m, out_features, device_index))
-    grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
+    if tile is None and instr is None:
+        kern, grid, k_split = _PLANS.get(metadata, (m, k, x.dtype, out_features, splits),
+                                         lambda: _sp24_plan(x2, out_features, splits))
+    else:
+        kern, grid, k_split = _sp24_plan(x2, out_features, splits, tile, instr)
     partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
     bias_ptr = bias.data_ptr() if bias is not None else 0
     maps, operands = _sp24_operands(kern.spec, x2, values, metadata)
     kern.launch(grid, maps, (*operands, bias_ptr, y.data_ptr(), 0 if partial is None else partial.data_ptr()),
                 (m, k, out_features, k_split))
-    if partial is not None:
-        y.copy_(partial if bias is None else partial.add_(bias))
+    if partial is not None:  # one pass: float32 sums (+ bias) rounded into Y
+        torch.add(partial, bias, out=y) if bias is not None else y.copy_(partial)
     return shaped
+
+
+def _sp24_plan(x2: torch.Tensor, out_features: int, splits, tile=None, instr=None):
+    """(kernel, grid, dense K per split) that sp24_dds launches for these operands."""
+    (m, k), device_index = x2.shape, x2.device.index or 0
+    kern = _sp24_kernel(x2.dtype, device_index, _rows_bucket(m), tile, instr,
+                        _narrow_tiles(m, out_features, device_index))
+    grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
+    return kern, grid, k_split
 
 
 @functools.lru_cache(maxsize=None)

@@ -119,7 +119,8 @@ class Kernel:
             # thread when a kernel is its first GPU work - has no current context.
             _ensure_context(self.device_index)
             status = self._launch_raw(grid, params)
-        _call(f"cuLaunchKernel({self.spec.name})", status)
+        if status:  # the message only when needed: formatting it costs more than the launch
+            _call(f"cuLaunchKernel({self.spec.name})", status)
 
     def _launch_raw(self, grid, params) -> int:
         return self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,

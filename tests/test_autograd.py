@@ -34,19 +34,20 @@ def test_gradcheck_float64(block):
     assert gradcheck_on_3x4_blocks(autograd.block_sparse_linear, block, empty_row=1)
 
 
-def kernel_stand_in(x, values, row_offsets, col_indices, bias, block, out_features):
-    """ops.bsr_dds computed by the reference from its (row_offsets, col_indices) arguments."""
+def kernel_stand_in(x, values, bias, row_offsets, col_indices, flat_index, block, out_features):
+    """ops.bsr_dds_any_device computed by the reference from its (row_offsets, col_indices)
+    arguments alone, as the kernels read them (flat_index is ignored)."""
     rows = torch.repeat_interleave(torch.arange(row_offsets.numel() - 1), row_offsets.diff())
     flat = rows * (x.shape[-1] // block[1]) + col_indices
     return sparsegen.ops.indexed_reference(x, values, bias, flat, block, out_features)
 
 
 @pytest.mark.parametrize("block", [(2, 3), (4, 2)])
-def test_eager_gpu_function_gradcheck_float64(block, monkeypatch):
-    """The eager GPU training path (an autograd.Function straight to the kernels), with the
-    kernel replaced by the reference so its wiring is checked here too."""
-    monkeypatch.setattr(sparsegen.ops, "bsr_dds", kernel_stand_in)
-    assert gradcheck_on_3x4_blocks(autograd.eager_block_sparse_linear, block, empty_row=2)
+def test_kernel_path_gradcheck_float64(block, monkeypatch):
+    """The autograd.Function as the GPU runs it, the product replaced by a stand-in that reads
+    the block CSR as the kernels do: forward and dX (on W^T's index) wired to the right index."""
+    monkeypatch.setattr(sparsegen.ops, "bsr_dds_any_device", kernel_stand_in)
+    assert gradcheck_on_3x4_blocks(autograd.block_sparse_linear, block, empty_row=2)
 
 
 def test_op_matches_masked_dense_reference():

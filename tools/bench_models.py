@@ -181,7 +181,7 @@ def cases(names: list[str], device, smoke: bool) -> list[Case]:
               "llama_decode1": lambda: llama_decode_case(1, device, bf16, smoke),
               "llama_decode8": lambda: llama_decode_case(8, device, bf16, smoke),
               "gpt2_train": lambda: gpt2_train_case(device, smoke)}
-    return [makers[name]() for name in names]
+    return [makers[name]() for name in names if name != "none"]
 
 
 # ---- variants ------------------------------------------------------------------------------
@@ -463,7 +463,7 @@ ALL_CASES = ["bert16", "bert128", "llama_prefill", "llama_decode1", "llama_decod
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(ALL_CASES))
+    parser.add_argument("--cases", default=",".join(ALL_CASES), help="'none': only --host")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reps", type=int, default=20)

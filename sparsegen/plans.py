@@ -1,0 +1,36 @@
+"""Launch plans: what a call launches, decided once per layout and input signature.
+
+A layer's calls repeat the same decisions (kernel family, variant, grid, index pointers)
+call after call; on a slow host each decision costs microseconds. A plan keeps the
+decisions' result, keyed by the layout's index tensor (by identity, checked through a weak
+reference, so a plan never outlives the tensors it points into) and the signature of the
+call (token count, dtype, device...). Each call is then the checks and the launch.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+
+
+class PlanCache:
+    """plan = cache.get(owner, signature, make): make() on the first call for (owner, signature)."""
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def get(self, owner: torch.Tensor, signature: tuple, make: Callable):
+        key = (id(owner), signature)
+        entry = self._plans.get(key)
+        if entry is not None and entry[0]() is owner:
+            return entry[1]
+        plan = make()
+        # A plan made during CUDA graph capture may point into tensors that live only as
+        # long as the capture: use it once, keep none.
+        if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._plans[key] = (weakref.ref(owner, lambda _, key=key: self._plans.pop(key, None)), plan)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
