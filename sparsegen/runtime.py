@@ -150,8 +150,10 @@ class _Params:
 
 
 # The driver copies parameter values at launch, so identical parameter lists (the same
-# layer on the same buffers, step after step) can share one packed array.
-_kernel_params = functools.lru_cache(maxsize=128)(_Params)
+# layer on the same buffers, step after step) can share one packed array. Sized for whole
+# models: a few launches per layer, a hundred layers, and a cache that holds fewer entries
+# than a forward makes misses on every call.
+_kernel_params = functools.lru_cache(maxsize=4096)(_Params)
 
 
 # CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values from cuda.h.
@@ -181,7 +183,7 @@ class TensorMap:
 
 # A descriptor holds only an address and a shape, so it is safe to reuse whenever both
 # match - a training loop hands the same buffers back step after step.
-tensor_map = functools.lru_cache(maxsize=256)(TensorMap)
+tensor_map = functools.lru_cache(maxsize=4096)(TensorMap)  # sized as _kernel_params
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,6 +31,7 @@ for step in "${steps[@]}"; do
            python3 tools/train_demo.py --out "$OUT/s$s" --models dense,0.5,0.25$([ $s = 0 ] && echo ,2:4) --seed $s 2>&1 | tail -5; done
          python3 tools/train_demo.py --out "$OUT/eager" --models dense,0.5,0.25 --no-graph 2>&1 | tail -5 ;;
     overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
+    profile_model) python3 tools/profile_model.py 2>&1 | tee "$OUT/profile_model.log" | grep -A22 "====" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
     bound) python3 tools/probe_bound.py 2>&1 | tee "$OUT/bound.log" ;;
     ncu) for case in "16384 1024 4096 128 0.25" "8192 4096 11008 128 0.1" "8192 4096 11008 64 0.25"; do
