@@ -7,8 +7,9 @@ then: python tools/bench_models.py --report out/models.json [...more.json] --mar
 CPU smoke run (tiny configs, eager): python tools/bench_models.py --smoke
 
 Models come from transformers configs (no download) and are patched with sparsegen.patch.
-Speedup = dense time / variant time in the same mode and run. Each sparse model's output is
-compared with its dense equivalent (the same weights, masked) run eagerly.
+Speedup = dense time / variant time in the same mode and run, the two timed in alternating
+rounds. Each sparse model's output is compared with its dense equivalent (the same weights,
+masked) run eagerly.
 """
 from __future__ import annotations
 
@@ -143,8 +144,18 @@ def decode_step(model: nn.Module, config, prompt: torch.Tensor) -> Callable[[], 
     with torch.no_grad():
         model(input_ids=prompt[:, :context], past_key_values=cache, use_cache=True)
     token, position = prompt[:, context:], torch.tensor([context], device=prompt.device)
-    return lambda: model(input_ids=token, past_key_values=cache, cache_position=position,
-                         position_ids=position.expand(batch, 1), use_cache=True).logits
+
+    def step() -> torch.Tensor:
+        return model(input_ids=token, past_key_values=cache, cache_position=position,
+                     position_ids=position.expand(batch, 1), use_cache=True).logits
+
+    def rewind() -> None:
+        """Newer transformers' static layers count their length themselves: back to the prompt."""
+        for layer in getattr(cache, "layers", []):
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length.fill_(context)
+    step.reset = rewind  # called before each step, outside its timing
+    return step
 
 
 def gpt2_train_case(device, smoke: bool) -> Case:
@@ -229,8 +240,9 @@ def in_mode(model: nn.Module, mode: str) -> nn.Module:
 
 def timed_ms(step: Callable, device, reps: int) -> float:
     """Median of `reps` calls, each between CUDA events (wall clock on the CPU)."""
-    times = []
+    times, reset = [], getattr(step, "reset", lambda: None)
     for _ in range(reps):
+        reset()
         torch.compiler.cudagraph_mark_step_begin()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -251,40 +263,66 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def measure(case: Case, variant: str, modes: list[str], device, reps: int) -> list[dict]:
-    """One model of `variant`: its time in every mode and its output against the masked dense model."""
+def measure(case: Case, variant: str, modes: list[str], dense: "DenseSteps", device, reps: int) -> list[dict]:
+    """One model of `variant`: its time in every mode beside the dense model's, and its output
+    against the masked dense model."""
     model = patched(case.make_model(), case.family, variant)
-    expected = None if variant == "dense" else expected_output(case, model)
+    expected = expected_output(case, model)
     try:
         model = peer_semi_structured(model) if variant == "peer-2:4" else model
     except Exception as error:  # a peer that refuses the device or the shapes: recorded, the run goes on
         return [failed_row(dict(case=case.name, variant=variant, mode=mode), error) for mode in modes]
-    rows = []
-    for mode in modes:
-        rows.append(measure_mode(case, variant, model, mode, expected, device, reps))
-        torch._dynamo.reset()
-    return rows
+    return [measure_mode(case, variant, model, mode, expected, dense, device, reps) for mode in modes]
 
 
 def expected_output(case: Case, model: nn.Module) -> torch.Tensor:
     """The case's output on the dense model with the sparse model's (masked) weights, eagerly."""
     reference = dense_equivalent(model)
     with torch.set_grad_enabled(case.training):
-        return case.make_step(reference)().float().clone()
+        return warmed_up(case, case.make_step(reference))[1]
 
 
-def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected, device, reps: int) -> dict:
+class DenseSteps:
+    """The case's dense model, one warmed-up step per mode, built on first use and timed
+    beside every variant in that mode."""
+
+    def __init__(self, case: Case):
+        self.case, self.model, self.steps = case, case.make_model(), {}
+
+    def __call__(self, mode: str) -> Callable:
+        if mode not in self.steps:
+            self.steps[mode] = warmed_up(self.case, self.case.make_step(in_mode(self.model, mode)))[0]
+        return self.steps[mode]
+
+
+def warmed_up(case: Case, step: Callable) -> tuple[Callable, torch.Tensor]:
+    """(step, the output of its first call) after the warm-up calls that compile and record."""
+    reset = getattr(step, "reset", lambda: None)
+    with torch.set_grad_enabled(case.training):
+        reset()
+        first = step().float().clone()
+        for _ in range(2):
+            reset()
+            step()
+    return step, first
+
+
+def interleaved_ms(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[float]:
+    """Each step's median over `rounds` rounds that take the steps in turn: the host's speed and
+    the GPU's clocks drift during a run by more than the margins measured."""
+    times = [[timed_ms(step, device, reps) for step in steps] for _ in range(rounds)]
+    return [statistics.median(column) for column in zip(*times)]
+
+
+def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected, dense: DenseSteps, device,
+                 reps: int) -> dict:
     row = dict(case=case.name, variant=variant, mode=mode)
     try:
         state = copy.deepcopy(model.state_dict()) if case.training else None
-        step = case.make_step(in_mode(model, mode))
+        step, first = warmed_up(case, case.make_step(in_mode(model, mode)))
         with torch.set_grad_enabled(case.training):
-            first = step().float().clone()
-            for _ in range(2):  # warm-up: compilation, graph recording
-                step()
-            row["ms"] = timed_ms(step, device, reps)
-        if expected is not None:
-            row["error"] = relative_error(first, expected)
+            row["dense_ms"], row["ms"] = interleaved_ms([dense(mode), step], device, reps)
+        row["error"] = relative_error(first, expected)
         if state is not None:
             model.load_state_dict(state)
     except Exception as error:  # a cell that fails is recorded, and the run goes on
@@ -301,12 +339,13 @@ def failed_row(row: dict, error: Exception) -> dict:
 
 
 def run_case(case: Case, variants: list[str], modes: list[str], device, reps: int) -> list[dict]:
-    rows = []
-    for variant in [v for v in case.variants if v in variants]:
-        rows += measure(case, variant, modes, device, reps)
+    dense, rows = DenseSteps(case), []
+    for variant in [v for v in case.variants if v in variants and v != "dense"]:
+        rows += measure(case, variant, modes, dense, device, reps)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    torch._dynamo.reset()
     return rows
 
 
@@ -354,14 +393,7 @@ def host_costs(device) -> list[dict]:
 # ---- report --------------------------------------------------------------------------------
 
 def speedups(rows: list[dict]) -> list[dict]:
-    """Each row with dense's time of its case and mode beside it, and the ratio."""
-    dense = {(r["case"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "dense"}
-    out = []
-    for r in rows:
-        base = dense.get((r["case"], r["mode"]))
-        ratio = base / r["ms"] if base and r.get("ms") else None
-        out.append(dict(r, dense_ms=base, speedup=ratio))
-    return out
+    return [dict(r, speedup=r["dense_ms"] / r["ms"] if r.get("ms") else None) for r in rows]
 
 
 def cell(r: dict | None) -> str:
@@ -375,12 +407,12 @@ def cell(r: dict | None) -> str:
 
 def model_table(rows: list[dict]) -> list[str]:
     rows = speedups(rows)
-    variants = [v for v in VARIANTS if v != "dense" and any(r["variant"] == v for r in rows)]
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
     lines = ["| model | mode | dense ms | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
     for case in dict.fromkeys(r["case"] for r in rows):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["case"] == case):
             pick = {r["variant"]: r for r in rows if r["case"] == case and r["mode"] == mode}
-            dense_ms = pick.get("dense", {}).get("ms")
+            dense_ms = statistics.median([r["dense_ms"] for r in pick.values() if r.get("dense_ms")] or [0])
             lines.append(f"| {case} | {mode} | {dense_ms:.3f} | " if dense_ms else f"| {case} | {mode} | - | ")
             lines[-1] += " | ".join(cell(pick.get(v)) for v in variants) + " |"
     return lines
@@ -410,7 +442,8 @@ def report(results: list[dict], markdown: Path | None, plot_path: Path | None) -
     meta = results[0]["meta"]
     lines = [f"GPU: {meta['gpu']} - date: {meta['date']} - torch {meta['torch']}, transformers "
              f"{meta['transformers']} - commands: " + "; ".join(f"`{r['meta']['command']}`" for r in results), "",
-             "Speedup over dense in the same mode and run (above 1: faster).", ""]
+             "Speedup over dense in the same mode and run (above 1: faster); dense ms is the dense model's "
+             "median time in that mode.", ""]
     lines += model_table(rows) + ["", errors_line(rows)] + failures(rows)
     if host:
         lines += ["", f"Host time per linear call ({HOST_LAYERS} stacked {HOST_WIDTH}x{HOST_WIDTH} bf16 layers, "
@@ -461,12 +494,13 @@ ALL_CASES = ["bert16", "bert128", "llama_prefill", "llama_decode1", "llama_decod
 
 
 def main(argv=None) -> None:
+    torch._dynamo.config.cache_size_limit = 64  # dense and variant models compiled side by side
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(ALL_CASES), help="'none': only --host")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per round (5 rounds)")
     parser.add_argument("--host", action="store_true", help="also the host cost per linear call")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, eager only")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -481,8 +515,8 @@ def main(argv=None) -> None:
     result = dict(meta=meta(argv), rows=[], host=host_costs(device) if args.host else [])
     for case in cases(args.cases.split(","), device, args.smoke):
         result["rows"] += run_case(case, args.variants.split(","), modes, device, 3 if args.smoke else args.reps)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        if args.json:  # after each case: a run stopped at its time limit keeps what it measured
+            args.json.write_text(json.dumps(result, indent=1))
     report([result], args.markdown, args.plot)
 
 
