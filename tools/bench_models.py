@@ -338,15 +338,15 @@ def failed_row(row: dict, error: Exception) -> dict:
     return row
 
 
-def run_case(case: Case, variants: list[str], modes: list[str], device, reps: int) -> list[dict]:
-    dense, rows = DenseSteps(case), []
+def run_case(case: Case, variants: list[str], modes: list[str], device, reps: int, save: Callable) -> None:
+    """Every variant of the case in every mode; save(rows) after each variant."""
+    dense = DenseSteps(case)
     for variant in [v for v in case.variants if v in variants and v != "dense"]:
-        rows += measure(case, variant, modes, dense, device, reps)
+        save(measure(case, variant, modes, dense, device, reps))
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return rows
 
 
 # ---- host cost per linear call -------------------------------------------------------------
@@ -513,10 +513,12 @@ def main(argv=None) -> None:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     modes = ["eager"] if args.smoke else args.modes.split(",")
     result = dict(meta=meta(argv), rows=[], host=host_costs(device) if args.host else [])
-    for case in cases(args.cases.split(","), device, args.smoke):
-        result["rows"] += run_case(case, args.variants.split(","), modes, device, 3 if args.smoke else args.reps)
-        if args.json:  # after each case: a run stopped at its time limit keeps what it measured
+    def save(rows: list[dict]) -> None:  # as they come: a run stopped at its time limit keeps what it measured
+        result["rows"] += rows
+        if args.json:
             args.json.write_text(json.dumps(result, indent=1))
+    for case in cases(args.cases.split(","), device, args.smoke):
+        run_case(case, args.variants.split(","), modes, device, 3 if args.smoke else args.reps, save)
     report([result], args.markdown, args.plot)
 
 
