@@ -18,8 +18,9 @@ for step in "${steps[@]}"; do
     models_tests) timeout 500 python3 -m pytest -q -m gpu tests/test_gpu_models.py -x 2>&1 | tee "$OUT/gpu_models_tests.log" | tail -25 ;;
     host) python3 tools/bench_models.py --host --cases none --json "$OUT/host.json" 2>&1 | tail -12 ;;
     models:*) cases=${step#models:}  # models:CASE[,CASE...]: whole-model benchmark of those cases
-         python3 tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} --json "$OUT/models_${cases//,/_}.json" 2>&1 \
-           | tee "$OUT/models_${cases//,/_}.log" | grep -v '^{' | tail -20 ;;
+         tag=${cases//,/_}${MODEL_TAG:-}
+         timeout ${MODEL_TIMEOUT:-590} python3 -X faulthandler tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} \
+           --json "$OUT/models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
     train) python3 tools/bench.py --train 2>&1 | tee "$OUT/train.log" ;;
