@@ -517,6 +517,7 @@ def main(argv=None) -> None:
         result["rows"] += rows
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
+    save([])  # the host figures, even where no case follows
     for case in cases(args.cases.split(","), device, args.smoke):
         run_case(case, args.variants.split(","), modes, device, 3 if args.smoke else args.reps, save)
     report([result], args.markdown, args.plot)
