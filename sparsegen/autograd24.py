@@ -29,7 +29,7 @@ def sp24_any_device(x, values, metadata, bias, out_features: int) -> Tensor:
 
 sp24_dds_op = library.define(
     "sp24_dds(Tensor x, Tensor values, Tensor metadata, Tensor? bias, int out_features) -> Tensor",
-    sp24_any_device, lambda x, values, metadata, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
+    sp24_any_device, lambda x, values, metadata, bias, out_features: library.rows_by(x, out_features))
 
 
 def forward_product(x, values, metadata, bias, out_features: int) -> Tensor:

@@ -22,3 +22,8 @@ def define(schema: str, implementation, fake):
     _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
     torch.library.register_fake(f"sparsegen::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.sparsegen, name).default
+
+
+def rows_by(x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A fake result: x's leading dims by out_features (what a linear returns)."""
+    return x.new_empty((*x.shape[:-1], out_features))

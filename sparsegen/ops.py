@@ -5,6 +5,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
@@ -119,12 +120,14 @@ def _transposed_kernel(block: tuple[int, int], dtype: torch.dtype, device_index:
     return runtime.kernel(spec, device_index) if spec else None
 
 
+def _input_grad_impl(dy, values, perm, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
+    return input_grad(dy, values, perm, row_offsets, col_indices, flat_index, (block_rows, block_cols), out_features)
+
+
 input_grad_op = library.define(
     "bsr_input_grad(Tensor dy, Tensor values, Tensor perm, Tensor row_offsets, Tensor col_indices, "
     "Tensor flat_index, int block_rows, int block_cols, int out_features) -> Tensor",
-    lambda dy, values, perm, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features: input_grad(
-        dy, values, perm, row_offsets, col_indices, flat_index, (block_rows, block_cols), out_features),
-    lambda dy, *index_and_sizes: dy.new_empty((*dy.shape[:-1], index_and_sizes[-1])))
+    _input_grad_impl, lambda dy, *index_and_sizes: library.rows_by(dy, index_and_sizes[-1]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,13 +160,15 @@ def _on_covered_gpu(t: torch.Tensor, dtypes: tuple) -> bool:
     return t.is_cuda and t.dtype in dtypes and has_kernels(t.device.index or 0)
 
 
+def _bsr_dds_impl(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
+    return bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, (block_rows, block_cols),
+                              out_features)
+
+
 bsr_dds_op = library.define(
     "bsr_dds(Tensor x, Tensor values, Tensor? bias, Tensor row_offsets, Tensor col_indices, Tensor flat_index, "
     "int block_rows, int block_cols, int out_features) -> Tensor",
-    lambda x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features:
-        bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, (block_rows, block_cols),
-                           out_features),
-    lambda x, *rest: x.new_empty((*x.shape[:-1], rest[-1])))
+    _bsr_dds_impl, lambda x, *index_and_sizes: library.rows_by(x, index_and_sizes[-1]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -521,10 +526,13 @@ def sdd_item_starts(flat_index: torch.Tensor, blocks_per_row: int, block_rows: i
     return torch.nonzero_static(in_row % group == 0, size=bound, fill_value=-1).squeeze(1)
 
 
+def _bsr_sdd_impl(dy2, x2, flat_index, block_rows, block_cols):
+    return weight_grad(dy2, x2, flat_index, (block_rows, block_cols))
+
+
 bsr_sdd_op = library.define(
     "bsr_sdd(Tensor dy2, Tensor x2, Tensor flat_index, int block_rows, int block_cols) -> Tensor",
-    lambda dy2, x2, flat_index, block_rows, block_cols: weight_grad(dy2, x2, flat_index, (block_rows, block_cols)),
-    lambda dy2, x2, flat_index, block_rows, block_cols: dy2.new_empty((flat_index.shape[0], block_rows, block_cols)))
+    _bsr_sdd_impl, lambda dy2, x2, flat_index, rows, cols: dy2.new_empty((flat_index.shape[0], rows, cols)))
 
 
 @functools.lru_cache(maxsize=None)
