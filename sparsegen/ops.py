@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import warnings
 
 import torch
@@ -344,8 +345,8 @@ def _outside_graph_pools(build, inputs: tuple, device: torch.device):
     the cudagraph pool not tracked as outputs"). Another thread allocates from the ordinary
     pool. The caller's stream is synchronized first (the inputs may be being written on
     it) and the builder's after (the result is read on the caller's)."""
-    if device.type != "cuda":
-        return build(*inputs)
+    if device.type != "cuda" or threading.current_thread().name.startswith(_BUILDER_NAME):
+        return build(*inputs)  # (on the builder itself: waiting for it would never end)
     torch.cuda.current_stream(device).synchronize()
     return _builder().submit(_build_and_sync, build, inputs, device).result()
 
@@ -357,9 +358,12 @@ def _build_and_sync(build, inputs: tuple, device: torch.device):
     return result
 
 
+_BUILDER_NAME = "sparsegen-index"
+
+
 @functools.lru_cache(maxsize=1)
 def _builder() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsegen-index")
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
 
 
 def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:

@@ -1,6 +1,7 @@
 """sparsegen.patch: swap a model's linear layers for block-sparse ones, by name pattern."""
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
@@ -86,3 +87,15 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
                                  weight.device, weight.dtype, settings.get("layout"))
     except InputError as error:
         raise InputError(f"{name}: {error}") from None
+
+
+def dense_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` with every sparsegen layer replaced by the nn.Linear of its
+    (masked) weight: the dense model that computes what the sparse one does (to check a
+    patched model against, or to export where sparsegen is not installed)."""
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear)):
+            parent, _, child = name.rpartition(".")
+            setattr(twin.get_submodule(parent) if parent else twin, child, module.to_linear())
+    return twin

@@ -26,7 +26,7 @@ from torch import nn
 from . import ops
 from .errors import expect
 from .layouts import semi24
-from .nn import autocast_inputs
+from .nn import autocast_inputs, dense_linear
 from .sparse24 import compress_masked, prune_and_compress, prune_mask
 
 MASK_METHODS = ("transposable", "magnitude")
@@ -164,6 +164,12 @@ class Sparse24TrainingLinear(nn.Module):
         kernel_dx = self.method == "transposable" and self.out_features % semi24.COL_GRANULE == 0
         return _Sparse24STE.apply(x, weight, bias, operand.detach(), self.mask, kernel_dx, self.dw_sparse,
                                   self.scale if self.soft_threshold else None)
+
+    def to_linear(self) -> nn.Linear:
+        """A dense nn.Linear with the weight this layer's products use now (masked, or whole
+        after dense_finetune_)."""
+        weight = self.weight.detach()
+        return dense_linear(weight if self.dense else self.sparse_weight(weight), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4 "

@@ -24,16 +24,6 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def dense_equivalent(model: nn.Module) -> nn.Module:
-    """A copy with every sparsegen layer as an nn.Linear of its masked weight."""
-    twin = copy.deepcopy(model)
-    for name, module in list(twin.named_modules()):
-        if hasattr(module, "to_linear"):
-            parent, _, child = name.rpartition(".")
-            setattr(twin.get_submodule(parent), child, module.to_linear())
-    return twin
-
-
 def small_bert(variant: str, pattern: str = BERT_MLP) -> nn.Module:
     config = transformers.BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=1024, attn_implementation="sdpa")
@@ -51,7 +41,7 @@ def test_compiled_bert_forward_matches_float64(variant, pattern, mode):
     Every call on fresh inputs (outputs of earlier replays overwritten) matches float64."""
     torch.manual_seed(0)
     model = small_bert(variant, pattern)
-    reference = dense_equivalent(model).double()
+    reference = sparsegen.dense_copy(model).double()
     compiled = torch.compile(model, mode=mode)
     with torch.no_grad():
         for rows in (8, 8, 8, 8):  # warm-up, recording, then replays

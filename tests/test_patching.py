@@ -114,3 +114,24 @@ def test_patch_gpt2_with_24_matches_the_pruned_dense_model():
             conv.weight.copy_(sparsegen.to_sparse24(conv.weight.t().contiguous()).to_dense().t())
     ids = torch.randint(0, 100, (2, 16))
     torch.testing.assert_close(net(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rules", [
+    {r"\d+\.up": {"block": (32, 32), "density": 0.5}, r"\d+\.down": {"block": (16, 32), "density": 0.25}},
+    {r"\d+\.(up|down)": {"sparsity": "2:4"}},
+    {r"\d+\.(up|down)": {"sparsity": "2:4", "training": {"mask_interval": 5}}},
+], ids=["block", "2:4", "2:4-recipe"])
+def test_dense_copy_computes_what_the_patched_model_does(rules):
+    """sparsegen.dense_copy: plain nn.Linear layers holding the weights the sparse layers'
+    products use (the recipe's masked weight too); the patched model is left as it was."""
+    net = model().double()
+    sparsegen.patch(net, rules)
+    twin = sparsegen.dense_copy(net)
+    sparse_kinds = (sparsegen.BlockSparseLinear, sparsegen.Sparse24Linear, sparsegen.Sparse24TrainingLinear)
+    assert not any(isinstance(m, sparse_kinds) for m in twin.modules())
+    assert sum(isinstance(m, sparse_kinds) for m in net.modules()) == 4
+    x = torch.randn(3, 7, 64, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), net(x))
+    masked = twin[0].up.weight == 0  # the pruned weights are zeros in the copy
+    assert 0.2 < masked.double().mean() < 0.8

@@ -139,7 +139,7 @@ def decode_step(model: nn.Module, config, prompt: torch.Tensor) -> Callable[[], 
     each sees the same state."""
     from transformers import StaticCache
 
-    (batch, length), context = prompt.shape, prompt.shape[1] - 1
+    batch, context = prompt.shape[0], prompt.shape[1] - 1
     cache = StaticCache(config=config, max_cache_len=context + 8)
     with torch.no_grad():
         model(input_ids=prompt[:, :context], past_key_values=cache, use_cache=True)
@@ -207,22 +207,12 @@ def patched(model: nn.Module, family: str, variant: str) -> nn.Module:
     return model
 
 
-def dense_equivalent(model: nn.Module) -> nn.Module:
-    """A copy with every sparsegen layer replaced by an nn.Linear holding its masked weight."""
-    reference = copy.deepcopy(model)
-    for name, module in list(reference.named_modules()):
-        if hasattr(module, "to_linear"):
-            parent, _, child = name.rpartition(".")
-            setattr(reference.get_submodule(parent), child, module.to_linear())
-    return reference
-
-
 def peer_semi_structured(model: nn.Module) -> nn.Module:
     """Each sparsegen 2:4 layer becomes an nn.Linear whose weight is PyTorch's
     SparseSemiStructuredTensor (cuSPARSELt on sm_90) of the same pruned weight."""
     from torch.sparse import to_sparse_semi_structured
 
-    for name, module in list(dense_equivalent(model).named_modules()):
+    for name, module in list(sparsegen.dense_copy(model).named_modules()):
         if isinstance(module, nn.Linear) and isinstance(model.get_submodule(name), sparsegen.Sparse24Linear):
             module.weight = nn.Parameter(to_sparse_semi_structured(module.weight.detach()), requires_grad=False)
             parent, _, child = name.rpartition(".")
@@ -277,7 +267,7 @@ def measure(case: Case, variant: str, modes: list[str], dense: "DenseSteps", dev
 
 def expected_output(case: Case, model: nn.Module) -> torch.Tensor:
     """The case's output on the dense model with the sparse model's (masked) weights, eagerly."""
-    reference = dense_equivalent(model)
+    reference = sparsegen.dense_copy(model)
     with torch.set_grad_enabled(case.training):
         return warmed_up(case, case.make_step(reference))[1]
 
