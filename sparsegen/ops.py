@@ -624,8 +624,10 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     maps, operands = _sp24_operands(kern.spec, x2, values, metadata)
     kern.launch(grid, maps, (*operands, bias_ptr, y.data_ptr(), 0 if partial is None else partial.data_ptr()),
                 (m, k, out_features, k_split))
-    if partial is not None:  # one pass: float32 sums (+ bias) rounded into Y
-        torch.add(partial, bias, out=y) if bias is not None else y.copy_(partial)
+    if partial is not None and bias is not None:  # one pass: float32 sums + bias rounded into Y
+        torch.add(partial, bias, out=y)
+    elif partial is not None:
+        y.copy_(partial)
     return shaped
 
 

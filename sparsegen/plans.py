@@ -31,6 +31,3 @@ class PlanCache:
         if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._plans[key] = (weakref.ref(owner, lambda _, key=key: self._plans.pop(key, None)), plan)
         return plan
-
-    def clear(self) -> None:
-        self._plans.clear()

@@ -342,14 +342,15 @@ def run_case(case: Case, variants: list[str], modes: list[str], device, reps: in
 # ---- host cost per linear call -------------------------------------------------------------
 
 HOST_LAYERS, HOST_WIDTH, HOST_TOKENS = 24, 1024, 16
+HOST_KINDS = {"nn.Linear": lambda: nn.Linear(HOST_WIDTH, HOST_WIDTH),
+              "BlockSparseLinear b64 d0.5": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, block=(64, 64), density=0.5),
+              "Sparse24Linear": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, sparsity="2:4")}
 
 
 def host_stack(kind: str, device) -> nn.Module:
     """24 stacked 1024x1024 layers of one kind: a forward whose GPU work is small."""
     torch.manual_seed(0)
-    make = {"nn.Linear": lambda: nn.Linear(HOST_WIDTH, HOST_WIDTH),
-            "BlockSparseLinear b64 d0.5": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, block=(64, 64), density=0.5),
-            "Sparse24Linear": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, sparsity="2:4")}[kind]
+    make = HOST_KINDS[kind]
     return nn.Sequential(*[make() for _ in range(HOST_LAYERS)]).to(device=device, dtype=torch.bfloat16)
 
 
@@ -370,7 +371,7 @@ def host_us_per_call(stack: nn.Module, x: torch.Tensor, calls: int = 200) -> flo
 def host_costs(device) -> list[dict]:
     x = torch.randn(HOST_TOKENS, HOST_WIDTH, device=device, dtype=torch.bfloat16)
     rows = []
-    for kind in ["nn.Linear", "BlockSparseLinear b64 d0.5", "Sparse24Linear"]:
+    for kind in HOST_KINDS:
         stack = host_stack(kind, device)
         for mode in ["eager", "compile"]:
             rounds = [host_us_per_call(in_mode(stack, mode), x) for _ in range(3)]
@@ -434,7 +435,8 @@ def report(results: list[dict], markdown: Path | None, plot_path: Path | None) -
              f"{meta['transformers']} - commands: " + "; ".join(f"`{r['meta']['command']}`" for r in results), "",
              "Speedup over dense in the same mode and run (above 1: faster); dense ms is the dense model's "
              "median time in that mode.", ""]
-    lines += model_table(rows) + ["", errors_line(rows)] + failures(rows)
+    if rows:
+        lines += model_table(rows) + ["", errors_line(rows)] + failures(rows)
     if host:
         lines += ["", f"Host time per linear call ({HOST_LAYERS} stacked {HOST_WIDTH}x{HOST_WIDTH} bf16 layers, "
                   f"{HOST_TOKENS} tokens):", ""] + host_table(host)

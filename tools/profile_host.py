@@ -8,9 +8,7 @@ import subprocess
 import sys
 
 import torch
-from torch import nn
-
-import sparsegen
+from bench_models import HOST_KINDS, HOST_LAYERS, HOST_TOKENS, HOST_WIDTH, host_stack  # tools/ is on sys.path
 
 COLD = """
 import cProfile, pstats, io, time, torch
@@ -22,17 +20,13 @@ prof.disable(); print('cold ready ms', (time.perf_counter() - t) * 1e3)
 out = io.StringIO(); pstats.Stats(prof, stream=out).sort_stats('cumulative').print_stats(25); print(out.getvalue()[-6000:])
 """
 
-LAYERS = {"BlockSparseLinear b64 d0.5": lambda: sparsegen.linear(1024, 1024, block=(64, 64), density=0.5),
-          "Sparse24Linear": lambda: sparsegen.linear(1024, 1024, sparsity="2:4"),
-          "nn.Linear": lambda: nn.Linear(1024, 1024)}
-
-
-def forward_profile(name: str, compiled: bool, calls: int = 2000) -> None:
-    layer = LAYERS[name]().to(device="cuda", dtype=torch.bfloat16)
-    run = torch.compile(layer) if compiled else layer
-    x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+def forward_profile(kind: str, compiled: bool, calls: int = 100) -> None:
+    """cProfile of `calls` forwards of bench_models' host stack (24 layers of `kind`, 16 tokens)."""
+    stack = host_stack(kind, torch.device("cuda"))
+    run = torch.compile(stack) if compiled else stack
+    x = torch.randn(HOST_TOKENS, HOST_WIDTH, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        for _ in range(100):
+        for _ in range(10):
             run(x)
         prof = cProfile.Profile()
         prof.enable()
@@ -41,12 +35,13 @@ def forward_profile(name: str, compiled: bool, calls: int = 2000) -> None:
         prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-    print(f"==== {name}, {'compiled' if compiled else 'eager'} ({calls} calls)\n" + out.getvalue()[-3500:])
+    print(f"==== {kind}, {'compiled' if compiled else 'eager'} ({calls} x {HOST_LAYERS} calls)\n"
+          + out.getvalue()[-3500:])
 
 
 if __name__ == "__main__":
     subprocess.run([sys.executable, "-c", COLD], check=True)  # fills the disk cache
     subprocess.run([sys.executable, "-c", COLD], check=True)
-    for name in LAYERS:
+    for kind in HOST_KINDS:
         for compiled in (False, True):
-            forward_profile(name, compiled)
+            forward_profile(kind, compiled)
