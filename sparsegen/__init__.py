@@ -2,7 +2,7 @@
 from .errors import CompileError, InputError, SparsegenError, SpecError
 from .nn import BlockSparseLinear, linear
 from .nn24 import Sparse24Linear
-from . import topology
+from . import inductor, topology  # noqa: F401 (inductor: the compiled graphs' lowerings)
 from .patching import dense_copy, patch
 from .spec import KernelSpec, TileConfig
 from .sparse24 import Sparse24Tensor, to_sparse24

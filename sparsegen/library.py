@@ -20,8 +20,25 @@ def define(schema: str, implementation, fake):
     name = schema.split("(", 1)[0]
     _LIBRARY.define(schema)
     _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"sparsegen::{name}", fake, lib=_LIBRARY)
+    torch.library.register_fake(f"sparsegen::{name}", _first_trace_runs_hooks(fake), lib=_LIBRARY)
     return getattr(torch.ops.sparsegen, name).default
+
+
+_ON_FIRST_TRACE: list = []
+
+
+def on_first_trace(hook) -> None:
+    """hook() before the first trace of any sparsegen op (torch.compile runs the fake
+    implementations, in plain Python, before Inductor lowers the graph)."""
+    _ON_FIRST_TRACE.append(hook)
+
+
+def _first_trace_runs_hooks(fake):
+    def traced(*args):
+        while _ON_FIRST_TRACE:
+            _ON_FIRST_TRACE.pop()()
+        return fake(*args)
+    return traced
 
 
 def rows_by(x: torch.Tensor, out_features: int) -> torch.Tensor:

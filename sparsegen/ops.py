@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import library, plans, runtime
+from . import library, plans, runtime, workspace
 from .errors import expect
 from .layouts import bsr
 from .spec import (ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, scatter_spec,
@@ -552,19 +552,27 @@ def _rows_bucket(m: int) -> int | None:
     return 32 if m <= 32 else 128 if m <= 128 else None
 
 
-def _sp24_operands(spec, x2: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor) -> tuple[tuple, tuple]:
-    """(TMA descriptors, pointers) of X, W's values and metadata as the kernel reads them:
-    per stage, 64 columns of X, 32 kept values and 2 k32 tiles of metadata words per row
-    (twice as many of each for one-byte dtypes)."""
+def _sp24_weight_operands(spec, values: torch.Tensor, metadata: torch.Tensor) -> tuple[tuple, tuple, tuple]:
+    """(TMA descriptors, pointers, tensors they point into) of W's values and metadata as the
+    kernel reads them, the same call after call: per stage, 32 kept values and 2 k32 tiles
+    of metadata words per row (twice as many of each for one-byte dtypes)."""
     if spec.instr != "tma":
-        return (), (x2.data_ptr(), values.data_ptr(), metadata.data_ptr())
+        return (), (values.data_ptr(), metadata.data_ptr()), (values, metadata)
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
-    (m, k), n, w_rows = x2.shape, values.shape[0], spec.sp24_w_rows
-    per_byte = 2 // x2.element_size()  # a stage is 128 bytes of X rows: 64 of K, or 128 for e4m3
-    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte)
-    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, k // 2, w_rows, 32 * per_byte)
-    m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, k // 2, w_rows // 16, 32 * per_byte, False)
-    return (x_map, w_map, m_map), ()
+    (n, half_k), w_rows, per_byte = values.shape, spec.sp24_w_rows, 2 // values.element_size()
+    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, half_k, w_rows, 32 * per_byte)
+    m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False)
+    return (w_map, m_map), (), (values, metadata)
+
+
+def _sp24_x_operand(spec, x2: torch.Tensor) -> tuple[tuple, tuple]:
+    """(TMA descriptors, pointers) of X: per stage, 128 bytes of each row (64 of K, or 128 for
+    one-byte dtypes) of the block's share of the token tile."""
+    if spec.instr != "tma":
+        return (), (x2.data_ptr(),)
+    (m, k), per_byte = x2.shape, 2 // x2.element_size()
+    return (runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster,
+                               64 * per_byte),), ()
 
 
 SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
@@ -604,46 +612,88 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
              out=None, tile=None, splits: int | None = None, instr: str | None = None) -> torch.Tensor:
     """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
-    split K across blocks (`splits` overrides how many; `tile` the TileConfig)."""
+    split K across blocks (`splits` overrides how many; `tile` the TileConfig), which add
+    their sums in a workspace and the last split of each tile writes Y: one launch."""
     x2, y, shaped = _operands_and_output(x, out, out_features, sp24_output_dtype(x.dtype))
     m, k = x2.shape
     if m == 0 or out_features == 0:
         return shaped
-    if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
-        splits = 1
     if k == 0:  # an empty sum (and no tensor map describes an empty tensor)
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
-    if tile is None and instr is None:
-        kern, grid, k_split = _PLANS.get(metadata, (m, k, x.dtype, out_features, splits),
-                                         lambda: _sp24_plan(x2, out_features, splits))
-    else:
-        kern, grid, k_split = _sp24_plan(x2, out_features, splits, tile, instr)
-    partial = torch.zeros(m, out_features, device=x.device, dtype=torch.float32) if grid[2] > 1 else None
-    bias_ptr = bias.data_ptr() if bias is not None else 0
-    maps, operands = _sp24_operands(kern.spec, x2, values, metadata)
-    kern.launch(grid, maps, (*operands, bias_ptr, y.data_ptr(), 0 if partial is None else partial.data_ptr()),
-                (m, k, out_features, k_split))
-    if partial is not None and bias is not None:  # one pass: float32 sums + bias rounded into Y
-        torch.add(partial, bias, out=y)
-    elif partial is not None:
-        y.copy_(partial)
+    if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
+        splits = 1
+    if tile is None and instr is None and _tma_ready(values) and _tma_ready(metadata):
+        plan = _PLANS.get(metadata, (m, k, x.dtype, out_features, splits, values.data_ptr()),
+                          lambda: _sp24_plan(x2, values, metadata, out_features, splits))
+    else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
+        plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr)
+    x_maps, x_pointers = _sp24_x_operand(plan.kern.spec, x2)
+    sums = _split_sums(plan, x2.device)
+    counts = 0 if sums is None else sums.data_ptr() + 4 * m * out_features  # after the sums
+    pointers = (bias.data_ptr() if bias is not None else 0, y.data_ptr(), 0 if sums is None else sums.data_ptr(), counts)
+    plan.kern.launch(plan.grid, x_maps + plan.weight_maps, x_pointers + plan.weight_pointers + pointers,
+                     (m, k, out_features, plan.k_split))
     return shaped
 
 
-def _sp24_plan(x2: torch.Tensor, out_features: int, splits, tile=None, instr=None):
-    """(kernel, grid, dense K per split) that sp24_dds launches for these operands."""
+@dataclasses.dataclass(frozen=True)
+class _Sp24Plan:
+    kern: runtime.Kernel
+    grid: tuple[int, int, int]
+    k_split: int                      # dense K per split
+    workspace: int                    # float32 words of split-K sums and tile counts (0: no split)
+    weight_maps: tuple                # W's TMA descriptors (tma kernels)
+    weight_pointers: tuple[int, ...]  # or its pointers (mma kernels)
+    keep: tuple[torch.Tensor, ...]    # what they point into
+
+
+def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None) -> _Sp24Plan:
+    """What sp24_dds launches for these operands."""
     (m, k), device_index = x2.shape, x2.device.index or 0
     kern = _sp24_kernel(x2.dtype, device_index, _rows_bucket(m), tile, instr,
                         _narrow_tiles(m, out_features, device_index))
     grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
-    return kern, grid, k_split
+    workspace = m * out_features + _tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
+    return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata))
+
+
+def _tile_counts(spec, m: int, n: int) -> int:
+    """Arrival counters a split-K launch needs: at most one per token tile, W tile (its
+    column count padded to whole clusters) and 64 features of it."""
+    tiles_w = -(-(-(-n // spec.sp24_w_rows)) // spec.tile.cluster) * spec.tile.cluster
+    return -(-m // spec.tile.tile_m) * tiles_w * (spec.sp24_w_rows // 64)
+
+
+def _split_sums(plan: _Sp24Plan, device: torch.device) -> torch.Tensor | None:
+    """The zeroed workspace a split-K launch adds into (None: no split). During CUDA graph
+    capture with none big enough, one zeroed inside the graph, used by this call only."""
+    if not plan.workspace:
+        return None
+    stream = runtime.current_stream(device.index or 0)
+    if torch.cuda.is_current_stream_capturing():
+        held = workspace.current(device, stream)
+        return held if held is not None and held.numel() >= plan.workspace else _zeros(plan.workspace, device)
+    return workspace.zeroed(device, stream, plan.workspace, _zeros_outside_graph_pools)
+
+
+def _zeros(floats: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(floats, dtype=torch.float32, device=device)
+
+
+def _zeros_outside_graph_pools(floats: int, device: torch.device) -> torch.Tensor:
+    return _outside_graph_pools(_zeros, (floats, device), device)
 
 
 @functools.lru_cache(maxsize=None)
 def _sp24_prune_kernel(op: str, dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     return runtime.kernel(sp24_compress_spec(_SP24_DTYPE_NAMES[dtype], arch, op), device_index)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Contiguous at a 16-byte aligned address: what _aligned returns as it is."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
 def _aligned(w: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ def _slow_current_stream(device_index: int) -> int:
 
 
 # The raw-handle query inductor uses costs ~1 us; building a torch Stream object, ~10.
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
 # Likewise the raw device query: torch.cuda.current_device() adds its lazy-init check (~3 us).
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
@@ -124,7 +124,7 @@ class Kernel:
 
     def _launch_raw(self, grid, params) -> int:
         return self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
-                               _current_stream(self.device_index), params.array, None)
+                               current_stream(self.device_index), params.array, None)
 
 
 _CUDA_ERROR_INVALID_CONTEXT = 201

@@ -6,7 +6,7 @@
 // shared memory so that Y [M, N] is written in its own row-major layout, 16 bytes at a time
 // - no transpose pass.
 #pragma once
-#include "sg_mma.cuh"
+#include "sg_split_k.cuh"
 
 namespace sg {
 
@@ -128,10 +128,12 @@ struct Sp24Dds {
     }
   }
 
-  // Split K (small M): each block adds its partial tile of Y^T into a float32 buffer (the
-  // host never splits int32 sums).
-  __device__ static void add_partial(Acc (&acc)[MT][NT][4], float* partial, int m0, int n0, int M, int N,
-                                     int ww, int wt) {
+  // Split K (small M): the block's partial tile of Y^T is added into the float32 workspace;
+  // the tile's last split writes Y (sg_split_k.cuh; the host never splits int32 sums).
+  // Every thread is past compute(), so the first word of shared memory is free for the flag.
+  __device__ static void add_split(Acc (&acc)[MT][NT][4], float* sums, int* counts, const OutT* bias, OutT* y,
+                                   unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt) {
+    using Split = SplitK<THREADS>;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -140,14 +142,21 @@ struct Sp24Dds {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int f = n0 + ww * 64 + mt * 16 + g + 8 * (i >> 1), t = m0 + wt * WARP_T + nt * 8 + 2 * q + (i & 1);
-          if (f < N && t < M) atomicAdd(partial + (long long)t * N + f, static_cast<float>(acc[mt][nt][i]));
+          if (f < N && t < M) atomicAdd(sums + (long long)t * N + f, static_cast<float>(acc[mt][nt][i]));
         }
+    int* count = counts + blockIdx.y * gridDim.x + blockIdx.x;
+    if (!Split::last_to_arrive(count, gridDim.z, smem_ptr(smem_raw), 0))
+      return;
+    Split::finish(
+        sums, count, y, m0, TILE_T, n0, TILE_W, M, N,
+        [&](int f) { return bias ? static_cast<float>(Out::bias(bias[f])) : 0.f; },
+        [](float v) { return Out::convert(static_cast<Acc>(v)); });
   }
 
-  // blockIdx.z takes K in slices of k_split; with `partial` set, the blocks' sums go there
-  // (bias and rounding are the host's), else straight into Y.
+  // blockIdx.z takes K in slices of k_split; with `partial` (the workspace) set, the blocks'
+  // sums go there and the last split of each tile writes Y, else they go straight into Y.
   __device__ static void run(const Elem* x, const Elem* values, const int* meta, const OutT* bias, OutT* y,
-                             float* partial, int M, int K, int N, int k_split) {
+                             float* partial, int* tile_counts, int M, int K, int N, int k_split) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem = smem_ptr(smem_raw);
     const int n0 = blockIdx.x * TILE_W, m0 = blockIdx.y * TILE_T;
@@ -170,7 +179,7 @@ struct Sp24Dds {
       compute(smem + (s % STAGES) * STAGE_BYTES, k_begin + s * STAGE_K, k_end, acc, ww, wt);
     }
     if (partial) {
-      add_partial(acc, partial, m0, n0, M, N, ww, wt);
+      add_split(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
       return;
     }
     cp_async_wait<0>();

@@ -21,6 +21,7 @@
 // than cuSPARSELt's but ran at 1.36 GHz against 1.65 - the L2 traffic costs clock.)
 #pragma once
 #include "bsr_dds_wgmma.cuh"
+#include "sg_split_k.cuh"
 #include "sg_store_t.cuh"
 #include "sg_tma.cuh"
 
@@ -172,10 +173,22 @@ struct Sp24DdsTma {
       }
   }
 
-  // Split K: the block's partial tile of Y^T is added into a float32 buffer.
-  __device__ static void add_partial(const Acc (&acc)[ACC], float* partial, int m0, int n0, int M, int N, int c) {
+  // Split K: consumer c's partial tile of Y^T (its 64 features, TILE_T tokens) is added into
+  // the float32 workspace; the tile's last split writes Y (sg_split_k.cuh). `flag`: a word of
+  // the consumer's staging buffer, which the split path does not otherwise use.
+  __device__ static void add_split(const Acc (&acc)[ACC], float* sums, int* counts, const Elem* bias, Elem* y,
+                                   u32 flag, int m0, int n0, int M, int N, int c) {
+    using Split = SplitK<128>;
     for_each_output(acc, m0, n0, M, N, c,
-                    [&](int t, int f, Acc v) { atomicAdd(partial + (long long)t * N + f, static_cast<float>(v)); });
+                    [&](int t, int f, Acc v) { atomicAdd(sums + (long long)t * N + f, static_cast<float>(v)); });
+    const int tiles_w = ((N + TILE_W - 1) / TILE_W + CLUSTER - 1) / CLUSTER * CLUSTER;  // as Raster's groups
+    int* count = counts + ((m0 / TILE_T) * tiles_w + n0 / TILE_W) * CONSUMERS + c;
+    if (!Split::last_to_arrive(count, gridDim.z, flag, c + 2))
+      return;
+    Split::finish(
+        sums, count, y, m0, TILE_T, n0 + 64 * c, 64, M, N,
+        [&](int f) { return bias ? Mma::to_float(bias[f]) : 0.f; },
+        [](float v) { return static_cast<Elem>(Mma::pack(v, 0.f) & 0xFFFF); });
   }
 
   // int32 Y (int8 inputs; the host never splits K for them) straight from the registers:
@@ -209,7 +222,8 @@ struct Sp24DdsTma {
   };
 
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
-                             const Elem* bias, Elem* y, float* partial, int M, int K, int N, int k_split) {
+                             const Elem* bias, Elem* y, float* partial, int* tile_counts, int M, int K, int N,
+                             int k_split) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_ptr(smem_raw), smem = (base + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
     const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + STAGING_BYTES;  // full[STAGES], empty[STAGES]
@@ -234,7 +248,7 @@ struct Sp24DdsTma {
         Acc acc[ACC] = {};
         consume(smem, bars, s0, stages, wg - 1, acc);
         if (partial)
-          add_partial(acc, partial, m0, n0, M, N, wg - 1);
+          add_split(acc, partial, tile_counts, bias, y, staging + (wg - 1) * Store::BYTES, m0, n0, M, N, wg - 1);
         else if constexpr (INT_OUT)
           store_int(acc, bias, y, m0, n0, M, N, wg - 1);
         else

@@ -434,3 +434,53 @@ def test_int8_mma_sp_path_matches_float64_on_any_arch(m):
     ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="mma")
     want = x.double() @ sparse.to_dense().double().t() + bias.double()
     assert torch.equal(out.double(), want)
+
+
+def split_case(m, n, k, dtype=torch.bfloat16, bias=True):
+    sparse = sparsegen.to_sparse24(torch.randn(n, k, device="cuda", dtype=dtype))
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    want = x.double() @ sparse.to_dense().double().t() + (b.double() if bias else 0)
+    return sparse, x, b, want
+
+
+def workspace_is_zero() -> bool:
+    from sparsegen import runtime, workspace
+    held = workspace.current(torch.device("cuda", 0), runtime.current_stream(0))
+    return held is None or not held.any().item()
+
+
+@pytest.mark.parametrize("instr", ["mma", "tma"])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 336, 896, True), (17, 1024, 1024, False), (200, 130 * 16, 640, True)])
+def test_split_k_finishes_in_the_kernel_and_leaves_the_workspace_zero(instr, splits, m, n, k, bias):
+    """K splits add into a shared workspace; the last split of each tile writes Y (bias and
+    rounding) and zeroes its sums and counter: Y is right, the workspace ends all zeros, and
+    the next call (another shape) on the same workspace is right too."""
+    if instr == "tma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma.sp kernels are sm_90 only")
+    for case in (split_case(m, n, k, bias=bias), split_case(m + 5, n // 32 * 16 + 16, k + 128, bias=not bias)):
+        sparse, x, b, want = case
+        out = poisoned(x.shape[0], want.shape[1], torch.bfloat16)
+        ops.sp24_dds(x, sparse.values, sparse.metadata, b, want.shape[1], out=out, splits=splits, instr=instr)
+        assert not out.isnan().any()
+        assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
+        assert workspace_is_zero()
+
+
+def test_split_k_inside_a_cuda_graph_captured_without_warm_up():
+    """A split launch first seen during capture zeroes a workspace inside the graph; replays
+    with new inputs are right, and so is an eager call on the stream's workspace after."""
+    sparse, x, b, _ = split_case(8, 1024, 2048)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y = ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        graph.replay()
+        want = x.double() @ sparse.to_dense().double().t() + b.double()
+        assert relative_error(y, want) < TOLERANCE[torch.bfloat16]
+    eager = ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
+    assert relative_error(eager, want) < TOLERANCE[torch.bfloat16]
+    assert workspace_is_zero()

@@ -354,30 +354,37 @@ def host_stack(kind: str, device) -> nn.Module:
     return nn.Sequential(*[make() for _ in range(HOST_LAYERS)]).to(device=device, dtype=torch.bfloat16)
 
 
-def host_us_per_call(stack: nn.Module, x: torch.Tensor, calls: int = 200) -> float:
-    """Wall time per linear call, the GPU left to catch up only at the end: with these layers
-    the host, not the GPU, sets the pace, so this is the host's cost of a call."""
+def host_us_per_call(stack: nn.Module, x: torch.Tensor, bursts: int = 5, forwards: int = 12) -> float:
+    """Host time per linear call: bursts of `forwards` forwards, each timed from an idle GPU
+    to the last launch queued (not to the GPU's finish: a few hundred launches fit the
+    driver's queue, so the host never waits on the GPU). Median over bursts."""
+    times = []
     with torch.no_grad():
         for _ in range(20):
             stack(x)
+        for _ in range(bursts):
+            torch.cuda.synchronize() if x.is_cuda else None
+            begin = time.perf_counter()
+            for _ in range(forwards):
+                stack(x)
+            times.append(time.perf_counter() - begin)
         torch.cuda.synchronize() if x.is_cuda else None
-        begin = time.perf_counter()
-        for _ in range(calls):
-            stack(x)
-        torch.cuda.synchronize() if x.is_cuda else None
-    return (time.perf_counter() - begin) / (calls * HOST_LAYERS) * 1e6
+    return statistics.median(times) / (forwards * HOST_LAYERS) * 1e6
 
 
-def host_costs(device) -> list[dict]:
+def host_costs(device, rounds: int = 5) -> list[dict]:
+    """Host us per linear call of each layer kind, eager and compiled, measured in alternating
+    rounds (the host's speed drifts: one kind measured after another would carry the drift)."""
     x = torch.randn(HOST_TOKENS, HOST_WIDTH, device=device, dtype=torch.bfloat16)
-    rows = []
-    for kind in HOST_KINDS:
-        stack = host_stack(kind, device)
-        for mode in ["eager", "compile"]:
-            rounds = [host_us_per_call(in_mode(stack, mode), x) for _ in range(3)]
-            rows.append(dict(layer=kind, mode=mode, host_us=statistics.median(rounds)))
-            print(json.dumps(rows[-1]), flush=True)
-            torch._dynamo.reset()
+    runs = {(kind, mode): in_mode(host_stack(kind, device), mode) for kind in HOST_KINDS
+            for mode in ["eager", "compile"]}
+    times = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, run in runs.items():
+            times[key].append(host_us_per_call(run, x))
+    rows = [dict(layer=kind, mode=mode, host_us=statistics.median(t)) for (kind, mode), t in times.items()]
+    for row in rows:
+        print(json.dumps(row), flush=True)
     return rows
 
 

@@ -34,6 +34,7 @@ for step in "${steps[@]}"; do
     overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
     profile_model) python3 tools/profile_model.py 2>&1 | tee "$OUT/profile_model.log" | grep -A22 "====" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
+    gpu_time) python3 tools/profile_host.py --gpu-time 2>&1 | tee "$OUT/gpu_time.log" | grep -E "====|Self CUDA time|sparsegen|sp24|bsr|gemm|nvjet|Memset|elementwise|Kernel" ;;
     bound) python3 tools/probe_bound.py 2>&1 | tee "$OUT/bound.log" ;;
     ncu) for case in "16384 1024 4096 128 0.25" "8192 4096 11008 128 0.1" "8192 4096 11008 64 0.25"; do
            ncu --clock-control none -k regex:bsr_dds -s 3 -c 1 --section SpeedOfLight \

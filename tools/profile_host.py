@@ -39,7 +39,30 @@ def forward_profile(kind: str, compiled: bool, calls: int = 100) -> None:
           + out.getvalue()[-3500:])
 
 
+def gpu_profile(kind: str, compiled: bool, forwards: int = 10) -> None:
+    """The kernels a forward of the host stack runs, and their GPU time (torch.profiler)."""
+    stack = host_stack(kind, torch.device("cuda"))
+    run = torch.compile(stack) if compiled else stack
+    x = torch.randn(HOST_TOKENS, HOST_WIDTH, device="cuda", dtype=torch.bfloat16)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.no_grad():
+        for _ in range(10):
+            run(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(forwards):
+                run(x)
+            torch.cuda.synchronize()
+    print(f"==== GPU time: {kind}, {'compiled' if compiled else 'eager'} ({forwards} x {HOST_LAYERS} calls)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
 if __name__ == "__main__":
+    if "--gpu-time" in sys.argv:
+        for kind in HOST_KINDS:
+            for compiled in (False, True):
+                gpu_profile(kind, compiled)
+        sys.exit()
     subprocess.run([sys.executable, "-c", COLD], check=True)  # fills the disk cache
     subprocess.run([sys.executable, "-c", COLD], check=True)
     for kind in HOST_KINDS:

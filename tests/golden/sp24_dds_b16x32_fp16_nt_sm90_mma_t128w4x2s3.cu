@@ -20,7 +20,7 @@ using Kernel = sg::Sp24Dds<SpMma, sg::FloatOut<sg::Fp16>, unsigned short, 128, 4
 extern "C" __global__ void __launch_bounds__(256)
 sp24_dds_b16x32_fp16_nt_sm90_mma_t128w4x2s3(const unsigned short* __restrict__ x, const unsigned short* __restrict__ values,
            const int* __restrict__ metadata, const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
-           float* __restrict__ partial, int M, int K, int N, int k_split) {
-  Kernel::run(x, values, metadata, bias, y, partial, M, K, N, k_split);
+           float* __restrict__ partial, int* __restrict__ tile_counts, int M, int K, int N, int k_split) {
+  Kernel::run(x, values, metadata, bias, y, partial, tile_counts, M, K, N, k_split);
 }
 
