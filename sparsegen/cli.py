@@ -1,4 +1,5 @@
-"""The `sparsegen` command: precompile kernels, inspect the disk cache, show generated source.
+"""The `sparsegen` command: precompile kernels, inspect the disk cache, show generated source,
+measure this GPU's crossovers (tune).
 
 Every bad input ends as one line on stderr and exit code 2, never a traceback.
 """
@@ -10,6 +11,7 @@ import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_precompile(commands)
     _add_cache(commands)
     _add_show(commands)
+    _add_tune(commands)
     return parser
 
 
@@ -86,6 +89,18 @@ def _add_show(commands) -> None:
 
 
 # --- parsing the selection -------------------------------------------------------------------
+
+def _add_tune(commands) -> None:
+    sub = commands.add_parser("tune", help="measure where this GPU's sparse kernels beat cuBLAS (about a minute)")
+    sub.add_argument("--quick", action="store_true", help="a smaller grid (a few seconds)")
+    sub.add_argument("--out", type=Path, help="table file (default: this GPU's, in the cache directory)")
+    sub.set_defaults(run=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    from . import tune  # imports the layers (and torch's CUDA state) only when asked
+    return tune.main(args.quick, args.out)
+
 
 def parse_arch(text: str) -> int:
     """'sm_80', 'sm80' or '80' -> 80, if some template supports that arch."""

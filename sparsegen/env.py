@@ -27,3 +27,9 @@ def compress_kernel() -> bool:
     """2:4 pruning and packing of CUDA 16-bit and one-byte weights runs on the generated sp24_compress
     and sp24_mask kernels; SPARSEGEN_COMPRESS_KERNEL=0 falls back to PyTorch ops."""
     return os.environ.get("SPARSEGEN_COMPRESS_KERNEL", "1") not in ("", "0")
+
+
+def dense_fallback() -> bool:
+    """Layers take cuBLAS on a dense copy of their weight where the GPU's crossover table
+    says their sparse kernel would lose; SPARSEGEN_DENSE_FALLBACK=0 keeps every call sparse."""
+    return os.environ.get("SPARSEGEN_DENSE_FALLBACK", "1") not in ("", "0")

@@ -1,19 +1,17 @@
 """Ops over block-CSR weights: input checks, the CPU reference, and the GPU launch."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import threading
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import library, plans, runtime, workspace
+from . import dense_path, library, outside_graphs, plans, runtime, workspace
 from .errors import expect
-from .layouts import bsr
+from .layouts import bsr, semi24
 from .spec import (ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, scatter_spec,
                    sdd_spec, sp24_compress_spec, sp24_spec)
 
@@ -191,19 +189,18 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
 def _output(out, m: int, n: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if out is None:
         return torch.empty(m, n, dtype=dtype, device=x.device)
-    expect(out.is_contiguous() and out.numel() == m * n and out.dtype == dtype
-           and out.device == x.device and out.data_ptr() % 16 == 0,
-           f"out: contiguous, 16-byte aligned, {m * n} elements, {dtype} on {x.device}",
-           f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
-           f"address % 16 = {out.data_ptr() % 16}")
+    if not (out.is_contiguous() and out.numel() == m * n and out.dtype == dtype
+            and out.device == x.device and out.data_ptr() % 16 == 0):  # (the message costs more than the call)
+        expect(False, f"out: contiguous, 16-byte aligned, {m * n} elements, {dtype} on {x.device}",
+               f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
+               f"address % 16 = {out.data_ptr() % 16}")
     return out.view(m, n)
 
 
-def _operands_and_output(x: torch.Tensor, out, out_features: int, dtype: torch.dtype | None = None):
-    """(X as contiguous 2-D rows, Y [M, N] to write (x's dtype unless `dtype`), Y in x's leading shape)."""
-    x2 = _rows_2d(x)
+def _output_for(x: torch.Tensor, x2: torch.Tensor, out, out_features: int, dtype: torch.dtype | None = None):
+    """(Y [M, N] to write, Y in x's leading shape)."""
     y = _output(out, x2.shape[0], out_features, x, dtype or x.dtype)
-    return x2, y, y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+    return y, y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
 def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,
@@ -212,21 +209,23 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
     default TileConfig and `instr` the kernel family (spec.INSTRS). With `perm`, W^T's
     block b is values[perm[b]] transposed (input_grad)."""
-    x2, y, shaped = _operands_and_output(x, out, out_features)
+    x2 = _rows_2d(x)
     m, k = x2.shape
-    if m == 0:
-        return shaped
-    if values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+    if m == 0 or values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
+        y, shaped = _output_for(x, x2, out, out_features)
+        y.copy_(bias.expand_as(y) if bias is not None and m else torch.zeros_like(y))
         return shaped
     if tile is None and instr is None:
         plan = _PLANS.get(row_offsets, (m, x.dtype, tuple(block), out_features, perm is None),
                           lambda: _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features))
     else:
         plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr)
-    if plan is None:
-        _dense_forward(x2, values, row_offsets, col_indices, bias, block, y)
-        return shaped
+    if plan.dense:
+        weight = _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features,
+                                       plan.scatter_when_trained)
+        if weight is not None:
+            return _dense_result(x, x2, weight, bias, out)
+    y, shaped = _output_for(x, x2, out, out_features)
     maps, operands = _operands(plan.kern.spec, x2, values, block)
     pointers = (*operands, *plan.index, bias.data_ptr() if bias is not None else 0, y.data_ptr())
     plan.kern.launch(plan.grid, maps, pointers, (m, k, out_features) + plan.tail)
@@ -240,24 +239,30 @@ class _BsrPlan:
     index: tuple[int, ...]          # the index pointers the kernel takes
     tail: tuple[int, ...]           # the int arguments after (M, K, N)
     keep: tuple[torch.Tensor, ...]  # what `index` points into
+    dense: bool = False             # cuBLAS on a dense copy of W first (dense_path)
+    scatter_when_trained: bool = False  # and on a weight scattered per call once W is trained
 
 
 _PLANS = plans.PlanCache()
 
 
 def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile=None, instr=None):
-    """What bsr_dds launches for these operands: None for the dense path (cuBLAS on the
-    scattered weight), else the kernel, its grid and index."""
+    """What bsr_dds launches for these operands: the kernel, its grid and index, and whether
+    cuBLAS on a dense weight comes first (forward calls with default kernels only)."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    if perm is None and tile is None and instr is None and _dense_pays(block, values.shape[0], m, k, out_features):
-        return None
     pick = _forward_kernel if perm is None else _transposed_kernel
     kern = pick(tuple(block), x2.dtype, device_index, m <= 64, tile, instr)
+    dense = scatter = False
     if tile is None and instr is None:
         kern = _swap_variant(kern, x2.dtype, m, row_offsets, col_indices, perm)
+        if perm is None:
+            grid_blocks = (out_features // block[0]) * (k // block[1])
+            scatter = _dense_pays(block, values.shape[0], m, k, out_features)
+            dense = scatter or dense_path.wanted("bsr", device_index, out_features, k, m, tuple(block),
+                                                 values.shape[0] / max(grid_blocks, 1))
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
     return _BsrPlan(kern, _grid(kern, m, out_features), tuple(t.data_ptr() if t is not None else 0 for t in index),
-                    _tma_tail(kern.spec, values), tuple(t for t in index if t is not None))
+                    _tma_tail(kern.spec, values), tuple(t for t in index if t is not None), dense, scatter)
 
 
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
@@ -278,14 +283,23 @@ def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) ->
     return least is not None and stored_blocks >= least * (out_features // block[0]) * (k // block[1])
 
 
-@torch.no_grad()  # like the kernels: callers differentiate this op themselves (autograd.py)
-def _dense_forward(x2, values, row_offsets, col_indices, bias, block, y) -> None:
-    """Y = X W^T (+ bias) by cuBLAS, W scattered from its blocks into a transient dense weight."""
-    weight = dense_weight(values, row_offsets, col_indices, (y.shape[1], x2.shape[1]), block)
-    if bias is None:
-        torch.mm(x2, weight.t(), out=y)
-    else:
-        torch.addmm(bias, x2, weight.t(), out=y)
+def _dense_result(x, x2, weight, bias, out):
+    """Y = X W^T (+ bias) by cuBLAS on a dense weight: as F.linear returns it (the cheapest
+    call, as nn.Linear's), or written into `out`."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    y, shaped = _output_for(x, x2, out, weight.shape[0])
+    dense_path.linear_into(y, x2, weight, bias)
+    return shaped
+
+
+def _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features: int, scatter: bool):
+    """The layer's dense copy of W, or (`scatter`, once W is being trained) one scattered for
+    this call; None where there is neither (the kernels then)."""
+    shape = (out_features, x2.shape[1])
+    build = functools.partial(dense_weight, values, row_offsets, col_indices, shape, block)
+    weight = dense_path.copy_of(row_offsets, values, build)
+    return build() if weight is None and scatter else weight
 
 
 def dense_weight(values, row_offsets, col_indices, shape, block) -> torch.Tensor:
@@ -334,36 +348,8 @@ def _per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool =
         expect(not reads_host, f"a warm-up call of the layer before CUDA graph capture (its {what} index is "
                "built on the host once per layout)", "a first call inside the capture")
         return build(*inputs)
-    entries[what] = (stamp, _outside_graph_pools(build, inputs, key.device))
+    entries[what] = (stamp, outside_graphs.run(build, inputs, key.device))
     return entries[what][1]
-
-
-def _outside_graph_pools(build, inputs: tuple, device: torch.device):
-    """build(*inputs) on a thread of its own: torch.compile's CUDA graphs (reduce-overhead)
-    run their warm-up with every allocation of the calling thread routed into the graphs'
-    memory pool, where a tensor kept past the call breaks the next recording ("tensors in
-    the cudagraph pool not tracked as outputs"). Another thread allocates from the ordinary
-    pool. The caller's stream is synchronized first (the inputs may be being written on
-    it) and the builder's after (the result is read on the caller's)."""
-    if device.type != "cuda" or threading.current_thread().name.startswith(_BUILDER_NAME):
-        return build(*inputs)  # (on the builder itself: waiting for it would never end)
-    torch.cuda.current_stream(device).synchronize()
-    return _builder().submit(_build_and_sync, build, inputs, device).result()
-
-
-def _build_and_sync(build, inputs: tuple, device: torch.device):
-    with torch.cuda.device(device):
-        result = build(*inputs)
-        torch.cuda.current_stream(device).synchronize()
-    return result
-
-
-_BUILDER_NAME = "sparsegen-index"
-
-
-@functools.lru_cache(maxsize=1)
-def _builder() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
 
 
 def _pair_index(row_offsets, col_indices, perm) -> tuple[torch.Tensor, ...]:
@@ -614,12 +600,11 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
     split K across blocks (`splits` overrides how many; `tile` the TileConfig), which add
     their sums in a workspace and the last split of each tile writes Y: one launch."""
-    x2, y, shaped = _operands_and_output(x, out, out_features, sp24_output_dtype(x.dtype))
+    x2 = _rows_2d(x)
     m, k = x2.shape
-    if m == 0 or out_features == 0:
-        return shaped
-    if k == 0:  # an empty sum (and no tensor map describes an empty tensor)
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+    if m == 0 or out_features == 0 or k == 0:  # (no tensor map describes an empty tensor)
+        y, shaped = _output_for(x, x2, out, out_features, sp24_output_dtype(x.dtype))
+        y.copy_(bias.expand_as(y) if bias is not None and m and out_features else torch.zeros_like(y))
         return shaped
     if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
         splits = 1
@@ -628,6 +613,12 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
                           lambda: _sp24_plan(x2, values, metadata, out_features, splits))
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
         plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr)
+    if plan.dense:
+        weight = dense_path.copy_of(metadata, values, functools.partial(
+            semi24.decompress, values, metadata, (out_features, k)))
+        if weight is not None:
+            return _dense_result(x, x2, weight, bias, out)
+    y, shaped = _output_for(x, x2, out, out_features, sp24_output_dtype(x.dtype))
     x_maps, x_pointers = _sp24_x_operand(plan.kern.spec, x2)
     sums = _split_sums(plan, x2.device)
     counts = 0 if sums is None else sums.data_ptr() + 4 * m * out_features  # after the sums
@@ -646,6 +637,7 @@ class _Sp24Plan:
     weight_maps: tuple                # W's TMA descriptors (tma kernels)
     weight_pointers: tuple[int, ...]  # or its pointers (mma kernels)
     keep: tuple[torch.Tensor, ...]    # what they point into
+    dense: bool = False               # cuBLAS on a dense copy of W first (dense_path)
 
 
 def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None) -> _Sp24Plan:
@@ -655,7 +647,9 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
                         _narrow_tiles(m, out_features, device_index))
     grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     workspace = m * out_features + _tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
-    return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata))
+    dense = (tile is None and instr is None and x2.dtype in _16BIT
+             and dense_path.wanted("sp24", device_index, out_features, k, m))
+    return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata), dense)
 
 
 def _tile_counts(spec, m: int, n: int) -> int:
@@ -682,7 +676,7 @@ def _zeros(floats: int, device: torch.device) -> torch.Tensor:
 
 
 def _zeros_outside_graph_pools(floats: int, device: torch.device) -> torch.Tensor:
-    return _outside_graph_pools(_zeros, (floats, device), device)
+    return outside_graphs.run(_zeros, (floats, device), device)
 
 
 @functools.lru_cache(maxsize=None)

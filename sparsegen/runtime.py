@@ -26,6 +26,11 @@ def device_arch(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

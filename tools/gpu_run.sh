@@ -22,6 +22,9 @@ for step in "${steps[@]}"; do
          timeout ${MODEL_TIMEOUT:-590} python3 -X faulthandler tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} \
            --json "$OUT/models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    dense_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_dense_path.py -x 2>&1 | tee "$OUT/dense_tests.log" | tail -5 ;;
+    crossovers) python3 -m sparsegen tune 2>&1 | tee "$OUT/crossovers.log" | tail -12  # this GPU's table, used by later steps
+         cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
     train) python3 tools/bench.py --train 2>&1 | tee "$OUT/train.log" ;;
     cputests) timeout 500 python3 -m pytest -q tests/test_patching.py tests/test_autograd.py 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
@@ -33,6 +36,7 @@ for step in "${steps[@]}"; do
          python3 tools/train_demo.py --out "$OUT/eager" --models dense,0.5,0.25 --no-graph 2>&1 | tail -5 ;;
     overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
     profile_model) python3 tools/profile_model.py 2>&1 | tee "$OUT/profile_model.log" | grep -A22 "====" ;;
+    profile_compiled) python3 tools/profile_model.py --compile dense 2:4 b64d0.5 2>&1 | tee "$OUT/profile_compiled.log" | grep -A30 "====" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
     gpu_time) python3 tools/profile_host.py --gpu-time 2>&1 | tee "$OUT/gpu_time.log" | grep -E "====|Self CUDA time|sparsegen|sp24|bsr|gemm|nvjet|Memset|elementwise|Kernel" ;;
     bound) python3 tools/probe_bound.py 2>&1 | tee "$OUT/bound.log" ;;

@@ -1,0 +1,102 @@
+"""Where the sparse kernels beat dense, per GPU: measured speedups that pick each call's path.
+
+A table holds points (layout, N, K, M tokens) -> speedup of the sparse kernel over cuBLAS
+on the same weight made dense, measured side by side on one GPU. `sparsegen tune`
+(sparsegen/tune.py) measures them on the local GPU into the cache directory; tables for
+the H100 and the H200 ship in sparsegen/crossover_tables/. A call takes the dense path
+where the table's nearest point says the sparse kernel loses (ops.py).
+
+Tables are JSON, read with json and checked field by field: nothing in one is run.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import env
+
+PACKAGED = Path(__file__).parent / "crossover_tables"
+LOSES_BELOW = 1.0  # the sparse kernel's speedup under which the dense path runs
+
+
+@dataclass(frozen=True)
+class Point:
+    layout: str            # "sp24", or "bsr" with block and density
+    n: int                 # out_features
+    k: int                 # in_features
+    m: int                 # tokens
+    speedup: float         # dense time / sparse time
+    block: tuple[int, int] = (0, 0)
+    density: float = 1.0
+
+
+def file_name(gpu_name: str) -> str:
+    """The table's file name for a GPU ("NVIDIA H100 80GB HBM3" -> nvidia_h100_80gb_hbm3.json)."""
+    return re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json"
+
+
+def user_table_path(gpu_name: str) -> Path:
+    return env.cache_dir() / "crossovers" / file_name(gpu_name)
+
+
+@functools.lru_cache(maxsize=None)
+def table(gpu_name: str) -> tuple[Point, ...]:
+    """The measured points for this GPU: the user's `sparsegen tune` table, else the packaged
+    one, else none (every call then takes the sparse kernels)."""
+    for path in (user_table_path(gpu_name), PACKAGED / file_name(gpu_name)):
+        if path.is_file():
+            return load(path)
+    return ()
+
+
+def load(path: Path) -> tuple[Point, ...]:
+    """A table file's points; a damaged file counts as none, with one warning."""
+    try:
+        return tuple(_point(p) for p in json.loads(path.read_text())["points"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "
+                      "to measure a new one", RuntimeWarning, stacklevel=3)
+        return ()
+
+
+def _point(raw: dict) -> Point:
+    """One point, every field checked (ValueError / TypeError / KeyError when not as written)."""
+    sizes = [int(raw[f]) for f in ("n", "k", "m")]
+    speedup, density = float(raw["speedup"]), float(raw.get("density", 1.0))
+    block = tuple(int(b) for b in raw.get("block", (0, 0)))
+    if (raw["layout"] not in ("sp24", "bsr") or min(sizes) < 1 or not math.isfinite(speedup) or speedup <= 0
+            or not 0 < density <= 1 or len(block) != 2):
+        raise ValueError(f"a point of layout sp24/bsr, positive sizes and speedup, density in (0, 1]: {raw}")
+    return Point(raw["layout"], *sizes, speedup, block, density)
+
+
+def as_json(point: Point) -> dict:
+    row = dict(layout=point.layout, n=point.n, k=point.k, m=point.m, speedup=round(point.speedup, 4))
+    if point.layout == "bsr":
+        row.update(block=list(point.block), density=round(point.density, 4))
+    return row
+
+
+def nearest(points, layout: str, n: int, k: int, m: int, block=(0, 0), density: float = 1.0) -> Point | None:
+    """The measured point of this layout (and block) closest in log N, log K, log M and
+    density; None where the table has none."""
+    same = [p for p in points if p.layout == layout and p.block == tuple(block)]
+    if not same:
+        return None
+
+    def distance(p: Point) -> float:
+        logs = (math.log(p.n / n), math.log(p.k / k), math.log(p.m / max(m, 1)))
+        return sum(d * d for d in logs) + (4 * (p.density - density)) ** 2
+
+    return min(same, key=distance)
+
+
+def dense_wins(gpu_name: str, layout: str, n: int, k: int, m: int, block=(0, 0), density: float = 1.0) -> bool:
+    """Whether this GPU's table says cuBLAS on the dense weight beats the sparse kernel here."""
+    point = nearest(table(gpu_name), layout, n, k, m, block, density)
+    return point is not None and point.speedup < LOSES_BELOW

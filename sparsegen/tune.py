@@ -1,0 +1,122 @@
+"""`sparsegen tune`: measure where the sparse kernels beat cuBLAS on this GPU.
+
+For each layout, weight shape and token count of a grid, the sparse layer's forward and
+cuBLAS on its dense weight are timed side by side as CUDA graphs (GPU time: the host's cost
+is the same either way). The speedups become this GPU's crossover table (crossovers.py),
+written to the cache directory, where every later process finds it.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import crossovers, dense_path, runtime
+from .nn import BlockSparseLinear
+from .nn24 import Sparse24Linear
+
+# (out_features, in_features): attention and MLP projections of BERT-base, Llama-7B-like and
+# Llama-1B-like models, and square layers from 768 to 8192.
+SHAPES = [(768, 768), (3072, 768), (768, 3072), (2048, 2048), (8192, 2048), (2048, 8192),
+          (4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]
+TOKENS = [1, 16, 128, 512, 2048, 8192]
+# ("sp24", None, None) or ("bsr", block, density)
+LAYOUTS = [("sp24", (0, 0), 1.0), ("bsr", (64, 64), 0.5), ("bsr", (64, 64), 0.25), ("bsr", (128, 128), 0.25),
+           ("bsr", (128, 128), 0.5), ("bsr", (32, 32), 0.5), ("bsr", (32, 32), 0.25), ("bsr", (16, 16), 0.25)]
+QUICK = dict(shapes=SHAPES[::3], tokens=TOKENS[1::2], layouts=LAYOUTS[:4])
+
+
+def graph_ms(call, reps: int = 20) -> float:
+    """GPU time of one call: `reps` calls captured as one CUDA graph, best of 3 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: its split-K workspace
+        for _ in range(reps):
+            call()
+    times = []
+    for _ in range(3):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / reps)
+    return min(times)
+
+
+def _layer(layout: str, n: int, k: int, block, density: float):
+    kwargs = dict(device="cuda", dtype=torch.bfloat16)
+    if layout == "sp24":
+        return Sparse24Linear(k, n, **kwargs)
+    return BlockSparseLinear(k, n, block=block, density=density, **kwargs)
+
+
+@torch.no_grad()
+def measure(layout: str, n: int, k: int, m: int, block=(0, 0), density: float = 1.0) -> crossovers.Point:
+    """One point: the sparse layer (its kernels, never the dense path) against cuBLAS."""
+    layer = _layer(layout, n, k, block, density)
+    weight, bias = layer.to_dense_weight(), layer.bias
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    with dense_path.disabled():
+        sparse = graph_ms(lambda: layer(x))
+    dense = graph_ms(lambda: F.linear(x, weight, bias))
+    return crossovers.Point(layout, n, k, m, dense / sparse, tuple(block), density)
+
+
+def fits(layout: str, n: int, k: int, block) -> bool:
+    return layout == "sp24" or (n % block[0] == 0 and k % block[1] == 0)
+
+
+def run(shapes=SHAPES, tokens=TOKENS, layouts=LAYOUTS, out: Path | None = None, log=print) -> Path:
+    """Measure the grid, write the table (default: this GPU's file in the cache directory)."""
+    name = runtime.device_name(torch.cuda.current_device())
+    points = []
+    for layout, block, density in layouts:
+        for n, k in shapes:
+            if not fits(layout, n, k, block):
+                continue
+            for m in tokens:
+                points.append(measure(layout, n, k, m, block, density))
+                log(json.dumps(crossovers.as_json(points[-1])))
+    path = out or crossovers.user_table_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_text(table_text(name, [crossovers.as_json(p) for p in points]))
+    crossovers.table.cache_clear()
+    return path
+
+
+def table_text(gpu_name: str, points: list[dict]) -> str:
+    """The table file: its header, then one point per line (diffs stay readable)."""
+    header = dict(gpu=gpu_name, torch=torch.__version__, date=datetime.date.today().isoformat())
+    rows = ",\n".join(json.dumps(p) for p in points)
+    return json.dumps(header)[:-1] + ', "points": [\n' + rows + "\n]}\n"
+
+
+def summary(points) -> str:
+    """Per layout, the share of measured cells where the sparse kernel loses."""
+    lines = []
+    for layout, block, density in dict.fromkeys((p.layout, p.block, p.density) for p in points):
+        mine = [p for p in points if (p.layout, p.block, p.density) == (layout, block, density)]
+        losing = sum(p.speedup < crossovers.LOSES_BELOW for p in mine)
+        label = layout if layout == "sp24" else f"bsr b{block[0]}x{block[1]} d{density:g}"
+        lines.append(f"{label}: dense path in {losing} of {len(mine)} cells")
+    return "\n".join(lines)
+
+
+def main(quick: bool = False, out: Path | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("sparsegen tune: needs a CUDA GPU (the packaged H100/H200 tables apply elsewhere)", file=sys.stderr)
+        return 2
+    path = run(**(QUICK if quick else {}), out=out)
+    print(summary(crossovers.load(path)))
+    print(f"sparsegen tune: wrote {path}")
+    return 0

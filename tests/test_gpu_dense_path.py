@@ -1,0 +1,81 @@
+"""The dense path on the GPU: where this GPU's table says a sparse kernel loses, a layer runs
+cuBLAS on a dense copy of its weight - right against float64, dropped once trained, and
+inside CUDA graphs (pytest -m gpu)."""
+import json
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen import crossovers, dense_path, runtime
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def dense_everywhere(tmp_path, monkeypatch):
+    """A table for this GPU in which every sparse kernel loses."""
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+    name = runtime.device_name(0)
+    path = crossovers.user_table_path(name)
+    path.parent.mkdir(parents=True)
+    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=0.5)]
+    points += [dict(layout="bsr", n=1024, k=1024, m=64, speedup=0.5, block=[b, b], density=0.5) for b in (32, 64)]
+    path.write_text(json.dumps(dict(gpu=name, points=points)))
+    crossovers.table.cache_clear()
+    yield
+    crossovers.table.cache_clear()
+
+
+LAYERS = {"2:4": lambda: sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16),
+          "b32": lambda: sparsegen.linear(320, 192, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16)}
+
+
+def reference(layer, x):
+    return x.double() @ layer.to_dense_weight().double().t() + layer.bias.double()
+
+
+def relative_error(out, ref) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_losing_layer_runs_cublas_on_a_dense_copy(dense_everywhere, kind):
+    layer = LAYERS[kind]()
+    for rows in (7, 300):
+        x = torch.randn(3, rows, 320, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            y = layer(x)
+        assert relative_error(y, reference(layer, x)) < 1e-2
+    key = layer.metadata if kind == "2:4" else layer.row_offsets
+    assert dense_path._COPIES[key].weight.shape == (192, 320)  # one copy, whatever the token count
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_trained_layer_drops_its_copy_and_stays_right(dense_everywhere, kind):
+    layer = LAYERS[kind]()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(dense_path.TRAINED_AFTER + 2):
+        x = torch.randn(64, 320, device="cuda", dtype=torch.bfloat16)
+        y = layer(x)
+        assert relative_error(y.detach(), reference(layer, x)) < 1e-2
+        y.float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    key = layer.metadata if kind == "2:4" else layer.row_offsets
+    assert dense_path._COPIES[key].weight is None
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_dense_path_inside_a_cuda_graph(dense_everywhere, kind):
+    layer = LAYERS[kind]()
+    x = torch.randn(48, 320, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)  # warm-up: the copy is made outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x)
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    graph.replay()
+    assert relative_error(y, reference(layer, x)) < 1e-2
