@@ -285,7 +285,11 @@ def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) ->
 
 def _dense_result(x, x2, weight, bias, out):
     """Y = X W^T (+ bias) by cuBLAS on a dense weight: as F.linear returns it (the cheapest
-    call, as nn.Linear's), or written into `out`."""
+    call, as nn.Linear's), or written into `out`. Like the kernels, it records no autograd
+    (the layers' autograd Functions differentiate the ops)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _dense_result(x, x2, weight, bias, out)
     if out is None:
         return F.linear(x, weight, bias)
     y, shaped = _output_for(x, x2, out, weight.shape[0])
