@@ -50,8 +50,8 @@ class _Copy:
 _COPIES = WeakIdKeyDictionary()  # a layout's key tensor (its index or metadata) -> _Copy
 
 
-def copy_of(key: torch.Tensor, values: torch.Tensor, build) -> torch.Tensor | None:
-    """The dense weight build() makes from `values`, kept per layout while `values` stays
+def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Tensor | None:
+    """The dense weight build(*inputs) makes from `values`, kept per layout while `values` stays
     the same; None once the weight has been seen changing (trained), or inside a CUDA
     graph capture with no current copy (the capture then records the sparse kernels)."""
     stamp, entry = (values.data_ptr(), values._version), _COPIES.get(key)
@@ -60,15 +60,15 @@ def copy_of(key: torch.Tensor, values: torch.Tensor, build) -> torch.Tensor | No
     if key.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     changes = 0 if entry is None else entry.changes + 1
-    weight = None if changes >= TRAINED_AFTER else outside_graphs.run(_without_grad, (build,), key.device)
+    weight = None if changes >= TRAINED_AFTER else outside_graphs.run(_without_grad, (build, *inputs), key.device)
     _COPIES[key] = _Copy(stamp, weight, changes)
     return weight
 
 
-def _without_grad(build):
-    """build() recording no autograd graph (on the builder thread grad mode is its own)."""
+def _without_grad(build, *inputs):
+    """build(*inputs) recording no autograd graph (on the builder thread grad mode is its own)."""
     with torch.no_grad():
-        return build()
+        return build(*inputs)
 
 
 def linear_into(y: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias) -> None:

@@ -35,8 +35,8 @@ def _register() -> None:
         if not hasattr(extern_kernels, name):
             setattr(extern_kernels, name, launcher)
 
-    def lowering(op, name: str, tensors: int):
-        """op(*tensor inputs (a None among them: bias), *ints) -> one [..., out_features] tensor."""
+    def lowering(op, name: str, tensors: int, bias_at: int):
+        """op(*tensor inputs (bias, at `bias_at`, may be None), *ints) -> one [..., out_features] tensor."""
         @register_lowering(op, type_promotion_kind=None)
         def lower(*args):
             inputs, ints = args[:tensors], args[tensors:]
@@ -44,13 +44,13 @@ def _register() -> None:
             x = present[0]
             size = [*x.get_size()[:-1], ints[-1]]
             layout = ir.FixedLayout(x.get_device(), _output_dtype(op, x.get_dtype()), size)
-            kernel = f"extern_kernels.{name}{'' if inputs[_BIAS[name]] is not None else '_no_bias'}"
+            kernel = f"extern_kernels.{name}{'' if inputs[bias_at] is not None else '_no_bias'}"
             return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=ints,
                                                           python_kernel_name=kernel))
         return lower
 
-    lowering(torch.ops.sparsegen.bsr_dds.default, "sparsegen_bsr_dds", 6)
-    lowering(torch.ops.sparsegen.sp24_dds.default, "sparsegen_sp24_dds", 4)
+    lowering(torch.ops.sparsegen.bsr_dds.default, "sparsegen_bsr_dds", 6, bias_at=2)
+    lowering(torch.ops.sparsegen.sp24_dds.default, "sparsegen_sp24_dds", 4, bias_at=3)
 
 
 def _output_dtype(op, dtype: torch.dtype) -> torch.dtype:
@@ -87,6 +87,5 @@ def _sp24_dds_no_bias(x, values, metadata, out_features, *, out):
 
 _LAUNCHERS = {"sparsegen_bsr_dds": _bsr_dds, "sparsegen_bsr_dds_no_bias": _bsr_dds_no_bias,
               "sparsegen_sp24_dds": _sp24_dds, "sparsegen_sp24_dds_no_bias": _sp24_dds_no_bias}
-_BIAS = {"sparsegen_bsr_dds": 2, "sparsegen_sp24_dds": 3}  # the bias's position among the tensors
 
 library.on_first_trace(register)

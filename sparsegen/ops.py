@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import dense_path, library, outside_graphs, plans, runtime, workspace
-from .errors import expect
+from .errors import InputError, expect
 from .layouts import bsr, semi24
 from .spec import (ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, scatter_spec,
                    sdd_spec, sp24_compress_spec, sp24_spec)
@@ -190,11 +190,15 @@ def _output(out, m: int, n: int, x: torch.Tensor, dtype: torch.dtype) -> torch.T
     if out is None:
         return torch.empty(m, n, dtype=dtype, device=x.device)
     if not (out.is_contiguous() and out.numel() == m * n and out.dtype == dtype
-            and out.device == x.device and out.data_ptr() % 16 == 0):  # (the message costs more than the call)
-        expect(False, f"out: contiguous, 16-byte aligned, {m * n} elements, {dtype} on {x.device}",
-               f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
-               f"address % 16 = {out.data_ptr() % 16}")
+            and out.device == x.device and out.data_ptr() % 16 == 0):
+        _explain_bad_out(out, m * n, x.device, dtype)  # (formatting the message costs more than the call)
     return out.view(m, n)
+
+
+def _explain_bad_out(out, elements: int, device, dtype: torch.dtype) -> None:
+    raise InputError(f"Expected out: contiguous, 16-byte aligned, {elements} elements, {dtype} on {device}. "
+                     f"Got {tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
+                     f"address % 16 = {out.data_ptr() % 16}.")
 
 
 def _output_for(x: torch.Tensor, x2: torch.Tensor, out, out_features: int, dtype: torch.dtype | None = None):
@@ -213,7 +217,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     m, k = x2.shape
     if m == 0 or values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         y, shaped = _output_for(x, x2, out, out_features)
-        y.copy_(bias.expand_as(y) if bias is not None and m else torch.zeros_like(y))
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
     if tile is None and instr is None:
         plan = _PLANS.get(row_offsets, (m, x.dtype, tuple(block), out_features, perm is None),
@@ -300,10 +304,9 @@ def _dense_result(x, x2, weight, bias, out):
 def _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features: int, scatter: bool):
     """The layer's dense copy of W, or (`scatter`, once W is being trained) one scattered for
     this call; None where there is neither (the kernels then)."""
-    shape = (out_features, x2.shape[1])
-    build = functools.partial(dense_weight, values, row_offsets, col_indices, shape, block)
-    weight = dense_path.copy_of(row_offsets, values, build)
-    return build() if weight is None and scatter else weight
+    inputs = (values, row_offsets, col_indices, (out_features, x2.shape[1]), block)
+    weight = dense_path.copy_of(row_offsets, values, dense_weight, *inputs)
+    return dense_weight(*inputs) if weight is None and scatter else weight
 
 
 def dense_weight(values, row_offsets, col_indices, shape, block) -> torch.Tensor:
@@ -608,7 +611,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     m, k = x2.shape
     if m == 0 or out_features == 0 or k == 0:  # (no tensor map describes an empty tensor)
         y, shaped = _output_for(x, x2, out, out_features, sp24_output_dtype(x.dtype))
-        y.copy_(bias.expand_as(y) if bias is not None and m and out_features else torch.zeros_like(y))
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return shaped
     if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
         splits = 1
@@ -618,8 +621,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
         plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr)
     if plan.dense:
-        weight = dense_path.copy_of(metadata, values, functools.partial(
-            semi24.decompress, values, metadata, (out_features, k)))
+        weight = dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
         if weight is not None:
             return _dense_result(x, x2, weight, bias, out)
     y, shaped = _output_for(x, x2, out, out_features, sp24_output_dtype(x.dtype))

@@ -24,7 +24,7 @@ from .nn24 import Sparse24Linear
 SHAPES = [(768, 768), (3072, 768), (768, 3072), (2048, 2048), (8192, 2048), (2048, 8192),
           (4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]
 TOKENS = [1, 16, 128, 512, 2048, 8192]
-# ("sp24", None, None) or ("bsr", block, density)
+# (layout, block, density): ("sp24", (0, 0), 1.0) or ("bsr", block, density)
 LAYOUTS = [("sp24", (0, 0), 1.0), ("bsr", (64, 64), 0.5), ("bsr", (64, 64), 0.25), ("bsr", (128, 128), 0.25),
            ("bsr", (128, 128), 0.5), ("bsr", (32, 32), 0.5), ("bsr", (32, 32), 0.25), ("bsr", (16, 16), 0.25)]
 QUICK = dict(shapes=SHAPES[::3], tokens=TOKENS[1::2], layouts=LAYOUTS[:4])

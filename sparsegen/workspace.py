@@ -30,8 +30,3 @@ def current(device: torch.device, stream: int) -> torch.Tensor | None:
     """The workspace kept for (device, stream), if any."""
     held = _WORKSPACES.get((device.index or 0, stream))
     return held[-1] if held else None
-
-
-def held_bytes() -> int:
-    """Bytes of every workspace kept (for tests and memory reports)."""
-    return sum(t.numel() * t.element_size() for held in _WORKSPACES.values() for t in held)

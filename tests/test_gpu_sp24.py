@@ -447,7 +447,7 @@ def split_case(m, n, k, dtype=torch.bfloat16, bias=True):
 def workspace_is_zero() -> bool:
     from sparsegen import runtime, workspace
     held = workspace.current(torch.device("cuda", 0), runtime.current_stream(0))
-    return held is None or not held.any().item()
+    return held is not None and not held.any().item()
 
 
 @pytest.mark.parametrize("instr", ["mma", "tma"])

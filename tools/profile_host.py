@@ -20,14 +20,22 @@ prof.disable(); print('cold ready ms', (time.perf_counter() - t) * 1e3)
 out = io.StringIO(); pstats.Stats(prof, stream=out).sort_stats('cumulative').print_stats(25); print(out.getvalue()[-6000:])
 """
 
-def forward_profile(kind: str, compiled: bool, calls: int = 100) -> None:
-    """cProfile of `calls` forwards of bench_models' host stack (24 layers of `kind`, 16 tokens)."""
+def warmed_stack(kind: str, compiled: bool):
+    """(bench_models' host stack of `kind`, compiled or not, after 10 forwards; its input)."""
     stack = host_stack(kind, torch.device("cuda"))
     run = torch.compile(stack) if compiled else stack
     x = torch.randn(HOST_TOKENS, HOST_WIDTH, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(10):
             run(x)
+    torch.cuda.synchronize()
+    return run, x
+
+
+def forward_profile(kind: str, compiled: bool, calls: int = 100) -> None:
+    """cProfile of `calls` forwards of bench_models' host stack (24 layers of `kind`, 16 tokens)."""
+    run, x = warmed_stack(kind, compiled)
+    with torch.no_grad():
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):
@@ -41,14 +49,9 @@ def forward_profile(kind: str, compiled: bool, calls: int = 100) -> None:
 
 def gpu_profile(kind: str, compiled: bool, forwards: int = 10) -> None:
     """The kernels a forward of the host stack runs, and their GPU time (torch.profiler)."""
-    stack = host_stack(kind, torch.device("cuda"))
-    run = torch.compile(stack) if compiled else stack
-    x = torch.randn(HOST_TOKENS, HOST_WIDTH, device="cuda", dtype=torch.bfloat16)
+    run, x = warmed_stack(kind, compiled)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.no_grad():
-        for _ in range(10):
-            run(x)
-        torch.cuda.synchronize()
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(forwards):
                 run(x)
