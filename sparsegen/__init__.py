@@ -3,12 +3,12 @@ from .errors import CompileError, InputError, SparsegenError, SpecError
 from .nn import BlockSparseLinear, linear
 from .nn24 import Sparse24Linear
 from . import inductor, topology  # noqa: F401 (inductor: the compiled graphs' lowerings)
-from .patching import dense_copy, patch
+from .patching import GatedMLP, dense_copy, patch
 from .spec import KernelSpec, TileConfig
 from .sparse24 import Sparse24Tensor, to_sparse24
 from .train24 import Sparse24TrainingLinear, dense_finetune_, masked_decay_
 
 __version__ = "0.1.0"
-__all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "topology", "KernelSpec", "TileConfig", "SparsegenError",
+__all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "GatedMLP", "topology", "KernelSpec", "TileConfig", "SparsegenError",
            "SpecError", "CompileError", "InputError", "Sparse24Linear", "Sparse24Tensor", "Sparse24TrainingLinear", "to_sparse24",
            "masked_decay_", "dense_finetune_", "__version__"]

@@ -82,12 +82,14 @@ class _BsrLinear(torch.autograd.Function):
         return _gradients(ctx, dy) + (None,) * 10
 
 
-def forward_product(x, values, bias, row_offsets, col_indices, flat_index, block, out_features) -> Tensor:
-    """Y = X W^T + b with no gradient: the op inside a compiled graph, else the kernel (or, off
-    the GPU, the reference) called directly."""
+def forward_product(x, values, bias, row_offsets, col_indices, flat_index, block, out_features,
+                    epilogue: str = "none") -> Tensor:
+    """epilogue(Y = X W^T + b) with no gradient: the op inside a compiled graph, else the
+    kernel (or, off the GPU, the reference) called directly."""
     if torch.compiler.is_compiling():
-        return ops.bsr_dds_op(x, values, bias, row_offsets, col_indices, flat_index, *block, out_features)
-    return ops.bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, block, out_features)
+        return ops.bsr_dds_op(x, values, bias, row_offsets, col_indices, flat_index, *block, out_features, epilogue)
+    return ops.bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, block, out_features,
+                                  epilogue)
 
 
 def block_sparse_linear(x: Tensor, values: Tensor, bias: Optional[Tensor], index: tuple,

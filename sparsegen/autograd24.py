@@ -11,33 +11,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import library, ops
+from . import epilogues, library, ops
 from .layouts import semi24
 
 
-def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Tensor | None, out_features: int,
+                   epilogue: str = "none") -> Tensor:
     """Pure PyTorch, any device and dtype; autograd differentiates it as it is."""
     weight = semi24.decompress(values, metadata, (out_features, x.shape[-1]))
-    return F.linear(x, weight, bias)
+    return epilogues.reference(F.linear(x, weight, bias), epilogue)
 
 
-def sp24_any_device(x, values, metadata, bias, out_features: int) -> Tensor:
+def sp24_any_device(x, values, metadata, bias, out_features: int, epilogue: str = "none") -> Tensor:
     if ops.runs_16bit_kernels(x):
-        return ops.sp24_dds(x, values, metadata, bias, out_features)
-    return sp24_reference(x, values, metadata, bias, out_features)
+        return ops.sp24_dds(x, values, metadata, bias, out_features, epilogue=epilogue)
+    return sp24_reference(x, values, metadata, bias, out_features, epilogue)
 
 
 sp24_dds_op = library.define(
-    "sp24_dds(Tensor x, Tensor values, Tensor metadata, Tensor? bias, int out_features) -> Tensor",
-    sp24_any_device, lambda x, values, metadata, bias, out_features: library.rows_by(x, out_features))
+    "sp24_dds(Tensor x, Tensor values, Tensor metadata, Tensor? bias, int out_features, str epilogue) -> Tensor",
+    sp24_any_device, ops.fake_product)
 
 
-def forward_product(x, values, metadata, bias, out_features: int) -> Tensor:
-    """Y = X W^T + b with no gradient: the op inside a compiled graph, else the kernel (or the
-    reference) called directly."""
+def forward_product(x, values, metadata, bias, out_features: int, epilogue: str = "none") -> Tensor:
+    """epilogue(Y = X W^T + b) with no gradient: the op inside a compiled graph, else the
+    kernel (or the reference) called directly."""
     if torch.compiler.is_compiling():
-        return sp24_dds_op(x, values, metadata, bias, out_features)
-    return sp24_any_device(x, values, metadata, bias, out_features)
+        return sp24_dds_op(x, values, metadata, bias, out_features, epilogue)
+    return sp24_any_device(x, values, metadata, bias, out_features, epilogue)
 
 
 def _gradients(x, values, metadata, has_bias, need, dy):

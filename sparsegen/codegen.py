@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from . import env
+from . import env, epilogues
 from .layouts.semi24 import ROW_PAIRS, TRANSPOSABLE_PATTERNS
 from .spec import BYTE_DTYPES, KernelSpec
 
@@ -57,7 +57,8 @@ def template_context(spec: KernelSpec) -> dict:
                 bm=spec.block[0], bk=spec.block[1], mma=_MMA[spec.dtype], elem=_ELEM[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype],
-                pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS, **_output_context(spec.dtype))
+                pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS, epilogue=spec.epilogue,
+                epi=epilogues.device_struct(spec.epilogue), **_output_context(spec.dtype))
 
 
 def environment():

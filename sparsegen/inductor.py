@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import library, ops
+from . import epilogues, library, ops
 
 def register() -> None:
     """Register the lowerings (library.on_first_trace calls this once per process)."""
@@ -36,16 +36,17 @@ def _register() -> None:
             setattr(extern_kernels, name, launcher)
 
     def lowering(op, name: str, tensors: int, bias_at: int):
-        """op(*tensor inputs (bias, at `bias_at`, may be None), *ints) -> one [..., out_features] tensor."""
+        """op(*tensor inputs (bias, at `bias_at`, may be None), *ints, out_features, epilogue)
+        -> one [..., width] tensor (ops.fake_product's shape)."""
         @register_lowering(op, type_promotion_kind=None)
         def lower(*args):
-            inputs, ints = args[:tensors], args[tensors:]
+            inputs, constants = args[:tensors], args[tensors:]
             present = [ir.ExternKernel.realize_input(t) for t in inputs if t is not None]
             x = present[0]
-            size = [*x.get_size()[:-1], ints[-1]]
+            size = [*x.get_size()[:-1], epilogues.output_features(constants[-1], constants[-2])]
             layout = ir.FixedLayout(x.get_device(), _output_dtype(op, x.get_dtype()), size)
             kernel = f"extern_kernels.{name}{'' if inputs[bias_at] is not None else '_no_bias'}"
-            return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=ints,
+            return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
                                                           python_kernel_name=kernel))
         return lower
 
@@ -62,27 +63,29 @@ def _fits(out: torch.Tensor) -> bool:
     return out.is_contiguous() and out.data_ptr() % 16 == 0
 
 
-def _bsr_dds(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features, *, out):
+def _bsr_dds(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features, epilogue,
+             *, out):
     if x.is_cuda and ops.has_kernels(x.device.index or 0) and _fits(out):
-        ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out)
+        ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out,
+                    epilogue=epilogue)
     else:
         out.copy_(torch.ops.sparsegen.bsr_dds.default(x, values, bias, row_offsets, col_indices, flat_index,
-                                                      block_rows, block_cols, out_features))
+                                                      block_rows, block_cols, out_features, epilogue))
 
 
 def _bsr_dds_no_bias(x, values, row_offsets, col_indices, flat_index, *ints, out):
     _bsr_dds(x, values, None, row_offsets, col_indices, flat_index, *ints, out=out)
 
 
-def _sp24_dds(x, values, metadata, bias, out_features, *, out):
+def _sp24_dds(x, values, metadata, bias, out_features, epilogue, *, out):
     if ops.runs_16bit_kernels(x) and _fits(out):
-        ops.sp24_dds(x, values, metadata, bias, out_features, out=out)
+        ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
     else:
-        out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features))
+        out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))
 
 
-def _sp24_dds_no_bias(x, values, metadata, out_features, *, out):
-    _sp24_dds(x, values, metadata, None, out_features, out=out)
+def _sp24_dds_no_bias(x, values, metadata, out_features, epilogue, *, out):
+    _sp24_dds(x, values, metadata, None, out_features, epilogue, out=out)
 
 
 _LAUNCHERS = {"sparsegen_bsr_dds": _bsr_dds, "sparsegen_bsr_dds_no_bias": _bsr_dds_no_bias,

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from . import ops
+from . import epilogues, ops
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
 from .errors import expect
 from .layouts import bsr
@@ -48,11 +48,12 @@ def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
                                         or (bias is not None and bias.requires_grad))
 
 
-class BlockSparseLinear(nn.Module):
+class BlockSparseLinear(epilogues.Fusable, nn.Module):
     """y = x W^T + b with W [out, in] stored as block-CSR blocks of shape `block`.
 
     `layout` (a bool tensor [out/bm, in/bk]) fixes which blocks exist; otherwise a random
     layout at `density` is drawn (rounded to whole blocks, no empty block row).
+    `fuse(epilogue)` applies an activation or a gated product in the kernel (epilogues.py).
     """
 
     def __init__(self, in_features: int, out_features: int, block=(32, 32), density: float = 0.5,
@@ -119,10 +120,11 @@ class BlockSparseLinear(nn.Module):
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
-            return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+            y = block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+            return epilogues.reference(y, self.epilogue)
         # Inference: the product alone, no autograd on the host path.
         return forward_product(x, values, bias, self.row_offsets, self.col_indices, self.flat_index, self.block,
-                               self.out_features)
+                               self.out_features, self.epilogue)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,
@@ -156,15 +158,16 @@ class BlockSparseLinear(nn.Module):
         self.layout.copy_(mask.to(self.layout.device))
         self._register_index(mask, self.layout.device)
 
-    def to_linear(self) -> nn.Linear:
-        """A dense nn.Linear with this layer's weights (zeros where blocks are absent)."""
-        return dense_linear(self.to_dense_weight(), self.bias)
+    def to_linear(self) -> nn.Module:
+        """A dense nn.Linear with this layer's weights (zeros where blocks are absent), followed
+        by the epilogue where one is fused (epilogues.DenseEpilogue)."""
+        return self._dense_twin(dense_linear(self.to_dense_weight(), self.bias))
 
     def extra_repr(self) -> str:
         nnz, total = int(self.layout.sum()), self.layout.numel()
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block={self.block}, density={self.density:.3f} ({nnz}/{total} blocks), "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}{self._epilogue_repr()}")
 
 
 def linear(in_features: int, out_features: int, block=(32, 32), density: float = 0.5,

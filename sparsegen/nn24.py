@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import ops
+from . import epilogues, ops
 from .autograd24 import forward_product, sp24_linear
 from .errors import expect
 from .layouts import semi24
@@ -13,13 +13,14 @@ from .sparse24 import Sparse24Tensor, prune_and_compress
 from .train24 import Sparse24TrainingLinear
 
 
-class Sparse24Linear(nn.Module):
+class Sparse24Linear(epilogues.Fusable, nn.Module):
     """y = x W^T + b with W [out, in] 2:4 along rows: `values` [out, in/2] (the parameter)
     and `metadata` (a buffer in the layout mma.sp reads). fp16/bf16 run the generated
     mma.sp kernel on the GPU; float32 (or a CPU) runs the PyTorch reference.
 
     Training keeps the mask fixed and trains the kept values (as BlockSparseLinear does);
     `method` ("magnitude", "transposable") picks the mask from the initial weights.
+    `fuse(epilogue)` applies an activation or a gated product in the kernel (epilogues.py).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -72,13 +73,14 @@ class Sparse24Linear(nn.Module):
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
-            return sp24_linear(x, values, self.metadata, bias, self.out_features)
-        return forward_product(x, values, self.metadata, bias, self.out_features)
+            return epilogues.reference(sp24_linear(x, values, self.metadata, bias, self.out_features), self.epilogue)
+        return forward_product(x, values, self.metadata, bias, self.out_features, self.epilogue)
 
-    def to_linear(self) -> nn.Linear:
-        """A dense nn.Linear with this layer's (2:4) weight."""
-        return dense_linear(self.to_dense_weight(), self.bias)
+    def to_linear(self) -> nn.Module:
+        """A dense nn.Linear with this layer's (2:4) weight, followed by the epilogue where one
+        is fused (epilogues.DenseEpilogue)."""
+        return self._dense_twin(dense_linear(self.to_dense_weight(), self.bias))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}{self._epilogue_repr()}")

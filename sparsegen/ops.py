@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import dense_path, library, outside_graphs, plans, runtime, workspace
+from . import dense_path, epilogues, library, outside_graphs, plans, runtime, workspace
 from .errors import InputError, expect
 from .layouts import bsr, semi24
 from .spec import (ARCHS, MIN_ARCH, TMA_INSTRS, forward_spec, has_call_variants, input_grad_spec, scatter_spec,
@@ -80,17 +80,18 @@ def _check_byte_arch(dtype: torch.dtype, device_index: int) -> None:
            f"{dtype} 2:4 products (or the tensors on the CPU)", f"sm_{arch}")
 
 
-def indexed_reference(x, values, bias, flat_index, block, out_features: int):
+def indexed_reference(x, values, bias, flat_index, block, out_features: int, epilogue: str = "none"):
     """Pure PyTorch (the CPU path): rebuild the dense weight from the block index and call
-    F.linear. Static shapes, so it traces; differentiable as it is."""
+    F.linear (then the epilogue). Static shapes, so it traces; differentiable as it is."""
     weight = bsr.scatter_blocks(values, flat_index, (out_features, x.shape[-1]), block)
-    return F.linear(x, weight, bias)
+    return epilogues.reference(F.linear(x, weight, bias), epilogue)
 
 
-def bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, block, out_features):
+def bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, block, out_features,
+                       epilogue: str = "none"):
     if x.is_cuda and has_kernels(x.device.index or 0):
-        return bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features)
-    return indexed_reference(x, values, bias, flat_index, block, out_features)
+        return bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, epilogue=epilogue)
+    return indexed_reference(x, values, bias, flat_index, block, out_features, epilogue)
 
 
 def input_grad(dy, values, perm, row_offsets, col_indices, flat_index, block, out_features, tile=None, instr=None):
@@ -159,23 +160,30 @@ def _on_covered_gpu(t: torch.Tensor, dtypes: tuple) -> bool:
     return t.is_cuda and t.dtype in dtypes and has_kernels(t.device.index or 0)
 
 
-def _bsr_dds_impl(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features):
+def _bsr_dds_impl(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features,
+                  epilogue="none"):
     return bsr_dds_any_device(x, values, bias, row_offsets, col_indices, flat_index, (block_rows, block_cols),
-                              out_features)
+                              out_features, epilogue)
+
+
+def fake_product(x, *args):
+    """A fake forward result: x's leading dims by the epilogue's output width (the last two
+    arguments: the weight's rows and the epilogue)."""
+    return library.rows_by(x, epilogues.output_features(args[-1], args[-2]))
 
 
 bsr_dds_op = library.define(
     "bsr_dds(Tensor x, Tensor values, Tensor? bias, Tensor row_offsets, Tensor col_indices, Tensor flat_index, "
-    "int block_rows, int block_cols, int out_features) -> Tensor",
-    _bsr_dds_impl, lambda x, *index_and_sizes: library.rows_by(x, index_and_sizes[-1]))
+    "int block_rows, int block_cols, int out_features, str epilogue) -> Tensor",
+    _bsr_dds_impl, fake_product)
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, small: bool,
-                    tile=None, instr=None):
+                    tile=None, instr=None, epilogue: str = "none"):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     # The CUBIN is built for the device's own compute capability: sm_80 code won't load on sm_90.
-    spec = forward_spec(block, DTYPE_NAMES[dtype], arch, tile, instr, rows=1 if small else None)
+    spec = forward_spec(block, DTYPE_NAMES[dtype], arch, tile, instr, rows=1 if small else None, epilogue=epilogue)
     return runtime.kernel(spec, device_index)
 
 
@@ -208,28 +216,28 @@ def _output_for(x: torch.Tensor, x2: torch.Tensor, out, out_features: int, dtype
 
 
 def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,
-            instr=None, perm=None):
+            instr=None, perm=None, epilogue="none"):
     """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
-    `out` (contiguous, [..., out_features]) receives Y when given; `tile` overrides the
-    default TileConfig and `instr` the kernel family (spec.INSTRS). With `perm`, W^T's
-    block b is values[perm[b]] transposed (input_grad)."""
+    `out` (contiguous, [..., width]) receives Y when given; `tile` overrides the default
+    TileConfig and `instr` the kernel family (spec.INSTRS). With `perm`, W^T's block b is
+    values[perm[b]] transposed (input_grad). `epilogue` (epilogues.EPILOGUES) is applied in
+    the kernel's store; a gated one makes Y out_features / 2 wide."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     if m == 0 or values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
-        y, shaped = _output_for(x, x2, out, out_features)
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-        return shaped
+        return _product_without_weight(x, x2, bias, out, out_features, epilogue)
     if tile is None and instr is None:
-        plan = _PLANS.get(row_offsets, (m, x.dtype, tuple(block), out_features, perm is None),
-                          lambda: _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features))
+        plan = _PLANS.get(row_offsets, (m, x.dtype, tuple(block), out_features, perm is None, epilogue),
+                          lambda: _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features,
+                                            epilogue=epilogue))
     else:
-        plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr)
+        plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr, epilogue)
     if plan.dense:
         weight = _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features,
                                        plan.scatter_when_trained)
         if weight is not None:
-            return _dense_result(x, x2, weight, bias, out)
-    y, shaped = _output_for(x, x2, out, out_features)
+            return _dense_result(x, x2, weight, bias, out, epilogue)
+    y, shaped = _output_for(x, x2, out, plan.width)
     maps, operands = _operands(plan.kern.spec, x2, values, block)
     pointers = (*operands, *plan.index, bias.data_ptr() if bias is not None else 0, y.data_ptr())
     plan.kern.launch(plan.grid, maps, pointers, (m, k, out_features) + plan.tail)
@@ -243,6 +251,7 @@ class _BsrPlan:
     index: tuple[int, ...]          # the index pointers the kernel takes
     tail: tuple[int, ...]           # the int arguments after (M, K, N)
     keep: tuple[torch.Tensor, ...]  # what `index` points into
+    width: int                      # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False             # cuBLAS on a dense copy of W first (dense_path)
     scatter_when_trained: bool = False  # and on a weight scattered per call once W is trained
 
@@ -250,12 +259,16 @@ class _BsrPlan:
 _PLANS = plans.PlanCache()
 
 
-def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile=None, instr=None):
+def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile=None, instr=None,
+              epilogue="none"):
     """What bsr_dds launches for these operands: the kernel, its grid and index, and whether
     cuBLAS on a dense weight comes first (forward calls with default kernels only)."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    pick = _forward_kernel if perm is None else _transposed_kernel
-    kern = pick(tuple(block), x2.dtype, device_index, m <= 64, tile, instr)
+    if perm is None:
+        kern = _forward_kernel(tuple(block), x2.dtype, device_index, m <= 64, tile, instr, epilogue)
+    else:
+        expect(epilogue == "none", "no epilogue for the product with W^T", repr(epilogue))
+        kern = _transposed_kernel(tuple(block), x2.dtype, device_index, m <= 64, tile, instr)
     dense = scatter = False
     if tile is None and instr is None:
         kern = _swap_variant(kern, x2.dtype, m, row_offsets, col_indices, perm)
@@ -266,7 +279,8 @@ def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, t
                                                  values.shape[0] / max(grid_blocks, 1))
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
     return _BsrPlan(kern, _grid(kern, m, out_features), tuple(t.data_ptr() if t is not None else 0 for t in index),
-                    _tma_tail(kern.spec, values), tuple(t for t in index if t is not None), dense, scatter)
+                    _tma_tail(kern.spec, values), tuple(t for t in index if t is not None),
+                    epilogues.output_features(epilogue, out_features), dense, scatter)
 
 
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
@@ -287,17 +301,29 @@ def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) ->
     return least is not None and stored_blocks >= least * (out_features // block[0]) * (k // block[1])
 
 
-def _dense_result(x, x2, weight, bias, out):
-    """Y = X W^T (+ bias) by cuBLAS on a dense weight: as F.linear returns it (the cheapest
-    call, as nn.Linear's), or written into `out`. Like the kernels, it records no autograd
-    (the layers' autograd Functions differentiate the ops)."""
+def _dense_result(x, x2, weight, bias, out, epilogue="none"):
+    """Y = X W^T (+ bias) by cuBLAS on a dense weight, then the epilogue: as F.linear returns
+    it (the cheapest call, as nn.Linear's), or written into `out`. Like the kernels, it
+    records no autograd (the layers' autograd Functions differentiate the ops)."""
     if torch.is_grad_enabled():
         with torch.no_grad():
-            return _dense_result(x, x2, weight, bias, out)
+            return _dense_result(x, x2, weight, bias, out, epilogue)
     if out is None:
-        return F.linear(x, weight, bias)
-    y, shaped = _output_for(x, x2, out, weight.shape[0])
-    dense_path.linear_into(y, x2, weight, bias)
+        return epilogues.reference(F.linear(x, weight, bias), epilogue)
+    y, shaped = _output_for(x, x2, out, epilogues.output_features(epilogue, weight.shape[0]))
+    if epilogue == "none":
+        dense_path.linear_into(y, x2, weight, bias)
+    else:
+        y.copy_(epilogues.reference(F.linear(x2, weight, bias), epilogue))
+    return shaped
+
+
+def _product_without_weight(x, x2, bias, out, out_features: int, epilogue: str):
+    """What a product with no rows of X or no stored weight gives: the epilogue of the bias
+    (or of zeros), in x's leading shape."""
+    y, shaped = _output_for(x, x2, out, epilogues.output_features(epilogue, out_features), sp24_output_dtype(x.dtype))
+    z = bias.to(y.dtype).expand(y.shape[0], out_features) if bias is not None else y.new_zeros(y.shape[0], out_features)
+    y.copy_(epilogues.reference(z, epilogue))
     return shaped
 
 
@@ -379,8 +405,7 @@ def _swap_variant(kern, dtype: torch.dtype, m: int, row_offsets, col_indices, pe
     if (instr, cluster) == (spec.instr, spec.tile.cluster):
         return kern
     tile = dataclasses.replace(spec.tile, cluster=cluster)
-    pick = _forward_kernel if perm is None else _transposed_kernel
-    return pick(spec.block, dtype, kern.device_index, False, tile, instr)
+    return runtime.kernel(dataclasses.replace(spec, tile=tile, instr=instr), kern.device_index)
 
 
 def _cluster_pays(token_tiles: int, stages: int, block_rows: int) -> bool:
@@ -534,9 +559,10 @@ bsr_sdd_op = library.define(
 
 @functools.lru_cache(maxsize=None)
 def _sp24_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
-                 narrow: bool = False):
+                 narrow: bool = False, epilogue: str = "none"):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    spec = sp24_spec(_SP24_DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow)
+    spec = sp24_spec(_SP24_DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow,
+                     epilogue=epilogue)
     return runtime.kernel(spec, device_index)
 
 
@@ -602,29 +628,29 @@ def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | No
 
 
 def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
-             out=None, tile=None, splits: int | None = None, instr: str | None = None) -> torch.Tensor:
+             out=None, tile=None, splits: int | None = None, instr: str | None = None,
+             epilogue: str = "none") -> torch.Tensor:
     """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
     x may have leading batch dims. The kernel writes Y in its own layout; small batches
     split K across blocks (`splits` overrides how many; `tile` the TileConfig), which add
-    their sums in a workspace and the last split of each tile writes Y: one launch."""
+    their sums in a workspace and the last split of each tile writes Y: one launch.
+    `epilogue` as in bsr_dds."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     if m == 0 or out_features == 0 or k == 0:  # (no tensor map describes an empty tensor)
-        y, shaped = _output_for(x, x2, out, out_features, sp24_output_dtype(x.dtype))
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-        return shaped
+        return _product_without_weight(x, x2, bias, out, out_features, epilogue)
     if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
         splits = 1
     if tile is None and instr is None and _tma_ready(values) and _tma_ready(metadata):
-        plan = _PLANS.get(metadata, (m, k, x.dtype, out_features, splits, values.data_ptr()),
-                          lambda: _sp24_plan(x2, values, metadata, out_features, splits))
+        plan = _PLANS.get(metadata, (m, k, x.dtype, out_features, splits, values.data_ptr(), epilogue),
+                          lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue))
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
-        plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr)
+        plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
     if plan.dense:
         weight = dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
         if weight is not None:
-            return _dense_result(x, x2, weight, bias, out)
-    y, shaped = _output_for(x, x2, out, out_features, sp24_output_dtype(x.dtype))
+            return _dense_result(x, x2, weight, bias, out, epilogue)
+    y, shaped = _output_for(x, x2, out, plan.width, sp24_output_dtype(x.dtype))
     x_maps, x_pointers = _sp24_x_operand(plan.kern.spec, x2)
     sums = _split_sums(plan, x2.device)
     counts = 0 if sums is None else sums.data_ptr() + 4 * m * out_features  # after the sums
@@ -643,19 +669,22 @@ class _Sp24Plan:
     weight_maps: tuple                # W's TMA descriptors (tma kernels)
     weight_pointers: tuple[int, ...]  # or its pointers (mma kernels)
     keep: tuple[torch.Tensor, ...]    # what they point into
+    width: int                        # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False               # cuBLAS on a dense copy of W first (dense_path)
 
 
-def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None) -> _Sp24Plan:
+def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,
+               epilogue="none") -> _Sp24Plan:
     """What sp24_dds launches for these operands."""
     (m, k), device_index = x2.shape, x2.device.index or 0
     kern = _sp24_kernel(x2.dtype, device_index, _rows_bucket(m), tile, instr,
-                        _narrow_tiles(m, out_features, device_index))
+                        _narrow_tiles(m, out_features, device_index), epilogue)
     grid, k_split = _sp24_grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     workspace = m * out_features + _tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
     dense = (tile is None and instr is None and x2.dtype in _16BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
-    return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata), dense)
+    return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata),
+                     epilogues.output_features(epilogue, out_features), dense)
 
 
 def _tile_counts(spec, m: int, n: int) -> int:

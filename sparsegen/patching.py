@@ -1,4 +1,5 @@
-"""sparsegen.patch: swap a model's linear layers for block-sparse ones, by name pattern."""
+"""sparsegen.patch: swap a model's linear layers for block-sparse ones, by name pattern, and fuse
+what the kernels can take of recognised transformer blocks (epilogues.py)."""
 from __future__ import annotations
 
 import copy
@@ -7,6 +8,7 @@ import re
 import torch
 from torch import nn
 
+from . import epilogues
 from .errors import InputError, expect
 from .nn import BlockSparseLinear
 from .nn24 import Sparse24Linear
@@ -15,7 +17,7 @@ from .train24 import Sparse24TrainingLinear
 _SETTINGS = ("block", "density", "layout", "sparsity", "method", "training")
 
 
-def patch(model: nn.Module, rules: dict, from_dense: bool = True) -> list[str]:
+def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = True) -> list[str]:
     """Replace, in place, every linear layer whose qualified name (as in named_modules())
     fully matches a pattern of `rules` by a BlockSparseLinear built with that pattern's
     settings ({"block": (32, 32), "density": 0.5} or {"layout": mask}), or by a
@@ -23,15 +25,116 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True) -> list[str]:
     "transposable"; always pruned from the dense weights), or a Sparse24TrainingLinear for
     {"sparsity": "2:4", "training": {options}}; the first matching pattern wins.
     With from_dense, the blocks of largest norm keep their pretrained values.
+
+    With `fuse`, the kernels also take over what follows the replaced layers in recognised
+    blocks: an activation after an MLP's first projection (BERT's intermediate dense, GPT-2's
+    c_fc: FUSED_ACTIVATIONS) runs in its kernel's epilogue, and a gated MLP (Llama's
+    down(act(gate(x)) * up(x)), gate and up under one rule) becomes a GatedMLP whose
+    gate and up projections are one sparse layer with a gated epilogue (their rows
+    interleaved, epilogues.interleave_rows; block layouts are then chosen over the pair).
     Returns the replaced names. Every rule is checked before anything changes.
     """
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
     plan = _plan(model, rules)
-    built = {name: _build(module, settings, from_dense, name) for name, module, settings in plan}
+    gated = _gated_mlps(model, plan) if fuse else []
+    paired = {name for mlp in gated for name in mlp.projections}
+    built = {name: _build(module, settings, from_dense, name) for name, module, settings in plan if name not in paired}
     for name, layer in built.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
-    return list(built)
+        _replace(model, name, layer)
+    for mlp in gated:
+        _replace(model, mlp.name, mlp.build(model, from_dense))
+    if fuse:
+        _fuse_activations(model, built)
+    return [name for name, _, _ in plan]
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+# (linear, activation) attribute pairs of blocks that apply the activation to the linear's
+# output and to nothing else: BERT-style intermediate layers, GPT-2's MLP.
+FUSED_ACTIVATIONS = (("dense", "intermediate_act_fn"), ("c_fc", "act"))
+# Activation modules by class name (torch's and transformers' ACT2FN classes).
+_ACTIVATION_NAMES = {"ReLU": "relu", "SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",
+                     "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+                     "FastGELUActivation": "gelu_tanh"}
+
+
+def activation_of(module) -> str | None:
+    """The epilogue name of an activation module, or None for one the kernels do not have."""
+    if type(module) is nn.GELU:
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
+    return _ACTIVATION_NAMES.get(type(module).__name__)
+
+
+def _fuse_activations(model: nn.Module, built: dict) -> None:
+    for name, layer in built.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        act_attr = dict(FUSED_ACTIVATIONS).get(child)
+        act = activation_of(getattr(parent, act_attr, None)) if act_attr else None
+        if act and isinstance(layer, epilogues.Fusable) and layer.epilogue == "none":
+            layer.fuse(act)
+            setattr(parent, act_attr, nn.Identity())
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one sparse layer whose kernel applies
+    the gated epilogue: one product and no elementwise pass between the projections."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.gate_up, self.down_proj = gate_up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up(x))
+
+
+_GATES = {"silu": "swiglu", "gelu": "geglu"}  # the gate's activation -> the gated epilogue
+
+
+class _GatedPlan:
+    """A Llama-style MLP (gate_proj, up_proj, down_proj, act_fn) whose gate and up share a rule."""
+
+    def __init__(self, name: str, mlp: nn.Module, settings: dict):
+        self.name, self.mlp, self.settings = name, mlp, settings
+        prefix = f"{name}." if name else ""
+        self.projections = (prefix + "gate_proj", prefix + "up_proj")
+
+    def build(self, model: nn.Module, from_dense: bool) -> GatedMLP:
+        gate, up = self.mlp.gate_proj, self.mlp.up_proj
+        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None, device="meta")
+        fused.weight = nn.Parameter(epilogues.interleave_rows(gate.weight.detach(), up.weight.detach()))
+        if gate.bias is not None:
+            fused.bias = nn.Parameter(epilogues.interleave_rows(gate.bias.detach(), up.bias.detach()))
+        layer = _build(fused, self.settings, from_dense, self.projections[0])
+        down = model.get_submodule(f"{self.name}.down_proj" if self.name else "down_proj")
+        return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), down)
+
+
+def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
+    settings = {name: s for name, _, s in plan}
+    found = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        gate, up = settings.get(prefix + "gate_proj"), settings.get(prefix + "up_proj")
+        if gate is None or gate != up or not _fusable_gate(module, gate):
+            continue
+        found.append(_GatedPlan(name, module, gate))
+    return found
+
+
+def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
+    """Gate and up as plain linears of one shape and bias, an activation with a gated
+    epilogue, a down projection, and settings that describe the pair (no fixed layout, no
+    training recipe)."""
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    return (type(gate) is nn.Linear and type(up) is nn.Linear and gate.weight.shape == up.weight.shape
+            and (gate.bias is None) == (up.bias is None) and gate.out_features % epilogues.GATE_GROUP == 0
+            and hasattr(mlp, "down_proj") and activation_of(getattr(mlp, "act_fn", None)) in _GATES
+            and "layout" not in settings and "training" not in settings)
 
 
 def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
@@ -95,7 +198,7 @@ def dense_copy(model: nn.Module) -> nn.Module:
     patched model against, or to export where sparsegen is not installed)."""
     twin = copy.deepcopy(model)
     for name, module in list(twin.named_modules()):
-        if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear)):
+        if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear)):  # (and GatedMLP's)
             parent, _, child = name.rpartition(".")
             setattr(twin.get_submodule(parent) if parent else twin, child, module.to_linear())
     return twin

@@ -10,6 +10,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+from . import epilogues
 from .errors import SpecError, expect
 
 DTYPES = ("fp16", "bf16", "fp32", "int8", "e4m3")
@@ -51,8 +52,12 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "e4m3": 1}
 # "a" suffix follows from instr, so from_name checks it by rebuilding the name.
 _TAG_PATTERN = r"t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)(?:c(?P<cluster>\d+))?"
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
-                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)_" + _TAG_PATTERN)
-_NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER]"
+                      r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)_" + _TAG_PATTERN +
+                      r"(?:_e(?P<epilogue>[a-z]+))?")
+_NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER][_eEPILOGUE]"
+# The forward ops, which can fuse an epilogue (epilogues.py) into their store.
+EPILOGUE_OPS = ("bsr_dds", "sp24_dds")
+PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
 CLUSTER_SIZES = (1, 2, 4)
 
 
@@ -99,6 +104,7 @@ class KernelSpec:
     arch: int = 90
     tile: TileConfig = field(default_factory=TileConfig)
     instr: str = "mma"
+    epilogue: str = "none"  # epilogues.EPILOGUES: applied to X W^T + b in the forward's store
 
     def __post_init__(self):
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
@@ -106,10 +112,12 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """Readable, symbol-safe: bsr_dds_b32x32_bf16_nt_sm90a_wgmma_t128w8x1s4."""
+        """Readable, symbol-safe: bsr_dds_b32x32_bf16_nt_sm90a_wgmma_t128w8x1s4 (+ _esilu etc.
+        where there is an epilogue)."""
         bm, bk = self.block
+        epilogue = "" if self.epilogue == "none" else f"_e{epilogues.name_token(self.epilogue)}"
         return (f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_{self.target.replace('_', '')}"
-                f"_{self.instr}_{self.tile.tag}")
+                f"_{self.instr}_{self.tile.tag}{epilogue}")
 
     @property
     def target(self) -> str:
@@ -129,8 +137,11 @@ class KernelSpec:
                f"({_NAME_FORM})", repr(name), SpecError)
         g = match.groupdict()
         tile = TileConfig._from_groups(g)
+        epilogue = epilogues.from_name_token(g["epilogue"]) if g["epilogue"] else "none"
+        expect(epilogue is not None, f"an epilogue in {epilogues.EPILOGUES} (letters only in the name)",
+               repr(g["epilogue"]), SpecError)
         spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
-                   trans=g["trans"], arch=int(g["arch"]), tile=tile, instr=g["instr"])
+                   trans=g["trans"], arch=int(g["arch"]), tile=tile, instr=g["instr"], epilogue=epilogue)
         expect(spec.name == name, f"the name {spec.name} for these fields", repr(name), SpecError)
         return spec
 
@@ -183,6 +194,11 @@ class KernelSpec:
         _check_choice("trans", self.trans, TRANSPOSES)
         _check_choice("arch", self.arch, ARCHS)
         _check_choice("instr", self.instr, INSTRS)
+        _check_choice("epilogue", self.epilogue, epilogues.EPILOGUES)
+        if self.epilogue != "none":
+            expect(self.op in EPILOGUE_OPS and self.trans == "nt" and self.dtype != "int8",
+                   f"a forward op {EPILOGUE_OPS} with trans 'nt' and float outputs for an epilogue",
+                   f"{self.op}, trans {self.trans!r}, {self.dtype}", SpecError)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
         transposed_read = self.op == "bsr_dds" and self.trans == "nn" and self.instr in SWAP_INSTRS
@@ -358,11 +374,11 @@ def _stages_that_fit(block, tile_m: int, arch: int, most: int) -> int:
 
 
 def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
-                 instr: str | None = None, rows: int | None = None) -> KernelSpec:
+                 instr: str | None = None, rows: int | None = None, epilogue: str = "none") -> KernelSpec:
     block = tuple(block)
     instr = instr or default_instr(dtype, arch, block, rows)
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
-                      tile=tile or default_tile(block, arch, instr, rows), instr=instr)
+                      tile=tile or default_tile(block, arch, instr, rows), instr=instr, epilogue=epilogue)
 
 
 def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None, tile: TileConfig | None = None,
@@ -412,7 +428,7 @@ def sdd_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr
 
 
 def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-              instr: str | None = None, narrow: bool = False) -> KernelSpec:
+              instr: str | None = None, narrow: bool = False, epilogue: str = "none") -> KernelSpec:
     """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
@@ -436,7 +452,7 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
         else:
             tile = TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3)
     return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr=instr)
+                      instr=instr, epilogue=epilogue)
 
 
 # Kernels without tensor cores (pruning, scattering): of the tile only its 256 threads count.
@@ -490,5 +506,8 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
     forward += [scatter_spec(b, d, arch) for d in wide for b in blocks if min(b) <= 32]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
+    # the epilogues sparsegen.patch fuses into BERT, GPT-2 and Llama blocks, on 16-bit products
+    fused = [dataclasses.replace(s, epilogue=e) for s in forward + semi if s.op in EPILOGUE_OPS
+             and s.dtype in ("bf16", "fp16") for e in PATCHED_EPILOGUES]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
-    return list(dict.fromkeys(forward + backward + semi))
+    return list(dict.fromkeys(forward + backward + semi + fused))

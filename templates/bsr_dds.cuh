@@ -7,7 +7,8 @@
 
 namespace sg {
 
-template <class Mma, class Elem, int TILE_M, int BM, int BK, int WARPS_M, int WARPS_N, int STAGES>
+template <class Mma, class Elem, int TILE_M, int BM, int BK, int WARPS_M, int WARPS_N, int STAGES,
+          class Epi = NoEpilogue>
 struct BsrDds {
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   using Loader = BsrStageLoader<Elem, TILE_M, BM, BK, THREADS>;
@@ -67,12 +68,17 @@ struct BsrDds {
       compute_stage(smem + (s % STAGES) * Loader::STAGE_BYTES, acc, wm, wn);
     }
     const int lane = threadIdx.x & 31;
+    using Store = TileStore<Mma, Elem, Epi>;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        TileStore<Mma, Elem>::m16n8(acc[mt][nt], bias, y, m0 + wm * WARP_M + mt * 16 + (lane >> 2),
-                                    block_row * BM + wn * WARP_N + nt * 8 + 2 * (lane & 3), M, N);
+      for (int nt = 0; nt < NT; nt += Epi::kGated ? 2 : 1) {
+        const int m = m0 + wm * WARP_M + mt * 16 + (lane >> 2), n = block_row * BM + wn * WARP_N + nt * 8 + 2 * (lane & 3);
+        if constexpr (Epi::kGated)
+          Store::m16n8_gated(acc[mt][nt], acc[mt][nt + 1], bias, y, m, n, M, N);
+        else
+          Store::m16n8(acc[mt][nt], bias, y, m, n, M, N);
+      }
   }
 };
 

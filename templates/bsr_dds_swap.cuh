@@ -36,13 +36,13 @@ namespace sg {
 // every W box and multicasts it to both. A buffer is refilled only once the consumers of
 // both blocks have released it.
 template <class Wgmma, class Mma, class Elem, int TILE_T, int BM, int BK, int STAGES, bool TRANS_W, bool PAIRS,
-          int CLUSTER = 1>
+          int CLUSTER = 1, class Epi = NoEpilogue>
 struct BsrDdsSwap {
   static constexpr int ROWS = PAIRS ? 128 : BM;  // W's rows in one tile
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), STAGE_K = 64;
   static constexpr int ROW_SPLIT = ROWS / 64, WG_T = TILE_T * ROW_SPLIT / CONSUMERS, ACC = WG_T / 2;
   static constexpr int X_BYTES = TILE_T * 128, STAGE_BYTES = X_BYTES + ROWS * 128, BOX = 64 * 128;
-  using Store = TransposedStore<Mma, Elem, WG_T, 64>;
+  using Store = TransposedStore<Mma, Elem, WG_T, 64, Epi>;
   static_assert((BM == 64 || BM == 128) && BK % 64 == 0 && WG_T % 64 == 0 && WG_T <= 256, "tile shape");
   static_assert(!PAIRS || BM == 64, "pairs of 64-row block rows");
   static_assert(CLUSTER == 1 || BM == 64, "clusters share 64-row W boxes");

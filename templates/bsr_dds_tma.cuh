@@ -15,7 +15,7 @@
 namespace sg {
 
 template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int CONSUMERS, int STAGES,
-          bool PINGPONG>
+          bool PINGPONG, class Epi = NoEpilogue>
 struct BsrDdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int STAGE_K = 64, SUB_K = BK < 64 ? BK : 64, SUBS = STAGE_K / SUB_K;
@@ -123,13 +123,13 @@ struct BsrDdsTma {
         produce(x_map, w_map, smem, bars, cols, first, nnz, g, stages, m0, K, w_rows);
       } else if (!PINGPONG) {
         consume(smem, bars, g, stages, (wg - 1) * WG_M, acc);
-        store_wgmma_tile<Mma, BM, true>(acc, bias, y, m0 + (wg - 1) * WG_M, block_row * BM, M, N);
+        store_wgmma_tile<Mma, BM, true, Epi>(acc, bias, y, m0 + (wg - 1) * WG_M, block_row * BM, M, N);
       } else if (i % CONSUMERS == wg - 1) {
         // Wait until the previous tile's consumer has seen all its stages arrive: then no
         // ring slot this tile needs can still be two phases behind.
         if (i > 0) mbar_wait(order, (i - 1) & 1);
         consume(smem, bars, g, stages, 0, acc, order);
-        store_wgmma_tile<Mma, BM, true>(acc, bias, y, m0, block_row * BM, M, N);
+        store_wgmma_tile<Mma, BM, true, Epi>(acc, bias, y, m0, block_row * BM, M, N);
       }
       g += stages;
     }

@@ -47,18 +47,27 @@ __device__ __forceinline__ void pin(int (&acc)[N]) {  // int8 products' s32 accu
 // out per n8 column tile exactly like mma.sync's m16n8 accumulators. row0: the group's first row.
 // CLEAR zeroes each accumulator as soon as it is stored (for the next tile; doing it in a
 // separate loop afterwards keeps all of them live at once and spills).
-template <class Mma, int BM, bool CLEAR, int SUB, class Elem>
+template <class Mma, int BM, bool CLEAR, class Epi, int SUB, class Elem>
 __device__ __forceinline__ void store_wgmma_tile(float (&acc)[SUB][BM / 2], const Elem* bias, Elem* y,
                                                  int row0, int n0, int M, int N) {
+  using Store = TileStore<Mma, Elem, Epi>;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
 #pragma unroll
   for (int sub = 0; sub < SUB; ++sub) {
     const int row = row0 + sub * 64 + warp * 16 + (lane >> 2);
-    if constexpr (BM >= 32) {  // groups of 4 n8 tiles: 16-byte stores
+    if constexpr (Epi::kGated) {  // n8 tiles 2p (gate) and 2p + 1 (up)
+#pragma unroll
+      for (int j = 0; j < BM / 8; j += 2) {
+        Store::m16n8_gated(&acc[sub][4 * j], &acc[sub][4 * j + 4], bias, y, row, n0 + 8 * j + 2 * (lane & 3), M, N);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (CLEAR) acc[sub][4 * j + i] = 0.f;
+      }
+    } else if constexpr (BM >= 32) {  // groups of 4 n8 tiles: 16-byte stores
 #pragma unroll
       for (int q = 0; q < BM / 32; ++q) {
         float* const c[4] = {&acc[sub][16 * q], &acc[sub][16 * q + 4], &acc[sub][16 * q + 8], &acc[sub][16 * q + 12]};
-        TileStore<Mma, Elem>::m16n32(c, bias, y, row, n0 + 32 * q, M, N);
+        Store::m16n32(c, bias, y, row, n0 + 32 * q, M, N);
 #pragma unroll
         for (int i = 0; i < 16; ++i)
           if (CLEAR) acc[sub][16 * q + i] = 0.f;
@@ -67,15 +76,15 @@ __device__ __forceinline__ void store_wgmma_tile(float (&acc)[SUB][BM / 2], cons
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
         float* c = &acc[sub][4 * j];
-        TileStore<Mma, Elem>::m16n8(c, bias, y, row, n0 + 8 * j + 2 * (lane & 3), M, N);
+        Store::m16n8(c, bias, y, row, n0 + 8 * j + 2 * (lane & 3), M, N);
         if (CLEAR) c[0] = c[1] = c[2] = c[3] = 0.f;
       }
     }
   }
 }
 
-// Wgmma: generated per (BM, dtype) by the template - mma(acc, desc_a, desc_b) for m64 x BM x k16.
-template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int WARPGROUPS, int STAGES>
+template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int WARPGROUPS, int STAGES,
+          class Epi = NoEpilogue>
 struct BsrDdsWgmma {
   static constexpr int THREADS = 128 * WARPGROUPS;
   using Loader = BsrStageLoader<Elem, TILE_M, BM, BK, THREADS>;
@@ -132,7 +141,7 @@ struct BsrDdsWgmma {
       wgmma_wait<1>();  // stage s-1's wgmmas are done: its buffer may be refilled next time
     }
     wgmma_wait<0>();
-    store_wgmma_tile<Mma, BM, false>(acc, bias, y, m0 + wg * WG_M, block_row * BM, M, N);
+    store_wgmma_tile<Mma, BM, false, Epi>(acc, bias, y, m0 + wg * WG_M, block_row * BM, M, N);
   }
 
 };

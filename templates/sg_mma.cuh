@@ -1,6 +1,7 @@
 // Device-only building blocks shared by sparsegen's templates: async copies into
 // swizzled shared memory, ldmatrix, tensor-core mma. No host code (NVRTC JIT mode).
 #pragma once
+#include "sg_epilogue.cuh"
 
 namespace sg {
 

@@ -49,6 +49,23 @@ struct SplitK {
     }
     if (threadIdx.x % GROUP == 0) *count = 0;
   }
+
+  // Gated (sg_epilogue.cuh): Y (N / 2 columns) gets out(gate, up) of the sums at fused
+  // features f (f % 16 < 8) and f + 8, each with its bias; both sums are zeroed after.
+  template <class Elem, class Bias, class Out>
+  __device__ static void finish_gated(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
+                                      int M, int N, Bias bias, Out out) {
+    const int outputs = features / 2;
+    for (int i = threadIdx.x % GROUP; i < tokens * outputs; i += GROUP) {
+      const int t = t0 + i / outputs, o = i % outputs, f = f0 + 16 * (o / 8) + o % 8;
+      if (t >= M || f >= N) continue;
+      float* gate = sums + (long long)t * N + f;
+      y[(long long)t * (N / 2) + f / 16 * 8 + f % 8] = out(__ldcg(gate) + bias(f), __ldcg(gate + 8) + bias(f + 8));
+      __stcg(gate, 0.f);
+      __stcg(gate + 8, 0.f);
+    }
+    if (threadIdx.x % GROUP == 0) *count = 0;
+  }
 };
 
 }  // namespace sg

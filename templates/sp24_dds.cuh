@@ -30,7 +30,8 @@ struct Int32Out {
 // SpMma::K is the instruction's dense K: 32 for 16-bit types (m16n8k32), 64 for one-byte
 // ones (m16n8k64). Their operands occupy the same bytes (A 16 x 32 bytes kept, B 8 x 32 or
 // 8 x 64 bytes), so loads and ldmatrix are shared; only the metadata doubles per step.
-template <class SpMma, class Out, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES>
+template <class SpMma, class Out, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES,
+          class Epi = NoEpilogue>
 struct Sp24Dds {
   using Acc = typename Out::Acc;
   using OutT = typename Out::T;
@@ -102,7 +103,8 @@ struct Sp24Dds {
   }
 
   // acc[mt][nt] holds Y^T rows (features) g, g+8 and columns (tokens) 2q, 2q+1: written
-  // transposed into a [TILE_T][TILE_W] tile, then copied out row by row.
+  // transposed into a [TILE_T][TILE_W] tile, then copied out row by row. Gated: rows g
+  // (gate) and g + 8 (up) of each 16 make one of TILE_W / 2 features.
   __device__ static void store(unsigned char* smem_raw, Acc (&acc)[MT][NT][4], const OutT* bias, OutT* y,
                                int m0, int n0, int M, int N, int ww, int wt) {
     OutT* out = reinterpret_cast<OutT*>(smem_raw);
@@ -110,20 +112,27 @@ struct Sp24Dds {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < (Epi::kGated ? 1 : 2); ++half) {
         const int f = ww * 64 + mt * 16 + g + 8 * half;
         const Acc b = bias && n0 + f < N ? Out::bias(bias[n0 + f]) : Acc(0);
+        const Acc bu = Epi::kGated && bias && n0 + f + 8 < N ? Out::bias(bias[n0 + f + 8]) : Acc(0);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 2; ++i)
-            out[(wt * WARP_T + nt * 8 + 2 * q + i) * OUT_STRIDE + f] = Out::convert(acc[mt][nt][2 * half + i] + b);
+          for (int i = 0; i < 2; ++i) {
+            const int t = wt * WARP_T + nt * 8 + 2 * q + i;
+            if constexpr (Epi::kGated)
+              out[t * OUT_STRIDE + Epi::out_feature(f)] = Out::convert(Epi::gated(acc[mt][nt][i] + b, acc[mt][nt][2 + i] + bu));
+            else
+              out[t * OUT_STRIDE + f] = Out::convert(Epi::act(acc[mt][nt][2 * half + i] + b));
+          }
       }
     __syncthreads();
-    for (int i = threadIdx.x; i < TILE_T * (TILE_W / OUT_VEC); i += THREADS) {
-      const int t = i / (TILE_W / OUT_VEC), c = i % (TILE_W / OUT_VEC);
-      if (m0 + t < M && n0 + OUT_VEC * c < N)
-        *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * N + n0 + OUT_VEC * c) =
+    constexpr int WIDTH = Epi::kGated ? TILE_W / 2 : TILE_W, SHRINK = Epi::kGated ? 2 : 1;
+    for (int i = threadIdx.x; i < TILE_T * (WIDTH / OUT_VEC); i += THREADS) {
+      const int t = i / (WIDTH / OUT_VEC), c = i % (WIDTH / OUT_VEC);
+      if (m0 + t < M && n0 / SHRINK + OUT_VEC * c < N / SHRINK)
+        *reinterpret_cast<uint4*>(y + (long long)(m0 + t) * (N / SHRINK) + n0 / SHRINK + OUT_VEC * c) =
             *reinterpret_cast<const uint4*>(out + t * OUT_STRIDE + OUT_VEC * c);
     }
   }
@@ -147,10 +156,13 @@ struct Sp24Dds {
     int* count = counts + blockIdx.y * gridDim.x + blockIdx.x;
     if (!Split::last_to_arrive(count, gridDim.z, smem_ptr(smem_raw), 0))
       return;
-    Split::finish(
-        sums, count, y, m0, TILE_T, n0, TILE_W, M, N,
-        [&](int f) { return bias ? static_cast<float>(Out::bias(bias[f])) : 0.f; },
-        [](float v) { return Out::convert(static_cast<Acc>(v)); });
+    const auto bias_at = [&](int f) { return bias ? static_cast<float>(Out::bias(bias[f])) : 0.f; };
+    if constexpr (Epi::kGated)
+      Split::finish_gated(sums, count, y, m0, TILE_T, n0, TILE_W, M, N, bias_at,
+                          [](float gate, float up) { return Out::convert(static_cast<Acc>(Epi::gated(gate, up))); });
+    else
+      Split::finish(sums, count, y, m0, TILE_T, n0, TILE_W, M, N, bias_at,
+                    [](float v) { return Out::convert(static_cast<Acc>(Epi::act(v))); });
   }
 
   // blockIdx.z takes K in slices of k_split; with `partial` (the workspace) set, the blocks'

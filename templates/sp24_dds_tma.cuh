@@ -30,7 +30,8 @@ namespace sg {
 // WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x
 // k32 (16-bit inputs) or k64 (e4m3, int8: IN_BYTES 1, the same bytes per product); its Acc
 // is float, or int for int8. Mma and Elem are the output's (bf16 for e4m3, int32 for int8).
-template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2>
+template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2,
+          class Epi = NoEpilogue>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   using Acc = typename WgmmaSp::Acc;
@@ -44,7 +45,7 @@ struct Sp24DdsTma {
   static constexpr bool REBALANCE = ACC >= 128;
   // The store goes through shared memory 64 tokens at a time (per consumer, rows of 64
   // features, 128 bytes, per token); small tiles stage 32 so that two blocks fit an SM.
-  using Store = TransposedStore<Mma, Elem, TILE_T, TILE_T >= 128 ? 64 : 32>;
+  using Store = TransposedStore<Mma, Elem, TILE_T, TILE_T >= 128 ? 64 : 32, Epi>;
   static constexpr int STAGING_BYTES = CONSUMERS * Store::BYTES;
   static_assert(TILE_T % 16 == 0 && TILE_T <= 256, "tile shape");
   static_assert(X_PART % 1024 == 0 && W_BYTES % 1024 == 0, "swizzle atoms stay 1024-aligned");
@@ -185,10 +186,14 @@ struct Sp24DdsTma {
     int* count = counts + ((m0 / TILE_T) * tiles_w + n0 / TILE_W) * CONSUMERS + c;
     if (!Split::last_to_arrive(count, gridDim.z, flag, c + 2))
       return;
-    Split::finish(
-        sums, count, y, m0, TILE_T, n0 + 64 * c, 64, M, N,
-        [&](int f) { return bias ? Mma::to_float(bias[f]) : 0.f; },
-        [](float v) { return static_cast<Elem>(Mma::pack(v, 0.f) & 0xFFFF); });
+    const auto bias_at = [&](int f) { return bias ? Mma::to_float(bias[f]) : 0.f; };
+    if constexpr (Epi::kGated)
+      Split::finish_gated(sums, count, y, m0, TILE_T, n0 + 64 * c, 64, M, N, bias_at, [](float gate, float up) {
+        return static_cast<Elem>(Mma::pack(Epi::gated(gate, up), 0.f) & 0xFFFF);
+      });
+    else
+      Split::finish(sums, count, y, m0, TILE_T, n0 + 64 * c, 64, M, N, bias_at,
+                    [](float v) { return static_cast<Elem>(Mma::pack(Epi::act(v), 0.f) & 0xFFFF); });
   }
 
   // int32 Y (int8 inputs; the host never splits K for them) straight from the registers:

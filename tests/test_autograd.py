@@ -34,12 +34,12 @@ def test_gradcheck_float64(block):
     assert gradcheck_on_3x4_blocks(autograd.block_sparse_linear, block, empty_row=1)
 
 
-def kernel_stand_in(x, values, bias, row_offsets, col_indices, flat_index, block, out_features):
+def kernel_stand_in(x, values, bias, row_offsets, col_indices, flat_index, block, out_features, epilogue="none"):
     """ops.bsr_dds_any_device computed by the reference from its (row_offsets, col_indices)
     arguments alone, as the kernels read them (flat_index is ignored)."""
     rows = torch.repeat_interleave(torch.arange(row_offsets.numel() - 1), row_offsets.diff())
     flat = rows * (x.shape[-1] // block[1]) + col_indices
-    return sparsegen.ops.indexed_reference(x, values, bias, flat, block, out_features)
+    return sparsegen.ops.indexed_reference(x, values, bias, flat, block, out_features, epilogue)
 
 
 @pytest.mark.parametrize("block", [(2, 3), (4, 2)])

@@ -11,7 +11,7 @@ import jinja2
 import jinja2.meta
 import pytest
 
-from sparsegen import codegen
+from sparsegen import codegen, epilogues
 from sparsegen.spec import INSTRS, OPS, KernelSpec, TileConfig, forward_spec, input_grad_spec
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -21,6 +21,7 @@ GOLDEN_SPECS = [
     KernelSpec(block=(16, 16), dtype="fp16", arch=90, tile=TileConfig(128, 8, 1, 4), instr="wgmma"),
     KernelSpec(block=(64, 32), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="tma"),
     KernelSpec(block=(128, 64), dtype="fp16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="swap"),
+    KernelSpec(block=(64, 64), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="pairs", epilogue="swiglu"),
 ]
 # The other ops' templates, pinned the same way.
 OTHER_GOLDEN = [
@@ -30,6 +31,10 @@ OTHER_GOLDEN = [
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(128, 4, 2, 3)),
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="bf16", trans="nt", arch=90,
                tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma"),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="bf16", trans="nt", arch=90, tile=TileConfig(64, 8, 1, 6),
+               instr="tma", epilogue="swiglu"),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="fp16", trans="nt", arch=80, tile=TileConfig(64, 2, 2, 3),
+               epilogue="gelu"),
     KernelSpec(op="sp24_compress", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_mask", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="bsr_scatter", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
@@ -46,6 +51,9 @@ SPECS = GOLDEN_SPECS + [
     forward_spec((64, 64), "bf16", 90, TileConfig(256, 8, 1, 4, cluster=2), "swap"),
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
     KernelSpec(block=(128, 32), dtype="fp32", arch=80, tile=TileConfig(256, 4, 4, 3)),
+    forward_spec((64, 64), "bf16", 90, instr="swap", epilogue="swiglu"),
+    forward_spec((32, 32), "fp16", 80, epilogue="gelu_tanh"),
+    forward_spec((128, 128), "bf16", 90, instr="tma", epilogue="geglu"),
 ]
 MMA = {"bf16": "Bf16", "fp16": "Fp16", "fp32": "Tf32"}
 ELEM = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float"}
@@ -83,6 +91,7 @@ def kernel_type_pattern(spec) -> str:
         constants += [t.warps_m // 4, t.stages]
     if spec.instr in ("tma", "pingpong"):  # the schedule: consumers alternate whole tiles?
         constants += [str(spec.instr == "pingpong").lower()]
+    constants += [re.escape(epilogues.device_struct(spec.epilogue))]
     return KERNEL_TYPE[spec.instr] + r",\s*".join(map(str, constants)) + r"\s*>"
 
 
@@ -118,14 +127,15 @@ def test_other_ops_name_their_kernel(spec):
     assert re.search(rf'extern "C" __global__ void {cluster}__launch_bounds__\({spec.threads}(, 1)?\)\s*{spec.name}\(',
                      source)
     ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
+    epilogue = re.escape(epilogues.device_struct(spec.epilogue))
     if spec.op == "sp24_dds" and spec.instr == "tma":
         assert f"wgmma.mma_async.sp.sync.aligned.m64n{spec.tile.tile_m}k32.f32.{ptx}.{ptx} " in source
         assert re.search(rf"sg::Sp24DdsTma<WgmmaSp, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "
-                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}, 2>", source)
+                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}, 2, {epilogue}>", source)
     elif spec.op == "sp24_dds":
         assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ptx}.{ptx}.f32" in source
         assert re.search(rf"sg::Sp24Dds<SpMma, sg::FloatOut<sg::{MMA[spec.dtype]}>, unsigned short, {spec.tile.tile_m}, "
-                         rf"{spec.tile.warps_m}, {spec.tile.warps_n}, {spec.tile.stages}>", source)
+                         rf"{spec.tile.warps_m}, {spec.tile.warps_n}, {spec.tile.stages}, {epilogue}>", source)
 
 
 def test_render_is_deterministic():

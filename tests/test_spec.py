@@ -7,6 +7,7 @@ import pytest
 
 import sparsegen
 from sparsegen import spec as specmod
+from sparsegen.epilogues import EPILOGUES
 from sparsegen.errors import SpecError
 from sparsegen.spec import KernelSpec, TileConfig
 
@@ -44,6 +45,7 @@ VARIANTS = {
     "warps_n=4": with_tile(warps_n=4),
     "stages=2": with_tile(stages=2),
     "stages=4": with_tile(stages=4),
+    **{f"epilogue={e}": dataclasses.replace(BASE, epilogue=e) for e in EPILOGUES if e != "none"},
 }
 
 

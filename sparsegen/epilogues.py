@@ -1,0 +1,133 @@
+"""Fused epilogues: what a forward kernel does to X W^T + b before it writes Y.
+
+An activation applied to every output, or a gated product (swiglu: silu(gate) * up, as
+Llama's MLP; geglu: gelu(gate) * up) over one weight that holds the gate and up projections
+interleaved in groups of GATE_GROUP rows - the rows that meet in one thread's registers in
+every kernel's store (templates/sg_epilogue.cuh) - so Y has half the weight's rows.
+`reference` is the PyTorch definition the kernels are tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import expect
+
+ACTIVATIONS = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu,
+               "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu}
+GATED = {"swiglu": "silu", "geglu": "gelu"}  # gated epilogue -> the activation of its gate
+EPILOGUES = tuple(ACTIVATIONS) + tuple(GATED)
+GATE_GROUP = 8
+_DEVICE_ACTIVATIONS = {"none": "Identity", "relu": "Relu", "gelu": "Gelu", "gelu_tanh": "GeluTanh", "silu": "Silu"}
+
+
+def check(epilogue) -> str:
+    expect(epilogue in EPILOGUES, f"epilogue one of {EPILOGUES}", repr(epilogue))
+    return epilogue
+
+
+def is_gated(epilogue: str) -> bool:
+    return epilogue in GATED
+
+
+def activation(epilogue: str) -> str:
+    """The activation the epilogue applies (to the gate, for a gated one)."""
+    return GATED.get(epilogue, epilogue)
+
+
+def output_features(epilogue: str, weight_rows: int) -> int:
+    """Y's width for a weight of `weight_rows` rows: half of them for a gated epilogue."""
+    return weight_rows // 2 if is_gated(epilogue) else weight_rows
+
+
+def reference(y: torch.Tensor, epilogue: str) -> torch.Tensor:
+    """The epilogue applied to Y = X W^T + b, rounded once into y's dtype as the kernels do
+    (PyTorch's activations compute 16-bit inputs in float32 already; the gated product is
+    taken there too)."""
+    if epilogue == "none":
+        return y
+    act = ACTIVATIONS[activation(epilogue)]
+    if not is_gated(epilogue):
+        return act(y)
+    wide = y if y.dtype == torch.float64 else y.float()
+    gate, up = split_rows(wide.movedim(-1, 0))
+    return (act(gate) * up).movedim(0, -1).to(y.dtype)
+
+
+def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """One weight (or bias) for a gated epilogue: gate's and up's rows in alternating groups
+    of GATE_GROUP, [N, ...] each -> [2N, ...]."""
+    expect(gate.shape == up.shape and gate.shape[0] % GATE_GROUP == 0,
+           f"gate and up of one shape with a multiple of {GATE_GROUP} rows", f"{tuple(gate.shape)} and {tuple(up.shape)}")
+    groups = gate.shape[0] // GATE_GROUP
+    pair = torch.stack([gate.reshape(groups, GATE_GROUP, *gate.shape[1:]),
+                        up.reshape(groups, GATE_GROUP, *up.shape[1:])], dim=1)
+    return pair.reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+def split_rows(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) of an interleaved weight or bias: the inverse of interleave_rows."""
+    expect(fused.shape[0] % (2 * GATE_GROUP) == 0, f"a multiple of {2 * GATE_GROUP} rows for a gated epilogue",
+           fused.shape[0])
+    pairs = fused.reshape(fused.shape[0] // (2 * GATE_GROUP), 2, GATE_GROUP, *fused.shape[1:])
+    half = fused.shape[0] // 2
+    return pairs[:, 0].reshape(half, *fused.shape[1:]), pairs[:, 1].reshape(half, *fused.shape[1:])
+
+
+def device_struct(epilogue: str) -> str:
+    """The C++ type a template instantiates its kernel with (sg_epilogue.cuh)."""
+    gated = "true" if is_gated(epilogue) else "false"
+    return f"sg::Epilogue<sg::{_DEVICE_ACTIVATIONS[activation(epilogue)]}, {gated}>"
+
+
+def name_token(epilogue: str) -> str:
+    """The epilogue as it appears in a kernel's name: letters only (gelu_tanh -> gelutanh)."""
+    return epilogue.replace("_", "")
+
+
+def from_name_token(token: str) -> str | None:
+    return next((e for e in EPILOGUES if name_token(e) == token), None)
+
+
+class DenseEpilogue(torch.nn.Module):
+    """A dense nn.Linear followed by an epilogue: what a sparse layer with a fused epilogue
+    computes, made dense (dense_copy, to_linear)."""
+
+    def __init__(self, linear: torch.nn.Linear, epilogue: str):
+        super().__init__()
+        self.linear, self.epilogue = linear, check(epilogue)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference(self.linear(x), self.epilogue)
+
+    def extra_repr(self) -> str:
+        return f"epilogue={self.epilogue!r}"
+
+
+class Fusable:
+    """What the sparse linear layers share about epilogues: one fused into the forward kernel
+    at inference; a training step computes the same in PyTorch after the kernel (autograd
+    needs the product before the activation, which the fused kernel never writes)."""
+
+    epilogue = "none"
+
+    def fuse(self, epilogue: str):
+        """Apply `epilogue` in the forward kernel from now on. A gated one expects the weight's
+        rows as interleave_rows lays out gate and up, and halves the output's width."""
+        check(epilogue)
+        expect(not is_gated(epilogue) or self.out_features % (2 * GATE_GROUP) == 0,
+               f"out_features a multiple of {2 * GATE_GROUP} (interleaved gate and up rows) for {epilogue!r}",
+               self.out_features)
+        self.epilogue = epilogue
+        return self
+
+    @property
+    def output_features(self) -> int:
+        """The output's width: out_features, or half of it with a gated epilogue."""
+        return output_features(self.epilogue, self.out_features)
+
+    def _dense_twin(self, linear: torch.nn.Linear) -> torch.nn.Module:
+        return linear if self.epilogue == "none" else DenseEpilogue(linear, self.epilogue)
+
+    def _epilogue_repr(self) -> str:
+        return "" if self.epilogue == "none" else f", epilogue={self.epilogue!r}"

@@ -1,0 +1,153 @@
+"""Fused epilogues on the GPU: every forward kernel family, each epilogue, against float64,
+outputs poisoned first; the layers through the dispatch, torch.compile and CUDA graphs."""
+import json
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen import crossovers, epilogues, ops, runtime
+from sparsegen.spec import TileConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FUSED = [e for e in epilogues.EPILOGUES if e != "none"]
+TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 6e-3, torch.float32: 2e-3}
+
+
+def is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def want(x, weight, bias, epilogue):
+    """The epilogue of X W^T + b, all in float64."""
+    z = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return epilogues.reference(z, epilogue)
+
+
+def poisoned(m: int, n: int, dtype) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+
+
+# (instr, block, dtype): every family of the block-sparse forward
+BSR_FAMILIES = [("mma", (32, 32), torch.float16), ("mma", (64, 16), torch.float32)]
+if is_hopper():
+    BSR_FAMILIES += [("wgmma", (16, 16), torch.bfloat16), ("tma", (128, 128), torch.bfloat16),
+                     ("pingpong", (64, 64), torch.float16), ("swap", (128, 64), torch.bfloat16),
+                     ("swap", (64, 64), torch.bfloat16), ("pairs", (64, 64), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("m", [1, 65, 517])
+@pytest.mark.parametrize("epilogue", FUSED)
+@pytest.mark.parametrize("family", BSR_FAMILIES, ids=lambda f: f"{f[0]}-{f[1][0]}x{f[1][1]}-{str(f[2])[6:]}")
+def test_block_sparse_kernel_epilogue_matches_float64(family, epilogue, m):
+    instr, block, dtype = family
+    layer = sparsegen.linear(3 * 64, 5 * block[0], block=block, density=0.5, device="cuda", dtype=dtype)
+    x = torch.randn(m, layer.in_features, device="cuda", dtype=dtype)
+    width = epilogues.output_features(epilogue, layer.out_features)
+    out = poisoned(m, width, dtype)
+    small = TileConfig(64, 4, 1, 4) if instr in ("wgmma", "tma", "pingpong") and m <= 64 else None
+    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
+                out=out, instr=instr, tile=small, epilogue=epilogue)
+    assert not out.isnan().any()
+    assert relative_error(out, want(x, layer.to_dense_weight(), layer.bias, epilogue)) < TOLERANCE[dtype]
+
+
+SP24_INSTRS = ["mma", "tma"] if is_hopper() else ["mma"]
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("m", [1, 7, 65, 200, 2049])
+@pytest.mark.parametrize("epilogue", FUSED)
+@pytest.mark.parametrize("instr", SP24_INSTRS)
+def test_sp24_kernel_epilogue_matches_float64(instr, epilogue, m, splits):
+    """Both stores: the registers' (one split) and the split-K finish (the last split)."""
+    dtype = torch.bfloat16
+    n, k = 336, 384
+    sparse = sparsegen.to_sparse24(torch.randn(n, k, device="cuda", dtype=dtype))
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    out = poisoned(m, epilogues.output_features(epilogue, n), dtype)
+    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr=instr, splits=splits, epilogue=epilogue)
+    assert not out.isnan().any()
+    assert relative_error(out, want(x, sparse.to_dense(), bias, epilogue)) < TOLERANCE[dtype]
+
+
+def sp24_layer(epilogue):
+    return sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16).fuse(epilogue)
+
+
+def bsr_layer(epilogue):
+    return sparsegen.linear(320, 192, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16).fuse(epilogue)
+
+
+LAYERS = {"2:4": sp24_layer, "block": bsr_layer}
+
+
+@pytest.mark.parametrize("epilogue", ["gelu", "swiglu"])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_fused_layer_through_the_default_dispatch(kind, epilogue):
+    layer = LAYERS[kind](epilogue)
+    for shape in [(1, 320), (8, 320), (3, 100, 320), (4097, 320)]:
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            y = layer(x)
+        assert y.shape == (*shape[:-1], layer.output_features)
+        assert relative_error(y, want(x, layer.to_dense_weight(), layer.bias, epilogue)) < 1.5e-2
+
+
+@pytest.fixture
+def dense_everywhere(tmp_path, monkeypatch):
+    """A table for this GPU in which every sparse kernel loses: the dense path then runs."""
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+    name = runtime.device_name(0)
+    path = crossovers.user_table_path(name)
+    path.parent.mkdir(parents=True)
+    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=0.5),
+              dict(layout="bsr", n=1024, k=1024, m=64, speedup=0.5, block=[64, 64], density=0.5)]
+    path.write_text(json.dumps(dict(gpu=name, points=points)))
+    crossovers.table.cache_clear()
+    yield
+    crossovers.table.cache_clear()
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_dense_path_applies_the_epilogue_too(dense_everywhere, kind):
+    layer = LAYERS[kind]("swiglu")
+    x = torch.randn(37, 320, device="cuda", dtype=torch.bfloat16)
+    out = poisoned(37, layer.output_features, torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+        if kind == "2:4":
+            ops.sp24_dds(x, layer.values, layer.metadata, layer.bias, layer.out_features, out=out, epilogue="swiglu")
+        else:
+            ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+                        layer.out_features, out=out, epilogue="swiglu")
+    reference = want(x, layer.to_dense_weight(), layer.bias, "swiglu")
+    assert relative_error(y, reference) < 1.5e-2 and relative_error(out, reference) < 1.5e-2
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_patched_llama_with_fused_mlps_compiles_and_matches_its_dense_copy(mode):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    sparsegen.patch(model, {r".*mlp\.(gate|up)_proj": {"sparsity": "2:4"},
+                            r".*mlp\.down_proj": {"block": (64, 64), "density": 0.5}})
+    assert isinstance(model.model.layers[0].mlp, sparsegen.GatedMLP)
+    twin = sparsegen.dense_copy(model)
+    ids = torch.randint(0, 128, (2, 96), device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=mode)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, recording, replay
+            got = compiled(input_ids=ids).logits
+        expected = twin(input_ids=ids).logits
+    assert relative_error(got.float(), expected.double()) < 2e-2
