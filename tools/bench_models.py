@@ -50,7 +50,11 @@ VARIANTS = {
     "2:4-recipe": ("mlp", {"sparsity": "2:4", "training": {"mask_interval": 100}}),
     "peer-2:4": ("all", {"sparsity": "2:4"}),
 }
+# The same variants patched with fuse=False: activations and gated products left to PyTorch
+# (on request only, to measure what the fused epilogues give).
+VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25")})
 INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
+OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
 TRAINING_VARIANTS = ["dense", "2:4", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
 MODES = ["eager", "compile", "reduce-overhead"]
 
@@ -203,7 +207,7 @@ def patched(model: nn.Module, family: str, variant: str) -> nn.Module:
     if VARIANTS[variant] is None:
         return model
     which, settings = VARIANTS[variant]
-    sparsegen.patch(model, {PATTERNS[family][which]: settings})
+    sparsegen.patch(model, {PATTERNS[family][which]: settings}, fuse=not variant.endswith("-unfused"))
     return model
 
 
@@ -331,7 +335,7 @@ def failed_row(row: dict, error: Exception) -> dict:
 def run_case(case: Case, variants: list[str], modes: list[str], device, reps: int, save: Callable) -> None:
     """Every variant of the case in every mode; save(rows) after each variant."""
     dense = DenseSteps(case)
-    for variant in [v for v in case.variants if v in variants and v != "dense"]:
+    for variant in [v for v in (*case.variants, *OPTIONAL_VARIANTS) if v in variants and v != "dense"]:
         save(measure(case, variant, modes, dense, device, reps))
         gc.collect()
         if device.type == "cuda":
@@ -497,7 +501,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(ALL_CASES), help="'none': only --host")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in OPTIONAL_VARIANTS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round (5 rounds)")
     parser.add_argument("--host", action="store_true", help="also the host cost per linear call")
