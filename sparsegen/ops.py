@@ -235,7 +235,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if plan.dense:
         weight = _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features,
                                        plan.scatter_when_trained)
-        if weight is not None:
+        if weight is not None and (plan.dense_eager or torch.cuda.is_current_stream_capturing()):
             return _dense_result(x, x2, weight, bias, out, epilogue)
     y, shaped = _output_for(x, x2, out, plan.width)
     maps, operands = _operands(plan.kern.spec, x2, values, block)
@@ -252,7 +252,8 @@ class _BsrPlan:
     tail: tuple[int, ...]           # the int arguments after (M, K, N)
     keep: tuple[torch.Tensor, ...]  # what `index` points into
     width: int                      # Y's columns (half of W's rows for a gated epilogue)
-    dense: bool = False             # cuBLAS on a dense copy of W first (dense_path)
+    dense: bool = False             # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
+    dense_eager: bool = False       # and outside them (not host-bound: dense_outside_graphs)
     scatter_when_trained: bool = False  # and on a weight scattered per call once W is trained
 
 
@@ -280,7 +281,8 @@ def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, t
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
     return _BsrPlan(kern, _grid(kern, m, out_features), tuple(t.data_ptr() if t is not None else 0 for t in index),
                     _tma_tail(kern.spec, values), tuple(t for t in index if t is not None),
-                    epilogues.output_features(epilogue, out_features), dense, scatter)
+                    epilogues.output_features(epilogue, out_features), dense,
+                    dense and (scatter or dense_outside_graphs(m, k, out_features)), scatter)
 
 
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
@@ -292,6 +294,20 @@ def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, t
 # work to pay for reading and writing a dense weight).
 DENSE_FROM_DENSITY = {16: 0.08, 32: 0.3}
 DENSE_MIN_ROWS = 1024
+
+
+# The dense path wins GPU time (crossovers); outside a CUDA graph a small call is bound by the
+# host instead, and there the dense path costs more: F.linear's host path (cuBLAS heuristics)
+# is heavier than our launch. On the H100 machine's host (24 stacked 1024x1024 bf16 layers,
+# 16 tokens, no_grad, us a call): block-sparse kernels 20.2, their dense path 28.7; 2:4 kernels
+# 22.0, dense path 44.9; nn.Linear 26.9. Below HOST_BOUND_FLOPS (about 30 us of a 16-bit GEMM
+# on an H100, a slow host's cost of a call) a call keeps its kernels outside graphs, and takes
+# the dense path (copy built while outside) once captured, where host time is gone.
+HOST_BOUND_FLOPS = 2 ** 34
+
+
+def dense_outside_graphs(m: int, k: int, n: int) -> bool:
+    return 2 * m * k * n >= HOST_BOUND_FLOPS
 
 
 def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) -> bool:
@@ -648,7 +664,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
         plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
     if plan.dense:
         weight = dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
-        if weight is not None:
+        if weight is not None and (plan.dense_eager or torch.cuda.is_current_stream_capturing()):
             return _dense_result(x, x2, weight, bias, out, epilogue)
     y, shaped = _output_for(x, x2, out, plan.width, sp24_output_dtype(x.dtype))
     x_maps, x_pointers = _sp24_x_operand(plan.kern.spec, x2)
@@ -670,7 +686,8 @@ class _Sp24Plan:
     weight_pointers: tuple[int, ...]  # or its pointers (mma kernels)
     keep: tuple[torch.Tensor, ...]    # what they point into
     width: int                        # Y's columns (half of W's rows for a gated epilogue)
-    dense: bool = False               # cuBLAS on a dense copy of W first (dense_path)
+    dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
+    dense_eager: bool = False         # and outside them (not host-bound: dense_outside_graphs)
 
 
 def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,
@@ -684,7 +701,8 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
     dense = (tile is None and instr is None and x2.dtype in _16BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
     return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata),
-                     epilogues.output_features(epilogue, out_features), dense)
+                     epilogues.output_features(epilogue, out_features), dense,
+                     dense and dense_outside_graphs(m, k, out_features))
 
 
 def _tile_counts(spec, m: int, n: int) -> int:

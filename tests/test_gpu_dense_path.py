@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import crossovers, dense_path, runtime
+from sparsegen import crossovers, dense_path, ops, runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture
-def dense_everywhere(tmp_path, monkeypatch):
+def losing_table(tmp_path, monkeypatch):
     """A table for this GPU in which every sparse kernel loses."""
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
     name = runtime.device_name(0)
@@ -25,6 +25,12 @@ def dense_everywhere(tmp_path, monkeypatch):
     crossovers.table.cache_clear()
     yield
     crossovers.table.cache_clear()
+
+
+@pytest.fixture
+def dense_everywhere(losing_table, monkeypatch):
+    """That table, and no call counted host-bound: eager calls take the dense path too."""
+    monkeypatch.setattr(ops, "HOST_BOUND_FLOPS", 0)
 
 
 LAYERS = {"2:4": lambda: sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16),
@@ -75,6 +81,29 @@ def test_dense_path_inside_a_cuda_graph(dense_everywhere, kind):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = layer(x)
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    graph.replay()
+    assert relative_error(y, reference(layer, x)) < 1e-2
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_host_bound_eager_call_keeps_its_kernels_and_its_graph_takes_the_copy(losing_table, kind, monkeypatch):
+    """A small call outside graphs launches its kernel (less host time than cuBLAS's path) but
+    builds the copy, which the CUDA graph captured next runs."""
+    dense_calls = []
+    real = ops._dense_result
+    monkeypatch.setattr(ops, "_dense_result", lambda *args: dense_calls.append(1) or real(*args))
+    layer = LAYERS[kind]()
+    x = torch.randn(48, 320, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        assert not dense_calls and relative_error(eager, reference(layer, x)) < 1e-2
+        assert dense_path._COPIES[layer.metadata if kind == "2:4" else layer.row_offsets].weight is not None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x)
+    assert dense_calls
     x.copy_(torch.randn_like(x))
     y.fill_(float("nan"))
     graph.replay()
