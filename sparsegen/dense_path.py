@@ -52,8 +52,12 @@ _COPIES = WeakIdKeyDictionary()  # a layout's key tensor (its index or metadata)
 
 def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Tensor | None:
     """The dense weight build(*inputs) makes from `values`, kept per layout while `values` stays
-    the same; None once the weight has been seen changing (trained), or inside a CUDA
-    graph capture with no current copy (the capture then records the sparse kernels)."""
+    the same; None once the weight has been seen changing (trained), inside a CUDA graph
+    capture with no current copy (the capture then records the sparse kernels), or for values
+    that are not a layer's parameter: a cast made per call (autocast) can come back at the same
+    address and version with other contents, so a copy keyed by it would go stale."""
+    if not isinstance(values, torch.nn.Parameter):
+        return None  # a temporary (an autocast cast): its pointer and version do not follow the weight
     stamp, entry = (values.data_ptr(), values._version), _COPIES.get(key)
     if entry is not None and entry.stamp == stamp:
         return entry.weight

@@ -94,7 +94,7 @@ def test_dense_path_wanted_follows_the_table_the_switch_and_the_variable(user_ta
 
 
 def test_dense_copy_is_kept_while_the_weight_stays_and_dropped_once_it_trains():
-    key, values = torch.zeros(3), torch.randn(4, 4)
+    key, values = torch.zeros(3), torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
     builds = []
 
     def build():
@@ -111,6 +111,11 @@ def test_dense_copy_is_kept_while_the_weight_stays_and_dropped_once_it_trains():
         last = dense_path.copy_of(key, values, build)
     assert last is None and dense_path.copy_of(key, values, build) is None
     assert len(builds) == dense_path.TRAINED_AFTER
+
+
+def test_no_dense_copy_of_a_temporary():
+    """A per-call cast (autocast) can reuse its address and version with new contents."""
+    assert dense_path.copy_of(torch.zeros(3), torch.randn(4, 4), lambda: torch.zeros(4, 4)) is None
 
 
 def test_tune_without_a_gpu_says_so(capsys):
