@@ -235,7 +235,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if plan.dense:
         weight = _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features,
                                        plan.scatter_when_trained)
-        if weight is not None and (plan.dense_eager or torch.cuda.is_current_stream_capturing()):
+        if weight is not None and _dense_now(plan):
             return _dense_result(x, x2, weight, bias, out, epilogue)
     y, shaped = _output_for(x, x2, out, plan.width)
     maps, operands = _operands(plan.kern.spec, x2, values, block)
@@ -308,6 +308,11 @@ HOST_BOUND_FLOPS = 2 ** 34
 
 def dense_outside_graphs(m: int, k: int, n: int) -> bool:
     return 2 * m * k * n >= HOST_BOUND_FLOPS
+
+
+def _dense_now(plan) -> bool:
+    """Whether a plan with the dense path takes it on this call (a _BsrPlan or _Sp24Plan)."""
+    return plan.dense_eager or torch.cuda.is_current_stream_capturing()
 
 
 def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) -> bool:
@@ -664,7 +669,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
         plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
     if plan.dense:
         weight = dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
-        if weight is not None and (plan.dense_eager or torch.cuda.is_current_stream_capturing()):
+        if weight is not None and _dense_now(plan):
             return _dense_result(x, x2, weight, bias, out, epilogue)
     y, shaped = _output_for(x, x2, out, plan.width, sp24_output_dtype(x.dtype))
     x_maps, x_pointers = _sp24_x_operand(plan.kern.spec, x2)

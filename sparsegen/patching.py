@@ -42,7 +42,7 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     for name, layer in built.items():
         _replace(model, name, layer)
     for mlp in gated:
-        _replace(model, mlp.name, mlp.build(model, from_dense))
+        _replace(model, mlp.name, mlp.build(from_dense))
     if fuse:
         _fuse_activations(model, built)
     return [name for name, _, _ in plan]
@@ -55,7 +55,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 # (linear, activation) attribute pairs of blocks that apply the activation to the linear's
 # output and to nothing else: BERT-style intermediate layers, GPT-2's MLP.
-FUSED_ACTIVATIONS = (("dense", "intermediate_act_fn"), ("c_fc", "act"))
+FUSED_ACTIVATIONS = {"dense": "intermediate_act_fn", "c_fc": "act"}
 # Activation modules by class name (torch's and transformers' ACT2FN classes).
 _ACTIVATION_NAMES = {"ReLU": "relu", "SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",
                      "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
@@ -73,7 +73,7 @@ def _fuse_activations(model: nn.Module, built: dict) -> None:
     for name, layer in built.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        act_attr = dict(FUSED_ACTIVATIONS).get(child)
+        act_attr = FUSED_ACTIVATIONS.get(child)
         act = activation_of(getattr(parent, act_attr, None)) if act_attr else None
         if act and isinstance(layer, epilogues.Fusable) and layer.epilogue == "none":
             layer.fuse(act)
@@ -103,15 +103,15 @@ class _GatedPlan:
         prefix = f"{name}." if name else ""
         self.projections = (prefix + "gate_proj", prefix + "up_proj")
 
-    def build(self, model: nn.Module, from_dense: bool) -> GatedMLP:
+    def build(self, from_dense: bool) -> GatedMLP:
         gate, up = self.mlp.gate_proj, self.mlp.up_proj
         fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None, device="meta")
         fused.weight = nn.Parameter(epilogues.interleave_rows(gate.weight.detach(), up.weight.detach()))
         if gate.bias is not None:
             fused.bias = nn.Parameter(epilogues.interleave_rows(gate.bias.detach(), up.bias.detach()))
         layer = _build(fused, self.settings, from_dense, self.projections[0])
-        down = model.get_submodule(f"{self.name}.down_proj" if self.name else "down_proj")
-        return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), down)
+        # (down_proj as the mlp holds it now: replaced where a rule matched it)
+        return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj)
 
 
 def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
@@ -120,7 +120,7 @@ def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         gate, up = settings.get(prefix + "gate_proj"), settings.get(prefix + "up_proj")
-        if gate is None or gate != up or not _fusable_gate(module, gate):
+        if not name or gate is None or gate != up or not _fusable_gate(module, gate):  # (the root stays)
             continue
         found.append(_GatedPlan(name, module, gate))
     return found
@@ -199,6 +199,5 @@ def dense_copy(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     for name, module in list(twin.named_modules()):
         if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear)):  # (and GatedMLP's)
-            parent, _, child = name.rpartition(".")
-            setattr(twin.get_submodule(parent) if parent else twin, child, module.to_linear())
+            _replace(twin, name, module.to_linear())
     return twin

@@ -1,8 +1,11 @@
 """Shared test setup: every test gets its own kernel cache, and GPU tests skip without a GPU."""
+import json
+
 import pytest
 import torch
 
 import sparsegen.cache
+from sparsegen import crossovers, ops, runtime
 
 
 @pytest.fixture(autouse=True)
@@ -53,3 +56,24 @@ def weight_grad_draws():
             grads.append(layer.weight.grad.double())
         return torch.stack(grads)
     return draws
+
+
+@pytest.fixture
+def losing_table(tmp_path, monkeypatch):
+    """A crossover table for this GPU in which every sparse kernel loses (GPU tests)."""
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+    name = runtime.device_name(0)
+    path = crossovers.user_table_path(name)
+    path.parent.mkdir(parents=True)
+    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=0.5)]
+    points += [dict(layout="bsr", n=1024, k=1024, m=64, speedup=0.5, block=[b, b], density=0.5) for b in (32, 64)]
+    path.write_text(json.dumps(dict(gpu=name, points=points)))
+    crossovers.table.cache_clear()
+    yield
+    crossovers.table.cache_clear()
+
+
+@pytest.fixture
+def dense_everywhere(losing_table, monkeypatch):
+    """That table, and no call counted host-bound: eager calls take the dense path too."""
+    monkeypatch.setattr(ops, "HOST_BOUND_FLOPS", 0)

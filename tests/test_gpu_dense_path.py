@@ -1,36 +1,13 @@
 """The dense path on the GPU: where this GPU's table says a sparse kernel loses, a layer runs
 cuBLAS on a dense copy of its weight - right against float64, dropped once trained, and
 inside CUDA graphs (pytest -m gpu)."""
-import json
-
 import pytest
 import torch
 
 import sparsegen
-from sparsegen import crossovers, dense_path, ops, runtime
+from sparsegen import dense_path, ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-@pytest.fixture
-def losing_table(tmp_path, monkeypatch):
-    """A table for this GPU in which every sparse kernel loses."""
-    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
-    name = runtime.device_name(0)
-    path = crossovers.user_table_path(name)
-    path.parent.mkdir(parents=True)
-    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=0.5)]
-    points += [dict(layout="bsr", n=1024, k=1024, m=64, speedup=0.5, block=[b, b], density=0.5) for b in (32, 64)]
-    path.write_text(json.dumps(dict(gpu=name, points=points)))
-    crossovers.table.cache_clear()
-    yield
-    crossovers.table.cache_clear()
-
-
-@pytest.fixture
-def dense_everywhere(losing_table, monkeypatch):
-    """That table, and no call counted host-bound: eager calls take the dense path too."""
-    monkeypatch.setattr(ops, "HOST_BOUND_FLOPS", 0)
 
 
 LAYERS = {"2:4": lambda: sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16),

@@ -1,12 +1,10 @@
 """Fused epilogues on the GPU: every forward kernel family, each epilogue, against float64,
 outputs poisoned first; the layers through the dispatch, torch.compile and CUDA graphs."""
-import json
-
 import pytest
 import torch
 
 import sparsegen
-from sparsegen import crossovers, epilogues, ops, runtime
+from sparsegen import epilogues, ops
 from sparsegen.spec import TileConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -100,22 +98,6 @@ def test_fused_layer_through_the_default_dispatch(kind, epilogue):
             y = layer(x)
         assert y.shape == (*shape[:-1], layer.output_features)
         assert relative_error(y, want(x, layer.to_dense_weight(), layer.bias, epilogue)) < 1.5e-2
-
-
-@pytest.fixture
-def dense_everywhere(tmp_path, monkeypatch):
-    """A table for this GPU in which every sparse kernel loses: the dense path then runs."""
-    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
-    name = runtime.device_name(0)
-    path = crossovers.user_table_path(name)
-    path.parent.mkdir(parents=True)
-    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=0.5),
-              dict(layout="bsr", n=1024, k=1024, m=64, speedup=0.5, block=[64, 64], density=0.5)]
-    path.write_text(json.dumps(dict(gpu=name, points=points)))
-    crossovers.table.cache_clear()
-    monkeypatch.setattr(ops, "HOST_BOUND_FLOPS", 0)  # eager calls too
-    yield
-    crossovers.table.cache_clear()
 
 
 @pytest.mark.parametrize("kind", LAYERS)
