@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import epilogues, library, ops
+from . import epilogues, lean, library, ops, plans
 
 def register() -> None:
     """Register the lowerings (library.on_first_trace calls this once per process)."""
@@ -63,9 +63,17 @@ def _fits(out: torch.Tensor) -> bool:
     return out.is_contiguous() and out.data_ptr() % 16 == 0
 
 
+# The launchers' plans, per layout and call signature (the graph's checks ran when it was traced).
+_PLANS = plans.PlanCache()
+
+
 def _bsr_dds(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features, epilogue,
              *, out):
-    if x.is_cuda and ops.has_kernels(x.device.index or 0) and _fits(out):
+    plan = _PLANS.get(row_offsets, (x.shape, x.dtype, x.get_device(), epilogue), lambda: ops.bsr_lean_plan(
+        x, values, row_offsets, col_indices, (block_rows, block_cols), out_features, epilogue))
+    if plan is not None and lean.runs(plan, x) and _fits(out):
+        plan.run(x, values, bias, out)
+    elif x.is_cuda and ops.has_kernels(x.device.index or 0) and _fits(out):
         ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out,
                     epilogue=epilogue)
     else:
@@ -78,7 +86,11 @@ def _bsr_dds_no_bias(x, values, row_offsets, col_indices, flat_index, *ints, out
 
 
 def _sp24_dds(x, values, metadata, bias, out_features, epilogue, *, out):
-    if ops.runs_16bit_kernels(x) and _fits(out):
+    plan = _PLANS.get(metadata, (x.shape, x.dtype, x.get_device(), values.data_ptr(), epilogue),
+                      lambda: ops.sp24_lean_plan(x, values, metadata, out_features, epilogue))
+    if plan is not None and lean.runs(plan, x) and _fits(out):
+        plan.run(x, values, bias, out)
+    elif ops.runs_16bit_kernels(x) and _fits(out):
         ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
     else:
         out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))

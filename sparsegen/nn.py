@@ -6,15 +6,10 @@ import math
 import torch
 from torch import nn
 
-from . import epilogues, ops
+from . import epilogues, lean, ops
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
 from .errors import expect
 from .layouts import bsr
-
-
-# A private but long-standing torch call (torch.utils.checkpoint uses it); where it is
-# missing, the per-device test below decides on its own.
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:
@@ -32,7 +27,7 @@ def autocast_inputs(x: torch.Tensor, values: torch.Tensor, bias):
     """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
     dtype (float32 parameters get float32 gradients back through the cast)."""
     # One cheap global test first: this runs on every forward call.
-    if not _any_autocast():
+    if not lean.any_autocast():
         return x, values, bias
     on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
           and torch.is_autocast_enabled(x.device.type))
@@ -48,7 +43,7 @@ def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
                                         or (bias is not None and bias.requires_grad))
 
 
-class BlockSparseLinear(epilogues.Fusable, nn.Module):
+class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
     """y = x W^T + b with W [out, in] stored as block-CSR blocks of shape `block`.
 
     `layout` (a bool tensor [out/bm, in/bk]) fixes which blocks exist; otherwise a random
@@ -95,6 +90,7 @@ class BlockSparseLinear(epilogues.Fusable, nn.Module):
     def _register_index(self, mask: torch.Tensor, device) -> None:
         """row_offsets and col_indices are saved with the layout; the rest (W^T's index, block
         positions) is derived, so it is rebuilt on load instead of stored."""
+        self._forget_lean_calls()
         index = IndexTensors.of(mask, device)
         for name, tensor in vars(index).items():
             self.register_buffer(name, tensor, persistent=name in ("row_offsets", "col_indices"))
@@ -117,6 +113,10 @@ class BlockSparseLinear(epilogues.Fusable, nn.Module):
         return tuple(getattr(self, name) for name in INDEX_NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if lean.applies(x):
+            y = self._lean_forward(x)
+            if y is not None:
+                return y
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
@@ -125,6 +125,12 @@ class BlockSparseLinear(epilogues.Fusable, nn.Module):
         # Inference: the product alone, no autograd on the host path.
         return forward_product(x, values, bias, self.row_offsets, self.col_indices, self.flat_index, self.block,
                                self.out_features, self.epilogue)
+
+    def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
+        ops.check_inputs(x, values, bias, self.in_features)
+        plan = ops.bsr_lean_plan(x, values, self.row_offsets, self.col_indices, self.block, self.out_features,
+                                 self.epilogue)
+        return None if plan is None else lean.LeanCall(plan, x, values, bias, x.dtype)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import epilogues, ops
+from . import epilogues, lean, ops
 from .autograd24 import forward_product, sp24_linear
 from .errors import expect
 from .layouts import semi24
@@ -13,7 +13,7 @@ from .sparse24 import Sparse24Tensor, prune_and_compress
 from .train24 import Sparse24TrainingLinear
 
 
-class Sparse24Linear(epilogues.Fusable, nn.Module):
+class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
     """y = x W^T + b with W [out, in] 2:4 along rows: `values` [out, in/2] (the parameter)
     and `metadata` (a buffer in the layout mma.sp reads). fp16/bf16 run the generated
     mma.sp kernel on the GPU; float32 (or a CPU) runs the PyTorch reference.
@@ -35,6 +35,7 @@ class Sparse24Linear(epilogues.Fusable, nn.Module):
 
     def _adopt(self, weight: torch.Tensor, bias, method: str, mask) -> None:
         semi24.check_dtype(weight.dtype)
+        self._forget_lean_calls()
         values, metadata = prune_and_compress(weight, method, mask)
         self.values = nn.Parameter(values)
         self.register_buffer("metadata", metadata)
@@ -70,11 +71,20 @@ class Sparse24Linear(epilogues.Fusable, nn.Module):
         return semi24.decompress(self.values.detach(), self.metadata, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if lean.applies(x):
+            y = self._lean_forward(x)
+            if y is not None:
+                return y
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
             return epilogues.reference(sp24_linear(x, values, self.metadata, bias, self.out_features), self.epilogue)
         return forward_product(x, values, self.metadata, bias, self.out_features, self.epilogue)
+
+    def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
+        ops.check_inputs(x, values, bias, self.in_features)
+        plan = ops.sp24_lean_plan(x, values, self.metadata, self.out_features, self.epilogue)
+        return None if plan is None else lean.LeanCall(plan, x, values, bias, x.dtype)
 
     def to_linear(self) -> nn.Module:
         """A dense nn.Linear with this layer's (2:4) weight, followed by the epilogue where one

@@ -227,9 +227,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     if m == 0 or values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         return _product_without_weight(x, x2, bias, out, out_features, epilogue)
     if tile is None and instr is None:
-        plan = _PLANS.get(row_offsets, (m, x.dtype, tuple(block), out_features, perm is None, epilogue),
-                          lambda: _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features,
-                                            epilogue=epilogue))
+        plan = _kept_bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, epilogue)
     else:
         plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr, epilogue)
     if plan.dense:
@@ -238,23 +236,55 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
         if weight is not None and _dense_now(plan):
             return _dense_result(x, x2, weight, bias, out, epilogue)
     y, shaped = _output_for(x, x2, out, plan.width)
-    maps, operands = _operands(plan.kern.spec, x2, values, block)
-    pointers = (*operands, *plan.index, bias.data_ptr() if bias is not None else 0, y.data_ptr())
-    plan.kern.launch(plan.grid, maps, pointers, (m, k, out_features) + plan.tail)
+    plan.run(x2, values, bias, y)
     return shaped
+
+
+def bsr_lean_plan(x, values, row_offsets, col_indices, block, out_features: int, epilogue: str = "none"):
+    """The plan that repeated inference calls of x's signature run straight (plan.run, on
+    inputs that passed check_inputs; lean.py); None where every such call must take bsr_dds:
+    off the GPU, an empty product, the dense path outside graphs, a CUDA graph capture."""
+    if not (x.is_cuda and has_kernels(x.device.index or 0) and x.numel() and values.shape[0]):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    x2 = _rows_2d(x)
+    plan = _kept_bsr_plan(x2, values, row_offsets, col_indices, None, block, out_features, epilogue)
+    if plan.dense_eager:
+        return None
+    if plan.dense:  # the copy a CUDA graph capture takes, built now (bsr_dds builds it on every call)
+        _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features, False)
+    return plan
+
+
+def _kept_bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features: int, epilogue: str):
+    """The plan for these operands with default kernels, made once per layout and signature."""
+    return _PLANS.get(row_offsets, (x2.shape[0], x2.dtype, tuple(block), out_features, perm is None, epilogue),
+                      lambda: _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features,
+                                        epilogue=epilogue))
 
 
 @dataclasses.dataclass(frozen=True)
 class _BsrPlan:
     kern: runtime.Kernel
-    grid: tuple[int, int, int]
-    index: tuple[int, ...]          # the index pointers the kernel takes
-    tail: tuple[int, ...]           # the int arguments after (M, K, N)
-    keep: tuple[torch.Tensor, ...]  # what `index` points into
+    launch: runtime.PackedLaunch    # its parameters: X and W (pointers or TMA maps), index, bias, Y
+    keep: tuple[torch.Tensor, ...]  # what the index pointers point into
     width: int                      # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False             # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False       # and outside them (not host-bound: dense_outside_graphs)
     scatter_when_trained: bool = False  # and on a weight scattered per call once W is trained
+
+    def run(self, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
+        """Launch on these operands (of the plan's signature; Y contiguous, 16-byte aligned)."""
+        launch, pointers = self.launch, self.launch.pointers
+        with launch.lock:
+            if self.kern.spec.instr in TMA_INSTRS:
+                launch.bind_map(0, x2.data_ptr())
+                launch.bind_map(1, values.data_ptr())
+            else:
+                pointers[0], pointers[1] = x2.data_ptr(), values.data_ptr()
+            pointers[-2], pointers[-1] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
+            launch.run()
 
 
 _PLANS = plans.PlanCache()
@@ -279,10 +309,18 @@ def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, t
             dense = scatter or dense_path.wanted("bsr", device_index, out_features, k, m, tuple(block),
                                                  values.shape[0] / max(grid_blocks, 1))
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
-    return _BsrPlan(kern, _grid(kern, m, out_features), tuple(t.data_ptr() if t is not None else 0 for t in index),
-                    _tma_tail(kern.spec, values), tuple(t for t in index if t is not None),
+    return _BsrPlan(kern, _bsr_launch(kern, x2, values, block, out_features, index), tuple(t for t in index if t is not None),
                     epilogues.output_features(epilogue, out_features), dense,
                     dense and (scatter or dense_outside_graphs(m, k, out_features)), scatter)
+
+
+def _bsr_launch(kern, x2, values, block, out_features: int, index: tuple) -> runtime.PackedLaunch:
+    """The packed launch of a block-sparse product: X and W as TMA maps or the first two
+    pointers (bound per call), the index, then bias and Y (written per call)."""
+    (m, k), maps = x2.shape, _operand_maps(kern.spec, x2, values, block)
+    pointers = (0,) * (2 - len(maps)) + tuple(t.data_ptr() if t is not None else 0 for t in index) + (0, 0)
+    return runtime.PackedLaunch(kern, _grid(kern, m, out_features), maps, pointers,
+                                (m, k, out_features) + _tma_tail(kern.spec, values))
 
 
 # Small blocks at high density lose to cuBLAS on the same weight made dense: on an H100
@@ -462,19 +500,17 @@ def _grid(kern, m: int, n: int) -> tuple[int, int, int]:
     return (*tiles, 1)
 
 
-def _operands(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple[tuple, tuple]:
-    """X and W as the kernel reads them: TMA descriptors for the TMA kernels, else pointers."""
+def _operand_maps(spec, x2: torch.Tensor, values: torch.Tensor, block) -> tuple:
+    """The TMA descriptors' shapes (runtime.TensorMap's arguments after the address) of X and
+    W as a TMA kernel reads them; none for the others, which take pointers."""
     if spec.instr not in TMA_INSTRS:
-        return (), (x2.data_ptr(), values.data_ptr())
+        return ()
     sub_k = min(block[1], 64)  # one TMA box per block width, at most 128 bytes
-    x_map = runtime.tensor_map(x2.data_ptr(), x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
+    x_map = (x2.dtype, x2.shape[0], x2.shape[1], spec.tile.tile_m, sub_k)
     share = spec.tile.cluster  # in a cluster each block copies 1/cluster of a W box's rows
     if spec.trans == "nn":  # the stored blocks, [block[1] x block[0]] each, in 64 x 64 boxes
-        w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[1], block[0], 64 // share, 64)
-    else:
-        w_map = runtime.tensor_map(values.data_ptr(), values.dtype, values.shape[0] * block[0], block[1],
-                                   block[0] // share, sub_k)
-    return (x_map, w_map), ()
+        return x_map, (values.dtype, values.shape[0] * block[1], block[0], 64 // share, 64)
+    return x_map, (values.dtype, values.shape[0] * block[0], block[1], block[0] // share, sub_k)
 
 
 def _tma_tail(spec, values: torch.Tensor) -> tuple:
@@ -592,27 +628,24 @@ def _rows_bucket(m: int) -> int | None:
     return 32 if m <= 32 else 128 if m <= 128 else None
 
 
-def _sp24_weight_operands(spec, values: torch.Tensor, metadata: torch.Tensor) -> tuple[tuple, tuple, tuple]:
-    """(TMA descriptors, pointers, tensors they point into) of W's values and metadata as the
-    kernel reads them, the same call after call: per stage, 32 kept values and 2 k32 tiles
-    of metadata words per row (twice as many of each for one-byte dtypes)."""
+def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, out_features: int):
+    """(The packed launch of a 2:4 product, the tensors it points into). X is bound per call
+    (a TMA map or the first pointer); W's values and metadata are bound here, the same call
+    after call: per stage, 32 kept values and 2 k32 tiles of metadata words per row (twice as
+    many of each for one-byte dtypes). Then bias, Y and the split-K sums and counts."""
+    spec, (m, k), ints = kern.spec, x2.shape, (x2.shape[0], x2.shape[1], out_features, k_split)
     if spec.instr != "tma":
-        return (), (values.data_ptr(), metadata.data_ptr()), (values, metadata)
+        pointers = (0, values.data_ptr(), metadata.data_ptr(), 0, 0, 0, 0)
+        return runtime.PackedLaunch(kern, grid, (), pointers, ints), (values, metadata)
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
     (n, half_k), w_rows, per_byte = values.shape, spec.sp24_w_rows, 2 // values.element_size()
-    w_map = runtime.tensor_map(values.data_ptr(), values.dtype, n, half_k, w_rows, 32 * per_byte)
-    m_map = runtime.tensor_map(metadata.data_ptr(), torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False)
-    return (w_map, m_map), (), (values, metadata)
-
-
-def _sp24_x_operand(spec, x2: torch.Tensor) -> tuple[tuple, tuple]:
-    """(TMA descriptors, pointers) of X: per stage, 128 bytes of each row (64 of K, or 128 for
-    one-byte dtypes) of the block's share of the token tile."""
-    if spec.instr != "tma":
-        return (), (x2.data_ptr(),)
-    (m, k), per_byte = x2.shape, 2 // x2.element_size()
-    return (runtime.tensor_map(x2.data_ptr(), x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster,
-                               64 * per_byte),), ()
+    maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte),
+            (values.dtype, n, half_k, w_rows, 32 * per_byte),
+            (torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False))
+    launch = runtime.PackedLaunch(kern, grid, maps, (0, 0, 0, 0), ints)
+    launch.bind_map(1, values.data_ptr())
+    launch.bind_map(2, metadata.data_ptr())
+    return launch, (values, metadata)
 
 
 SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
@@ -663,36 +696,68 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
         splits = 1
     if tile is None and instr is None and _tma_ready(values) and _tma_ready(metadata):
-        plan = _PLANS.get(metadata, (m, k, x.dtype, out_features, splits, values.data_ptr(), epilogue),
-                          lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue))
+        plan = _kept_sp24_plan(x2, values, metadata, out_features, splits, epilogue)
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
         plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
     if plan.dense:
-        weight = dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
+        weight = _sp24_dense_weight(values, metadata, out_features, k)
         if weight is not None and _dense_now(plan):
             return _dense_result(x, x2, weight, bias, out, epilogue)
     y, shaped = _output_for(x, x2, out, plan.width, sp24_output_dtype(x.dtype))
-    x_maps, x_pointers = _sp24_x_operand(plan.kern.spec, x2)
-    sums = _split_sums(plan, x2.device)
-    counts = 0 if sums is None else sums.data_ptr() + 4 * m * out_features  # after the sums
-    pointers = (bias.data_ptr() if bias is not None else 0, y.data_ptr(), 0 if sums is None else sums.data_ptr(), counts)
-    plan.kern.launch(plan.grid, x_maps + plan.weight_maps, x_pointers + plan.weight_pointers + pointers,
-                     (m, k, out_features, plan.k_split))
+    plan.run(x2, values, bias, y)
     return shaped
+
+
+def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none"):
+    """As bsr_lean_plan, for 2:4 products (16-bit; W's values as the plan found them)."""
+    if not (runs_16bit_kernels(x) and x.numel() and out_features and _tma_ready(values) and _tma_ready(metadata)):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    x2 = _rows_2d(x)
+    plan = _kept_sp24_plan(x2, values, metadata, out_features, None, epilogue)
+    if plan.dense_eager:
+        return None
+    if plan.dense:  # the copy a CUDA graph capture takes, built now (sp24_dds builds it on every call)
+        _sp24_dense_weight(values, metadata, out_features, x2.shape[1])
+    return plan
+
+
+def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str):
+    """The plan for these operands with default kernels, made once per weight and signature."""
+    return _PLANS.get(metadata, (*x2.shape, x2.dtype, out_features, splits, values.data_ptr(), epilogue),
+                      lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue))
+
+
+def _sp24_dense_weight(values, metadata, out_features: int, k: int):
+    return dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Sp24Plan:
     kern: runtime.Kernel
-    grid: tuple[int, int, int]
-    k_split: int                      # dense K per split
+    launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, bias, Y, sums, counts
+    keep: tuple[torch.Tensor, ...]    # what W's pointers or maps point into
     workspace: int                    # float32 words of split-K sums and tile counts (0: no split)
-    weight_maps: tuple                # W's TMA descriptors (tma kernels)
-    weight_pointers: tuple[int, ...]  # or its pointers (mma kernels)
-    keep: tuple[torch.Tensor, ...]    # what they point into
+    counts_at: int                    # bytes from the sums (M x N float32) to the tile counts
     width: int                        # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False         # and outside them (not host-bound: dense_outside_graphs)
+
+    def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor) -> None:
+        """Launch on these operands (of the plan's signature, W as the plan bound it; Y
+        contiguous, 16-byte aligned)."""
+        sums = _split_sums(self, x2.device)
+        launch, pointers = self.launch, self.launch.pointers
+        with launch.lock:
+            if self.kern.spec.instr == "tma":
+                launch.bind_map(0, x2.data_ptr())
+            else:
+                pointers[0] = x2.data_ptr()
+            pointers[-4], pointers[-3] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
+            if sums is not None:  # the tile counts follow the sums
+                pointers[-2], pointers[-1] = sums.data_ptr(), sums.data_ptr() + self.counts_at
+            launch.run()
 
 
 def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,
@@ -705,8 +770,8 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
     workspace = m * out_features + _tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
     dense = (tile is None and instr is None and x2.dtype in _16BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
-    return _Sp24Plan(kern, grid, k_split, workspace, *_sp24_weight_operands(kern.spec, values, metadata),
-                     epilogues.output_features(epilogue, out_features), dense,
+    return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), workspace,
+                     4 * m * out_features, epilogues.output_features(epilogue, out_features), dense,
                      dense and dense_outside_graphs(m, k, out_features))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+import threading
 
 import torch
 
@@ -113,23 +114,26 @@ class Kernel:
 
     def launch(self, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple) -> None:
         """Parameters in kernel order: TMA descriptors, then pointers, then int32 scalars."""
+        self.launch_array(grid, _kernel_params(maps, pointers, ints).array)
+
+    def launch_array(self, grid: tuple[int, int, int], array) -> None:
+        """Launch with cuLaunchKernel's void*[] of parameter addresses, already packed."""
         if _current_device() != self.device_index:
             # The driver launches into the thread's current context: make it this device's.
             with torch.cuda.device(self.device_index):
-                return self.launch(grid, maps, pointers, ints)
-        params = _kernel_params(maps, pointers, ints)
-        status = self._launch_raw(grid, params)
+                return self.launch_array(grid, array)
+        status = self._launch_raw(grid, array)
         if status == _CUDA_ERROR_INVALID_CONTEXT:
             # A thread that has not touched CUDA through torch yet - autograd's backward
             # thread when a kernel is its first GPU work - has no current context.
             _ensure_context(self.device_index)
-            status = self._launch_raw(grid, params)
+            status = self._launch_raw(grid, array)
         if status:  # the message only when needed: formatting it costs more than the launch
             _call(f"cuLaunchKernel({self.spec.name})", status)
 
-    def _launch_raw(self, grid, params) -> int:
+    def _launch_raw(self, grid, array) -> int:
         return self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
-                               current_stream(self.device_index), params.array, None)
+                               current_stream(self.device_index), array, None)
 
 
 _CUDA_ERROR_INVALID_CONTEXT = 201
@@ -179,16 +183,56 @@ class TensorMap:
         self._storage = ctypes.create_string_buffer(128 + 64)  # the driver wants 64-byte alignment
         self.address = (ctypes.addressof(self._storage) + 63) & ~63
         u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint * 2
-        status = _libcuda().cuTensorMapEncodeTiled(
-            self.address, _TMA_DTYPES[dtype], 2, ptr, u64x2(cols, rows), u64x2(cols * size, 0),
-            u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE[box_cols * size] if swizzle else 0,
-            _L2_PROMOTE_256B, 0)
+        arguments = (self.address, _TMA_DTYPES[dtype], 2, ptr, u64x2(cols, rows), u64x2(cols * size, 0),
+                     u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE[box_cols * size] if swizzle else 0,
+                     _L2_PROMOTE_256B, 0)
+        status = _libcuda().cuTensorMapEncodeTiled(*arguments)
+        if status == _CUDA_ERROR_INVALID_CONTEXT:  # a thread whose first CUDA work this is (see Kernel.launch_array)
+            _ensure_context(_current_device())
+            status = _libcuda().cuTensorMapEncodeTiled(*arguments)
         _call(f"cuTensorMapEncodeTiled(rows {rows}, cols {cols}, box {box_rows}x{box_cols})", status)
 
 
 # A descriptor holds only an address and a shape, so it is safe to reuse whenever both
 # match - a training loop hands the same buffers back step after step.
 tensor_map = functools.lru_cache(maxsize=4096)(TensorMap)  # sized as _kernel_params
+
+
+class PackedLaunch:
+    """One kernel on one grid with its parameters packed once, in place: a repeated call
+    rewrites the few that change (its input's and output's addresses) and launches. That is
+    the whole host work of a planned call (plans.py), about half of packing them anew.
+
+    `maps`: per TMA operand, its descriptor's shape (TensorMap's arguments after the
+    address), bound per call by bind_map; `pointers` and `ints`: the other parameters'
+    first values. Callers hold `lock` from their first write to the launch: the driver
+    reads the block during cuLaunchKernel, which lets other threads run.
+    """
+
+    MAPS_KEPT = 8  # descriptors kept per TMA operand: the few buffers a caching allocator cycles
+
+    def __init__(self, kern: Kernel, grid: tuple[int, int, int], maps: tuple, pointers: tuple, ints: tuple):
+        self.kern, self.grid, self.lock = kern, grid, threading.Lock()
+        self._map_shapes, self._maps = maps, [{} for _ in maps]
+        self.pointers = (ctypes.c_uint64 * max(1, len(pointers)))(*pointers)
+        self._ints = (ctypes.c_int32 * max(1, len(ints)))(*ints)
+        base, ints_base = ctypes.addressof(self.pointers), ctypes.addressof(self._ints)
+        addresses = [0] * len(maps) + [base + 8 * i for i in range(len(pointers))]
+        self.array = (ctypes.c_void_p * (len(addresses) + len(ints)))(
+            *addresses, *[ints_base + 4 * i for i in range(len(ints))])
+
+    def bind_map(self, slot: int, address: int) -> None:
+        """TMA operand `slot` reads from `address` (a descriptor encoded once per address)."""
+        kept = self._maps[slot]
+        descriptor = kept.get(address)
+        if descriptor is None:
+            if len(kept) >= self.MAPS_KEPT:
+                kept.clear()  # (the array's entry is replaced below, before any launch)
+            descriptor = kept[address] = TensorMap(address, *self._map_shapes[slot])
+        self.array[slot] = descriptor.address
+
+    def run(self) -> None:
+        self.kern.launch_array(self.grid, self.array)
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,8 @@ for step in "${steps[@]}"; do
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     epi_tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu_epilogues.py tests/test_inductor.py --maxfail=8 2>&1 | tee "$OUT/epi_tests.log" | tail -15 ;;
     dense_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_dense_path.py -x 2>&1 | tee "$OUT/dense_tests.log" | tail -5 ;;
+    lean_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_lean.py 2>&1 | tee "$OUT/lean_tests.log" | tail -25 ;;
+    probe) python3 tools/probe_host.py 2>&1 | tee "$OUT/probe.log" ;;
     crossovers) python3 -m sparsegen tune 2>&1 | tee "$OUT/crossovers.log" | tail -12  # this GPU's table, used by later steps
          cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
