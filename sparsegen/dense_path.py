@@ -75,12 +75,11 @@ def _without_grad(build, *inputs):
         return build(*inputs)
 
 
-def linear_into(y: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias) -> None:
-    """Y = X W^T (+ bias) by cuBLAS, into y."""
+def linear_into(y: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """Y = X W^T (+ bias) by cuBLAS, into y (returned)."""
     if bias is None:
-        torch.mm(x2, weight.t(), out=y)
-    else:
-        torch.addmm(bias, x2, weight.t(), out=y)
+        return torch.mm(x2, weight.t(), out=y)
+    return torch.addmm(bias, x2, weight.t(), out=y)
 
 
 def held_bytes() -> int:

@@ -54,6 +54,19 @@ def reference(y: torch.Tensor, epilogue: str) -> torch.Tensor:
     return (act(gate) * up).movedim(0, -1).to(y.dtype)
 
 
+# The activations in place, as PyTorch computes them out of place (the same kernels).
+_IN_PLACE = {"relu": torch.relu_, "gelu": lambda y: torch.ops.aten.gelu_(y),
+             "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
+             "silu": lambda y: F.silu(y, inplace=True)}
+
+
+def apply_in_place(y: torch.Tensor, epilogue: str) -> torch.Tensor:
+    """y (a product of its own, no autograd) with a non-gated epilogue applied in place: one
+    pass over Y, where reference() writes a new tensor (and the dense path copied that)."""
+    expect(not is_gated(epilogue), "an epilogue that keeps the product's width", repr(epilogue))
+    return _IN_PLACE[epilogue](y) if epilogue != "none" else y
+
+
 def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """One weight (or bias) for a gated epilogue: gate's and up's rows in alternating groups
     of GATE_GROUP, [N, ...] each -> [2N, ...]."""

@@ -367,13 +367,15 @@ def _dense_result(x, x2, weight, bias, out, epilogue="none"):
     if torch.is_grad_enabled():
         with torch.no_grad():
             return _dense_result(x, x2, weight, bias, out, epilogue)
+    gated = epilogues.is_gated(epilogue)  # (a gated one reads a product twice Y's width)
     if out is None:
-        return epilogues.reference(F.linear(x, weight, bias), epilogue)
+        y = F.linear(x, weight, bias)
+        return epilogues.reference(y, epilogue) if gated else epilogues.apply_in_place(y, epilogue)
     y, shaped = _output_for(x, x2, out, epilogues.output_features(epilogue, weight.shape[0]))
-    if epilogue == "none":
-        dense_path.linear_into(y, x2, weight, bias)
-    else:
+    if gated:
         y.copy_(epilogues.reference(F.linear(x2, weight, bias), epilogue))
+    else:
+        epilogues.apply_in_place(dense_path.linear_into(y, x2, weight, bias), epilogue)
     return shaped
 
 

@@ -36,6 +36,16 @@ def test_reference_matches_the_written_out_formula(epilogue):
     torch.testing.assert_close(epilogues.reference(z, epilogue), formula(z, epilogue))
 
 
+@pytest.mark.parametrize("epilogue", [e for e in epilogues.EPILOGUES if not epilogues.is_gated(e)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_epilogue_is_the_reference_bit_for_bit(epilogue, dtype):
+    y = torch.randn(33, 40, dtype=dtype) * 4
+    expected = epilogues.reference(y.clone(), epilogue)
+    assert torch.equal(epilogues.apply_in_place(y, epilogue), expected) and torch.equal(y, expected)
+    with pytest.raises(InputError, match="Expected an epilogue that keeps"):
+        epilogues.apply_in_place(y, "swiglu")
+
+
 def test_gated_reference_rounds_once_in_the_input_dtype():
     z = torch.randn(4, 32, dtype=torch.bfloat16)
     expected = formula(z.double(), "swiglu").to(torch.bfloat16)

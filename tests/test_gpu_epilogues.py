@@ -100,19 +100,20 @@ def test_fused_layer_through_the_default_dispatch(kind, epilogue):
         assert relative_error(y, want(x, layer.to_dense_weight(), layer.bias, epilogue)) < 1.5e-2
 
 
+@pytest.mark.parametrize("epilogue", ["swiglu", "gelu_tanh"])  # a gated one; one applied in place
 @pytest.mark.parametrize("kind", LAYERS)
-def test_dense_path_applies_the_epilogue_too(dense_everywhere, kind):
-    layer = LAYERS[kind]("swiglu")
+def test_dense_path_applies_the_epilogue_too(dense_everywhere, kind, epilogue):
+    layer = LAYERS[kind](epilogue)
     x = torch.randn(37, 320, device="cuda", dtype=torch.bfloat16)
     out = poisoned(37, layer.output_features, torch.bfloat16)
     with torch.no_grad():
         y = layer(x)
         if kind == "2:4":
-            ops.sp24_dds(x, layer.values, layer.metadata, layer.bias, layer.out_features, out=out, epilogue="swiglu")
+            ops.sp24_dds(x, layer.values, layer.metadata, layer.bias, layer.out_features, out=out, epilogue=epilogue)
         else:
             ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
-                        layer.out_features, out=out, epilogue="swiglu")
-    reference = want(x, layer.to_dense_weight(), layer.bias, "swiglu")
+                        layer.out_features, out=out, epilogue=epilogue)
+    reference = want(x, layer.to_dense_weight(), layer.bias, epilogue)
     assert relative_error(y, reference) < 1.5e-2 and relative_error(out, reference) < 1.5e-2
 
 
