@@ -67,6 +67,19 @@ def apply_in_place(y: torch.Tensor, epilogue: str) -> torch.Tensor:
     return _IN_PLACE[epilogue](y) if epilogue != "none" else y
 
 
+def gated_into(y: torch.Tensor, product: torch.Tensor, epilogue: str) -> torch.Tensor:
+    """y [M, N] = act(gate) * up of a gated epilogue's product [M, 2N] (its columns in
+    interleave_rows' groups), in two passes: the activation in place on the gate columns,
+    then the product into y. Each rounds to the dtype, as an unfused PyTorch MLP does (the
+    kernels and reference() round once): a difference of an ulp."""
+    expect(is_gated(epilogue), "a gated epilogue", repr(epilogue))
+    m, wide = product.shape
+    groups = product.view(m, wide // (2 * GATE_GROUP), 2, GATE_GROUP)
+    gate, up = groups[:, :, 0], groups[:, :, 1]
+    _IN_PLACE[activation(epilogue)](gate)
+    return torch.mul(gate, up, out=y.view(m, wide // (2 * GATE_GROUP), GATE_GROUP))
+
+
 def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """One weight (or bias) for a gated epilogue: gate's and up's rows in alternating groups
     of GATE_GROUP, [N, ...] each -> [2N, ...]."""

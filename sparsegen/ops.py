@@ -361,19 +361,15 @@ def _dense_pays(block, stored_blocks: int, m: int, k: int, out_features: int) ->
 
 
 def _dense_result(x, x2, weight, bias, out, epilogue="none"):
-    """Y = X W^T (+ bias) by cuBLAS on a dense weight, then the epilogue: as F.linear returns
-    it (the cheapest call, as nn.Linear's), or written into `out`. Like the kernels, it
-    records no autograd (the layers' autograd Functions differentiate the ops)."""
+    """Y = X W^T (+ bias) by cuBLAS on a dense weight, then the epilogue, into `out` or a new
+    tensor. Like the kernels, it records no autograd (the layers' autograd Functions
+    differentiate the ops)."""
     if torch.is_grad_enabled():
         with torch.no_grad():
             return _dense_result(x, x2, weight, bias, out, epilogue)
-    gated = epilogues.is_gated(epilogue)  # (a gated one reads a product twice Y's width)
-    if out is None:
-        y = F.linear(x, weight, bias)
-        return epilogues.reference(y, epilogue) if gated else epilogues.apply_in_place(y, epilogue)
     y, shaped = _output_for(x, x2, out, epilogues.output_features(epilogue, weight.shape[0]))
-    if gated:
-        y.copy_(epilogues.reference(F.linear(x2, weight, bias), epilogue))
+    if epilogues.is_gated(epilogue):  # the product is twice Y's width
+        epilogues.gated_into(y, F.linear(x2, weight, bias), epilogue)
     else:
         epilogues.apply_in_place(dense_path.linear_into(y, x2, weight, bias), epilogue)
     return shaped

@@ -46,6 +46,19 @@ def test_in_place_epilogue_is_the_reference_bit_for_bit(epilogue, dtype):
         epilogues.apply_in_place(y, "swiglu")
 
 
+@pytest.mark.parametrize("epilogue", [e for e in epilogues.EPILOGUES if epilogues.is_gated(e)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_gated_into_is_the_reference_within_a_rounding(epilogue, dtype):
+    product = torch.randn(9, 4 * epilogues.GATE_GROUP, dtype=dtype) * 3
+    expected = epilogues.reference(product.clone(), epilogue)
+    y = torch.full((9, 2 * epilogues.GATE_GROUP), float("nan"), dtype=dtype)
+    epilogues.gated_into(y, product, epilogue)
+    ulp = 0 if dtype == torch.float64 else 2 ** -7
+    assert torch.allclose(y, expected, rtol=2 * ulp, atol=1e-12 if ulp == 0 else 1e-2)
+    with pytest.raises(InputError, match="Expected a gated epilogue"):
+        epilogues.gated_into(y, product, "silu")
+
+
 def test_gated_reference_rounds_once_in_the_input_dtype():
     z = torch.randn(4, 32, dtype=torch.bfloat16)
     expected = formula(z.double(), "swiglu").to(torch.bfloat16)
