@@ -294,11 +294,12 @@ def warmed_up(case: Case, step: Callable) -> tuple[Callable, torch.Tensor]:
     """(step, the output of its first call) after the warm-up calls that compile and record."""
     reset = getattr(step, "reset", lambda: None)
     with torch.set_grad_enabled(case.training):
-        for call in range(3):
+        first = None
+        for _ in range(3):
             reset()
             torch.compiler.cudagraph_mark_step_begin()  # as timed_ms: each call a new step
             out = step()
-            first = out.float().clone() if call == 0 else first
+            first = out.float().clone() if first is None else first
     return step, first
 
 
