@@ -41,8 +41,8 @@ class LeanCall:
 
     __slots__ = ("plan", "shape", "dtype", "device", "values_at", "bias_at", "version")
 
-    def __init__(self, plan, x: torch.Tensor, values: torch.Tensor, bias, dtype: torch.dtype):
-        self.plan, self.dtype, self.device = plan, dtype, x.device
+    def __init__(self, plan, x: torch.Tensor, values: torch.Tensor, bias):
+        self.plan, self.dtype, self.device = plan, x.dtype, x.device  # (16-bit products: Y in x's dtype)
         self.shape = (*x.shape[:-1], plan.width)
         self.values_at, self.bias_at = values.data_ptr(), 0 if bias is None else bias.data_ptr()
         # A plan with the dense path (inside CUDA graphs) has its weight's dense copy built
@@ -58,10 +58,15 @@ class LeanLayer:
     layer defines `_lean_call(x, values, bias)`: a LeanCall after checking the inputs (errors
     raise there), or None where its calls of this signature always take the full path.
 
-    One function, written flat: on the slow hosts each Python call and each module attribute
-    (nn.Module.__getattr__) costs about a microsecond."""
+    One function, written flat, reading the parameters from `_parameters`: on a 2-core dev
+    machine a module attribute (nn.Module.__getattr__) costs 0.44 us, and this path (Y's
+    allocation, 0.9 us, included) 2.1 us, against 3.4 us with the weights read as attributes
+    and the checks in helpers."""
 
-    def _lean_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _lean_forward(self, x) -> torch.Tensor | None:
+        """Y for x on the lean path, or None: the caller takes its full path."""
+        if not applies(x):
+            return None
         parameters = self._parameters
         values, bias = parameters["values"], parameters.get("bias")
         if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad

@@ -113,10 +113,9 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         return tuple(getattr(self, name) for name in INDEX_NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if lean.applies(x):
-            y = self._lean_forward(x)
-            if y is not None:
-                return y
+        y = self._lean_forward(x)
+        if y is not None:
+            return y
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
@@ -130,7 +129,7 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         ops.check_inputs(x, values, bias, self.in_features)
         plan = ops.bsr_lean_plan(x, values, self.row_offsets, self.col_indices, self.block, self.out_features,
                                  self.epilogue)
-        return None if plan is None else lean.LeanCall(plan, x, values, bias, x.dtype)
+        return None if plan is None else lean.LeanCall(plan, x, values, bias)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,

@@ -71,10 +71,9 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         return semi24.decompress(self.values.detach(), self.metadata, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if lean.applies(x):
-            y = self._lean_forward(x)
-            if y is not None:
-                return y
+        y = self._lean_forward(x)
+        if y is not None:
+            return y
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         ops.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
@@ -84,7 +83,7 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
         ops.check_inputs(x, values, bias, self.in_features)
         plan = ops.sp24_lean_plan(x, values, self.metadata, self.out_features, self.epilogue)
-        return None if plan is None else lean.LeanCall(plan, x, values, bias, x.dtype)
+        return None if plan is None else lean.LeanCall(plan, x, values, bias)
 
     def to_linear(self) -> nn.Module:
         """A dense nn.Linear with this layer's (2:4) weight, followed by the epilogue where one

@@ -278,11 +278,8 @@ class _BsrPlan:
         """Launch on these operands (of the plan's signature; Y contiguous, 16-byte aligned)."""
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
-            if self.kern.spec.instr in TMA_INSTRS:
-                launch.bind_map(0, x2.data_ptr())
-                launch.bind_map(1, values.data_ptr())
-            else:
-                pointers[0], pointers[1] = x2.data_ptr(), values.data_ptr()
+            launch.bind(0, x2.data_ptr())
+            launch.bind(1, values.data_ptr())
             pointers[-2], pointers[-1] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
             launch.run()
 
@@ -745,13 +742,10 @@ class _Sp24Plan:
     def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor) -> None:
         """Launch on these operands (of the plan's signature, W as the plan bound it; Y
         contiguous, 16-byte aligned)."""
-        sums = _split_sums(self, x2.device)
+        sums = _split_sums(self, x2.device) if self.workspace else None
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
-            if self.kern.spec.instr == "tma":
-                launch.bind_map(0, x2.data_ptr())
-            else:
-                pointers[0] = x2.data_ptr()
+            launch.bind(0, x2.data_ptr())
             pointers[-4], pointers[-3] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
             if sums is not None:  # the tile counts follow the sums
                 pointers[-2], pointers[-1] = sums.data_ptr(), sums.data_ptr() + self.counts_at

@@ -200,8 +200,8 @@ tensor_map = functools.lru_cache(maxsize=4096)(TensorMap)  # sized as _kernel_pa
 
 class PackedLaunch:
     """One kernel on one grid with its parameters packed once, in place: a repeated call
-    rewrites the few that change (its input's and output's addresses) and launches. That is
-    the whole host work of a planned call (plans.py), about half of packing them anew.
+    rewrites the few that change (its input's and output's addresses) and launches: the
+    whole host work of a planned call (plans.py).
 
     `maps`: per TMA operand, its descriptor's shape (TensorMap's arguments after the
     address), bound per call by bind_map; `pointers` and `ints`: the other parameters'
@@ -220,6 +220,14 @@ class PackedLaunch:
         addresses = [0] * len(maps) + [base + 8 * i for i in range(len(pointers))]
         self.array = (ctypes.c_void_p * (len(addresses) + len(ints)))(
             *addresses, *[ints_base + 4 * i for i in range(len(ints))])
+
+    def bind(self, index: int, address: int) -> None:
+        """Parameter `index` (in kernel order) reads from `address`: a TMA operand through a
+        descriptor of that address, any other as the pointer itself."""
+        if index < len(self._maps):
+            self.bind_map(index, address)
+        else:
+            self.pointers[index - len(self._maps)] = address
 
     def bind_map(self, slot: int, address: int) -> None:
         """TMA operand `slot` reads from `address` (a descriptor encoded once per address)."""

@@ -30,7 +30,7 @@ def planned_layer(monkeypatch):
     def lean_call(x, values, bias):
         ops.check_inputs(x, values, bias, layer.in_features)  # as the layers' own _lean_call
         made.append(DensePlan(layer))
-        return lean.LeanCall(made[-1], x, values, bias, x.dtype)
+        return lean.LeanCall(made[-1], x, values, bias)
 
     monkeypatch.setattr(layer, "_lean_call", lean_call)
     return layer, made

@@ -44,3 +44,20 @@ def test_compiled_inference_graph_calls_the_op_directly():
         torch.testing.assert_close(got, layer(x))
     targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert "sparsegen.bsr_dds.default" in targets, targets
+
+
+def test_packed_launch_binds_parameters_in_kernel_order():
+    """Parameter i is the i-th TMA map, or past the maps a pointer; the void*[] the driver
+    reads points at each value (maps are bound on a GPU, test_gpu_lean.py)."""
+    import ctypes
+
+    from sparsegen.runtime import PackedLaunch
+
+    launch = PackedLaunch(kern=None, grid=(1, 1, 1), maps=((torch.bfloat16, 8, 8, 8, 8),), pointers=(0, 0, 7),
+                          ints=(3, 4))
+    launch.bind(1, 0xABC0)
+    launch.bind(2, 0xDEF0)
+    assert list(launch.pointers) == [0xABC0, 0xDEF0, 7]
+    read = [ctypes.c_uint64.from_address(launch.array[i]).value for i in (1, 2, 3)]
+    assert read == [0xABC0, 0xDEF0, 7]
+    assert [ctypes.c_int32.from_address(launch.array[i]).value for i in (4, 5)] == [3, 4]
