@@ -1,4 +1,5 @@
-"""Two-level CUBIN cache: a dict in this process, diskcache on disk.
+"""CUBIN cache: a dict in this process, then read-only kernel bundles (bundle.py), then the
+user's cache on disk (diskstore.py: raw files, trust-checked), then NVRTC.
 
 The key hashes the rendered source, the headers, NVRTC's version, the options and the
 arch, so an edited template or a new compiler invalidates old entries by itself.
@@ -6,18 +7,16 @@ Entries carry a checksum: a damaged one is recompiled with a warning, never load
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import warnings
 from dataclasses import dataclass
 
-from . import codegen, compiler, env
+from . import bundle, codegen, compiler, env
+from .diskstore import ALIASES, KERNELS, KEY_RE, DiskStore
 from .spec import KernelSpec
 
 _MAGIC = b"SGCUBIN1"
-_ALIAS = "alias:"  # disk entries mapping a spec's alias_key to the rendered source's key
 _memory: dict[str, tuple[str, bytes]] = {}
 
 
@@ -26,7 +25,7 @@ class Built:
     spec: KernelSpec
     key: str
     cubin: bytes
-    compiled: bool  # False when it came from a cache
+    compiled: bool  # False when it came from a cache or a bundle
 
 
 def _digest(*parts: str) -> str:
@@ -41,72 +40,65 @@ def cache_key(source: str, headers: dict[str, str], target: str) -> str:
     return _digest(source, *headers.values(), compiler.nvrtc_version(), *compiler.options(target))
 
 
-def _disk():
-    import diskcache
-
-    folder = env.cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    return diskcache.Cache(str(folder / "cubins"))
+def _store() -> DiskStore:
+    return DiskStore(env.cache_dir())
 
 
 def _seal(cubin: bytes) -> bytes:
     return _MAGIC + hashlib.sha256(cubin).digest() + cubin
 
 
-def _unseal(blob) -> bytes | None:
+def _unseal(blob: bytes) -> bytes | None:
     """The CUBIN inside a disk entry, or None if the entry is damaged."""
-    if not isinstance(blob, bytes) or not blob.startswith(_MAGIC) or len(blob) < 40 + 8:
+    if not blob.startswith(_MAGIC) or len(blob) < 40 + 8:
         return None
     digest, cubin = blob[8:40], blob[40:]
     return cubin if hashlib.sha256(cubin).digest() == digest else None
 
 
-def _read_disk(disk, key: str, name: str) -> bytes | None:
-    blob = disk.get(key)
+def _read_kernel(store: DiskStore, key: str, name: str) -> bytes | None:
+    blob = store.read(KERNELS, key)
     if blob is None:
         return None
     cubin = _unseal(blob)
     if cubin is None:
-        warnings.warn(f"sparsegen: cache entry for {name} is damaged; recompiling it.",
-                      RuntimeWarning, stacklevel=3)
-        disk.delete(key)
+        warnings.warn(f"sparsegen: cache entry for {name} is damaged; recompiling it.", RuntimeWarning, stacklevel=4)
+        store.delete(KERNELS, key)
     return cubin
 
 
-@contextlib.contextmanager
-def _build_lock(key: str):
-    """One process builds a given kernel at a time; the others wait, then find it cached."""
-    folder = env.cache_dir() / "locks"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"{key[:32]}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _read_alias(store: DiskStore, alias: str) -> str | None:
+    """The source key an alias record names; a record that is not one is damaged (ignored)."""
+    raw = store.read(ALIASES, alias)
+    key = raw.decode("ascii", "replace") if raw is not None else None
+    return key if key is not None and KEY_RE.fullmatch(key) else None
 
 
 def alias_key(spec: KernelSpec) -> str:
     """Everything the rendered source and the CUBIN follow from, without rendering or loading
     NVRTC (together ~100 ms in a new process): the spec, the template files, and the
     installed versions of jinja2 and the compiler packages."""
-    return _digest(repr(dataclasses.astuple(spec)), *codegen.template_texts(), *compiler.identity(),
+    return _digest(repr(dataclasses.astuple(spec)), *codegen.generator_texts(), *compiler.identity(),
                    *compiler.options(spec.target))
 
 
 def build(spec: KernelSpec) -> Built:
-    """The CUBIN for spec: from memory, else disk, else NVRTC (then stored in both)."""
+    """The CUBIN for spec: from memory, else a kernel bundle, else disk, else NVRTC (then
+    stored on disk and in memory)."""
     alias = alias_key(spec)
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
         return _remember(alias, _compile(spec, *_source(spec)))
-    with _disk() as disk:
-        key = disk.get(_ALIAS + alias)
-        cubin = _read_disk(disk, key, spec.name) if key else None
-        built = Built(spec, key, cubin, False) if cubin is not None else _build_on_disk(disk, spec)
-        if built.key != key:  # a write on every hit would cost a new process milliseconds
-            disk.set(_ALIAS + alias, built.key)
+    bundled = bundle.lookup(spec.name)
+    if bundled is not None:
+        return _remember(alias, Built(spec, "bundle:" + hashlib.sha256(bundled).hexdigest(), bundled, False))
+    store = _store()
+    key = _read_alias(store, alias)
+    cubin = _read_kernel(store, key, spec.name) if key else None
+    built = Built(spec, key, cubin, False) if cubin is not None else _build_on_disk(store, spec)
+    if built.key != key:  # a write on every hit would cost a new process milliseconds
+        store.write(ALIASES, alias, built.key.encode())
     return _remember(alias, built)
 
 
@@ -119,19 +111,19 @@ def _compile(spec: KernelSpec, source: str, headers: dict[str, str], key: str) -
     return Built(spec, key, compiler.compile_cubin(source, spec.name, spec.target, headers), True)
 
 
-def _build_on_disk(disk, spec: KernelSpec) -> Built:
+def _build_on_disk(store: DiskStore, spec: KernelSpec) -> Built:
     """Look the rendered source's key up; compile under a lock only if it is missing."""
     source, headers, key = _source(spec)
-    cubin = _read_disk(disk, key, spec.name)
+    cubin = _read_kernel(store, key, spec.name)
     if cubin is not None:
         return Built(spec, key, cubin, compiled=False)
-    with _build_lock(key):
+    with store.build_lock(key):
         # Another process may have built it while we waited for the lock.
-        cubin = _read_disk(disk, key, spec.name)
+        cubin = _read_kernel(store, key, spec.name)
         if cubin is not None:
             return Built(spec, key, cubin, compiled=False)
         built = _compile(spec, source, headers, key)
-        disk.set(key, _seal(built.cubin))
+        store.write(KERNELS, key, _seal(built.cubin))
     return built
 
 
@@ -146,16 +138,13 @@ def clear_memory() -> None:
 
 def info() -> dict:
     """entries: compiled kernels on disk (the alias records that point at them not counted)."""
-    folder = env.cache_dir()
-    with _disk() as disk:
-        kernels = sum(1 for key in disk.iterkeys() if not str(key).startswith(_ALIAS))
-        return {"directory": str(folder), "entries": kernels, "bytes": disk.volume()}
+    store = _store()
+    return {"directory": str(store.root), "entries": len(store.keys(KERNELS)), "bytes": store.volume(KERNELS)}
 
 
 def clear() -> int:
     """Empty the disk and memory caches; returns how many disk entries were removed."""
     clear_memory()
     count = info()["entries"]
-    with _disk() as disk:
-        disk.clear()
+    _store().clear()
     return count

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import __version__, cache, codegen, env
+from . import __version__, bundle, cache, codegen, env
 from . import spec as specs
 from .errors import SparsegenError, SpecError, expect
 
@@ -69,6 +69,9 @@ def _add_precompile(commands) -> None:
     sub = commands.add_parser("precompile", parents=[_selection_options()],
                               help="compile the default kernels into the disk cache")
     sub.add_argument("--jobs", "-j", type=int, default=1, help="parallel compiles (default 1)")
+    sub.add_argument("--bundle", type=Path, metavar="DIR",
+                     help="also write the kernels into DIR (new or empty) as a read-only bundle that "
+                          "SPARSEGEN_KERNEL_BUNDLE=DIR loads on machines without NVRTC")
     sub.set_defaults(run=cmd_precompile)
 
 
@@ -138,28 +141,35 @@ def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
 
 def cmd_precompile(args) -> int:
     expect(args.jobs >= 1, "--jobs at least 1", args.jobs, SpecError)
+    if args.bundle is not None:  # before minutes of compiling, not after
+        expect(bundle.is_free(args.bundle), "--bundle naming a new or empty directory", str(args.bundle), SpecError)
     arch, todo = selected_specs(args)
     start = time.perf_counter()
-    compiled = sum(_build_all(todo, args.jobs, f"precompile sm_{arch}"))
+    builds = _build_all(todo, args.jobs, f"precompile sm_{arch}")
+    compiled = sum(b.compiled for b in builds)
     print(f"precompile sm_{arch}: {len(todo)} kernels, {compiled} compiled, "
           f"{len(todo) - compiled} cached, {time.perf_counter() - start:.1f} s")
+    if args.bundle is not None:
+        manifest = bundle.write(args.bundle, {b.spec.name: b.cubin for b in builds})
+        print(f"bundle: {len(builds)} kernels in {args.bundle} (manifest {manifest.name}); "
+              f"load it with SPARSEGEN_KERNEL_BUNDLE={args.bundle}")
     return 0
 
 
-def _build_all(todo: list, jobs: int, label: str) -> list[bool]:
-    """Build every spec under a progress bar; one `compiled` flag per spec."""
-    flags = []
+def _build_all(todo: list, jobs: int, label: str) -> list[cache.Built]:
+    """Build every spec under a progress bar."""
+    builds = []
     with tqdm(total=len(todo), desc=label, unit="kernel", file=sys.stderr) as bar:
-        for compiled in _builds(todo, jobs):
-            flags.append(compiled)
+        for built in _builds(todo, jobs):
+            builds.append(built)
             bar.update()
-    return flags
+    return builds
 
 
 def _builds(todo: list, jobs: int):
-    """Yield `compiled` flags as builds finish, here or in a pool (the cache locks per key)."""
+    """Yield builds as they finish, here or in a pool (the cache locks per key)."""
     if jobs == 1 or len(todo) <= 1:
-        yield from (cache.build(spec).compiled for spec in todo)
+        yield from map(cache.build, todo)
         return
     with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=_pool_context()) as pool:
         futures = [pool.submit(_build_in_worker, spec) for spec in todo]
@@ -180,9 +190,9 @@ def _pool_context():
     return context
 
 
-def _build_in_worker(spec: specs.KernelSpec) -> bool:
+def _build_in_worker(spec: specs.KernelSpec) -> cache.Built:
     try:
-        return cache.build(spec).compiled
+        return cache.build(spec)
     except SparsegenError as error:
         # CompileError's __init__ takes three arguments, so it cannot be unpickled in the
         # parent; its message (with NVRTC's log) is what the user needs.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from . import env, epilogues
+from . import epilogues
 from .layouts.semi24 import ROW_PAIRS, TRANSPOSABLE_PATTERNS
 from .spec import BYTE_DTYPES, KernelSpec
 
@@ -37,17 +37,15 @@ def templates_dir() -> Path:
     raise FileNotFoundError(f"sparsegen templates not found next to {here}")
 
 
-@functools.lru_cache(maxsize=4)
-def _environment(bytecode_dir: str):
+@functools.lru_cache(maxsize=1)
+def _environment():
     import jinja2  # late: a process whose kernels are all cached never needs it
 
     # StrictUndefined: a template that names a variable we did not pass is an error,
-    # never an empty string in generated code. The bytecode cache spares a new process
-    # the template compile (~30 ms), most of the time it takes to find a cached kernel.
-    Path(bytecode_dir).mkdir(parents=True, exist_ok=True)
+    # never an empty string in generated code. No bytecode cache: jinja's is marshal'd code
+    # it would run from a file, and a cached kernel's lookup (cache.alias_key) renders nothing.
     return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              bytecode_cache=jinja2.FileSystemBytecodeCache(bytecode_dir))
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 
 
 def template_context(spec: KernelSpec) -> dict:
@@ -62,7 +60,7 @@ def template_context(spec: KernelSpec) -> dict:
 
 
 def environment():
-    return _environment(str(env.cache_dir() / "jinja"))
+    return _environment()
 
 
 def render(spec: KernelSpec) -> str:
@@ -73,6 +71,17 @@ def template_texts() -> list[str]:
     """Every template and header, in a fixed order: what a rendered kernel can depend on."""
     folder = templates_dir()
     return [p.read_text() for p in sorted(folder.glob("*.j2")) + sorted(folder.glob("*.cuh"))]
+
+
+# The Python that shapes a rendered kernel besides its spec: the templates' context.
+_RENDERING_MODULES = ("codegen.py", "epilogues.py", "layouts/semi24.py")
+
+
+def generator_texts() -> list[str]:
+    """template_texts() and the code that renders them: what a kernel's source follows from,
+    besides its spec (cache aliases and bundle manifests hash it)."""
+    here = Path(__file__).resolve().parent
+    return template_texts() + [(here / module).read_text() for module in _RENDERING_MODULES]
 
 
 def headers() -> dict[str, str]:

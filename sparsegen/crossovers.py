@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import env
+from . import env, trust
 
 PACKAGED = Path(__file__).parent / "crossover_tables"
 LOSES_BELOW = 1.0  # the sparse kernel's speedup under which the dense path runs
@@ -48,16 +48,19 @@ def user_table_path(gpu_name: str) -> Path:
 def table(gpu_name: str) -> tuple[Point, ...]:
     """The measured points for this GPU: the user's `sparsegen tune` table, else the packaged
     one, else none (every call then takes the sparse kernels)."""
-    for path in (user_table_path(gpu_name), PACKAGED / file_name(gpu_name)):
-        if path.is_file():
-            return load(path)
-    return ()
+    user = user_table_path(gpu_name)
+    if user.is_file():
+        return load(user, trusted=False)
+    packaged = PACKAGED / file_name(gpu_name)
+    return load(packaged) if packaged.is_file() else ()
 
 
-def load(path: Path) -> tuple[Point, ...]:
-    """A table file's points; a damaged file counts as none, with one warning."""
+def load(path: Path, trusted: bool = True) -> tuple[Point, ...]:
+    """A table file's points; a damaged file counts as none, with one warning. One in the
+    cache directory (trusted=False) is read only if trust.py trusts it (else an error)."""
     try:
-        return tuple(_point(p) for p in json.loads(path.read_text())["points"])
+        raw = path.read_bytes() if trusted else trust.read_file(path)
+        return tuple(_point(p) for p in json.loads(raw)["points"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "
                       "to measure a new one", RuntimeWarning, stacklevel=3)

@@ -1,35 +1,66 @@
-"""Every SPARSEGEN_* environment variable, read in one place."""
+"""Every SPARSEGEN_* environment variable, read in one place. A switch takes 1/0 (also
+true/false, yes/no, on/off); anything else is a ConfigError, not a guess."""
 import os
 from pathlib import Path
 
+from .errors import ConfigError, expect
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _switch(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    expect(value in _TRUE + _FALSE, f"{name} of 1 or 0 (true/false, yes/no, on/off)", repr(raw), ConfigError)
+    return value in _TRUE
+
+
+def _path(name: str) -> Path | None:
+    raw = os.environ.get(name, "")
+    return Path(raw).expanduser() if raw.strip() else None
+
+
+def team_cache_dir() -> Path | None:
+    """SPARSEGEN_TEAM_CACHE_DIR: an opt-in cache shared by a group (trust.py)."""
+    return _path("SPARSEGEN_TEAM_CACHE_DIR")
+
 
 def cache_dir() -> Path:
-    """On-disk kernel cache: SPARSEGEN_CACHE_DIR, else the user's cache dir."""
-    override = os.environ.get("SPARSEGEN_CACHE_DIR")
+    """On-disk kernel cache: the opt-in team cache SPARSEGEN_TEAM_CACHE_DIR (trust.py), else
+    SPARSEGEN_CACHE_DIR, else the user's cache dir."""
+    override = team_cache_dir() or _path("SPARSEGEN_CACHE_DIR")
     if override:
-        return Path(override).expanduser()
+        return override
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "sparsegen"
 
 
 def dump_dir() -> Path:
     """Where generated sources of failed compiles are written (SPARSEGEN_DUMP_DIR)."""
-    override = os.environ.get("SPARSEGEN_DUMP_DIR")
-    return Path(override) if override else cache_dir() / "failed"
+    return _path("SPARSEGEN_DUMP_DIR") or cache_dir() / "failed"
 
 
 def disable_disk_cache() -> bool:
     """SPARSEGEN_NO_DISK_CACHE=1 compiles every kernel fresh (template development)."""
-    return os.environ.get("SPARSEGEN_NO_DISK_CACHE", "") not in ("", "0")
+    return _switch("SPARSEGEN_NO_DISK_CACHE", False)
 
 
 def compress_kernel() -> bool:
     """2:4 pruning and packing of CUDA 16-bit and one-byte weights runs on the generated sp24_compress
     and sp24_mask kernels; SPARSEGEN_COMPRESS_KERNEL=0 falls back to PyTorch ops."""
-    return os.environ.get("SPARSEGEN_COMPRESS_KERNEL", "1") not in ("", "0")
+    return _switch("SPARSEGEN_COMPRESS_KERNEL", True)
 
 
 def dense_fallback() -> bool:
     """Layers take cuBLAS on a dense copy of their weight where the GPU's crossover table
     says their sparse kernel would lose; SPARSEGEN_DENSE_FALLBACK=0 keeps every call sparse."""
-    return os.environ.get("SPARSEGEN_DENSE_FALLBACK", "1") not in ("", "0")
+    return _switch("SPARSEGEN_DENSE_FALLBACK", True)
+
+
+def kernel_bundles() -> list[Path]:
+    """Read-only bundles of precompiled kernels, searched in order before the user cache:
+    SPARSEGEN_KERNEL_BUNDLE=DIR[:DIR...] (os.pathsep between them)."""
+    named = os.environ.get("SPARSEGEN_KERNEL_BUNDLE", "")
+    return [Path(part).expanduser() for part in named.split(os.pathsep) if part.strip()]

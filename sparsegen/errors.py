@@ -13,6 +13,10 @@ class InputError(SparsegenError, ValueError):
     """A tensor handed to an op has the wrong dtype, device, shape or layout."""
 
 
+class ConfigError(SparsegenError, ValueError):
+    """A SPARSEGEN_* environment variable holds a value sparsegen does not accept."""
+
+
 class CompileError(SparsegenError, RuntimeError):
     """NVRTC rejected a generated kernel; carries the log and the dumped source."""
 

@@ -60,6 +60,17 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         layer._adopt(linear.weight.detach(), linear.bias, method, mask)
         return layer
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """Metadata from a file is checked before it is copied: a nibble mma.sp cannot read
+        never reaches a kernel, and the layer is never left half-loaded."""
+        metadata = state_dict.get(prefix + "metadata")
+        if metadata is not None:
+            semi24.check_metadata(metadata, (self.out_features, self.in_features))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._forget_lean_calls()
+
     @property
     def mask(self) -> torch.Tensor:
         return self.sparse_weight().mask

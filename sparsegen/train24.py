@@ -127,6 +127,16 @@ class Sparse24TrainingLinear(nn.Module):
         layer.refresh_mask()
         return layer
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A saved mask is checked to be 2:4 before it is copied (the products compress at it
+        without looking again)."""
+        mask = state_dict.get(prefix + "mask")
+        if mask is not None:
+            semi24.check_mask(mask, (self.out_features, self.in_features))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     @torch.no_grad()
     def refresh_mask(self) -> None:
         """A new mask from |weight| (and, for S-STE, the scale that keeps the norm)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import crossovers, dense_path, runtime
+from . import crossovers, dense_path, runtime, trust
 from .nn import BlockSparseLinear
 from .nn24 import Sparse24Linear
 
@@ -88,7 +88,10 @@ def run(shapes=SHAPES, tokens=TOKENS, layouts=LAYOUTS, out: Path | None = None, 
                 points.append(measure(layout, n, k, m, block, density))
                 log(json.dumps(crossovers.as_json(points[-1])))
     path = out or crossovers.user_table_path(name)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if out is None:
+        trust.make_dirs(path.parent)  # 0700, like every folder of the cache
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(table_text(name, [crossovers.as_json(p) for p in points]))
     crossovers.table.cache_clear()
     return path

@@ -4,7 +4,9 @@ import json
 import pytest
 import torch
 
+import sparsegen.bundle
 import sparsegen.cache
+import sparsegen.diskstore
 from sparsegen import crossovers, ops, runtime
 
 
@@ -16,6 +18,8 @@ def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("SPARSEGEN_DUMP_DIR", raising=False)
     monkeypatch.delenv("SPARSEGEN_NO_DISK_CACHE", raising=False)
     sparsegen.cache.clear_memory()
+    sparsegen.diskstore._warned.clear()  # each test sees its own once-per-process warnings
+    sparsegen.bundle._load.cache_clear()
     yield folder
     sparsegen.cache.clear_memory()
 

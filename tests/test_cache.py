@@ -2,13 +2,13 @@
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
-import diskcache
 import pytest
 
 import sparsegen
@@ -90,7 +90,7 @@ def test_disk_hit_then_memory_hit(nvrtc_calls, monkeypatch):
     from_disk = cache.build(SPEC)
     assert not from_disk.compiled and from_disk.cubin == first.cubin
     assert nvrtc_calls == [SPEC.name]
-    forbid(monkeypatch, cache, "_disk")  # a memory hit touches neither disk nor NVRTC
+    forbid(monkeypatch, cache, "_store")  # a memory hit touches neither disk nor NVRTC
     from_memory = cache.build(SPEC)
     assert not from_memory.compiled and from_memory.cubin == first.cubin
 
@@ -117,12 +117,19 @@ DAMAGE = {
     "empty": lambda blob: b"",
     "truncated": lambda blob: blob[: len(blob) // 2],
     "bit flip": lambda blob: blob[:-100] + bytes([blob[-100] ^ 1]) + blob[-99:],
-    "not bytes": lambda blob: "a str where bytes belong",
+    "a pickle": lambda blob: pickle.dumps(Explosive()),
 }
 
 
-def disk_cache():
-    return diskcache.Cache(str(env.cache_dir() / "cubins"))
+class Explosive:
+    """Unpickling this runs code: what a planted diskcache entry did before the file store."""
+
+    def __reduce__(self):
+        return (os.system, ('touch "$SPARSEGEN_CACHE_DIR/pwned"',))
+
+
+def entry_file(kind: str, key: str) -> Path:
+    return env.cache_dir() / kind / key
 
 
 def assert_recompiled_with_warning(spec, original: bytes, nvrtc_calls):
@@ -136,25 +143,41 @@ def assert_recompiled_with_warning(spec, original: bytes, nvrtc_calls):
         warnings.simplefilter("error")  # the repaired entry loads quietly
         again = cache.build(spec)
     assert not again.compiled and again.cubin == original
+    assert not (env.cache_dir() / "pwned").exists()
 
 
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_damaged_entry_is_recompiled_with_warning(damage, nvrtc_calls):
     built = cache.build(SPEC)
-    with disk_cache() as disk:
-        disk.set(built.key, damage(disk.get(built.key)))
+    path = entry_file("kernels", built.key)
+    path.write_bytes(damage(path.read_bytes()))
     assert_recompiled_with_warning(SPEC, built.cubin, nvrtc_calls)
 
 
-def test_truncated_file_on_disk_is_recompiled_with_warning(nvrtc_calls):
-    with diskcache.Cache(str(env.cache_dir() / "cubins"), disk_min_file_size=1):
-        pass  # a stored setting: from now on every value lives in a file of its own
+@pytest.mark.parametrize("record", [pickle.dumps(Explosive()), b"", b"../../etc/passwd", b"\xff" * 64],
+                         ids=["a pickle", "empty", "a path", "not ascii"])
+def test_an_alias_record_that_is_not_a_key_is_ignored(record, nvrtc_calls):
+    """An alias names a source key (64 hex digits) and is read as text, never unpickled: a
+    planted record is a miss, and the kernel is found by its rendered source instead."""
     built = cache.build(SPEC)
-    files = list((env.cache_dir() / "cubins").rglob("*.val"))
-    assert len(files) == 2  # the CUBIN, and the alias record naming its key
-    cubin_file = max(files, key=lambda f: f.stat().st_size)
-    cubin_file.write_bytes(cubin_file.read_bytes()[:1000])
-    assert_recompiled_with_warning(SPEC, built.cubin, nvrtc_calls)
+    (alias_file,) = (env.cache_dir() / "aliases").iterdir()
+    alias_file.write_bytes(record)
+    cache.clear_memory()
+    again = cache.build(SPEC)
+    assert not again.compiled and again.cubin == built.cubin and nvrtc_calls == [SPEC.name]
+    assert alias_file.read_bytes() == built.key.encode()  # the record is repaired
+    assert not (env.cache_dir() / "pwned").exists()
+
+
+def test_a_planted_diskcache_database_of_earlier_versions_is_never_read(nvrtc_calls):
+    """Earlier versions kept entries in diskcache (cubins/cache.db), which unpickles what it
+    reads; this version never opens that folder, whatever it holds."""
+    legacy = env.cache_dir() / "cubins"
+    legacy.mkdir(parents=True)
+    (legacy / "cache.db").write_bytes(b"SQLite format 3\0" + pickle.dumps(Explosive()))
+    assert cache.build(SPEC).compiled and nvrtc_calls == [SPEC.name]
+    assert cache.clear() == 1 and not legacy.exists()
+    assert not (env.cache_dir() / "pwned").exists()
 
 
 @pytest.fixture

@@ -89,6 +89,26 @@ def check_mask(mask: torch.Tensor, shape) -> torch.Tensor:
     return mask
 
 
+def check_metadata(metadata, shape) -> torch.Tensor:
+    """Metadata from outside (a state_dict): int32 words of the weight's tiles whose every
+    nibble is a selection mma.sp can read, two increasing positions of 0..3 (a nibble such
+    as 0xF, the same position twice, is not). The InputError names the first bad group."""
+    n, k = shape
+    want = (n // ROW_GRANULE, k // COL_GRANULE, 16)
+    expect(isinstance(metadata, torch.Tensor) and metadata.dtype == torch.int32, "int32 2:4 metadata",
+           getattr(metadata, "dtype", type(metadata).__name__))
+    expect(tuple(metadata.shape) == want, f"metadata of shape {want} for a [{n}, {k}] weight", tuple(metadata.shape))
+    positions = stored_positions(metadata, n, k)
+    bad = (positions[..., 0] >= positions[..., 1]).nonzero()
+    if bad.numel():
+        row, group = (int(v) for v in bad[0])
+        first, second = (int(v) for v in positions[row, group])
+        expect(False, "metadata selecting two increasing positions 0..3 in every group of 4 columns",
+               f"positions ({first}, {second}) (nibble {first | second << 2:#x}) in the group at row {row}, "
+               f"columns {4 * group}..{4 * group + 3}")
+    return metadata
+
+
 def _ranks(keys: torch.Tensor) -> torch.Tensor:
     """Per group of 4 (last dim), each element's rank by descending key, ties to the lower
     index: twelve elementwise comparisons, no sort (sorting 4-element rows is slow on GPUs)."""

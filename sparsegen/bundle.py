@@ -1,0 +1,128 @@
+"""Read-only bundles of precompiled kernels, to ship to machines that cannot compile.
+
+`sparsegen precompile --arch sm_90 --bundle DIR` writes DIR/NAME.cubin for every kernel and
+DIR/manifest.json: each CUBIN's sha256, the NVRTC version that built them, and a digest of
+the templates and rendering code (codegen.generator_texts). SPARSEGEN_KERNEL_BUNDLE=DIR
+makes cache.build look there first; a machine with no NVRTC and no writable home then
+runs every kernel the bundle holds.
+
+What is trusted: the manifest, read with json (never run), in a folder only its owner (the
+user or root) can write; every CUBIN is checked against the manifest's hash before use. A
+bundle built from other templates is skipped with a warning (its kernels would be stale).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import codegen, compiler, env, trust
+from .diskstore import warn_once
+from .errors import SparsegenError, expect
+
+MANIFEST = "manifest.json"
+FORMAT = "sparsegen-kernel-bundle/1"
+_NAME_RE = re.compile(r"[a-z0-9_]{1,200}")  # KernelSpec.name's characters: a plain file name
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    folder: Path
+    nvrtc: str
+    generator: str               # sha256 of codegen.generator_texts() when it was built
+    kernels: dict[str, str]      # kernel name -> sha256 of NAME.cubin
+
+
+def generator_digest() -> str:
+    h = hashlib.sha256()
+    for text in codegen.generator_texts():
+        h.update(hashlib.sha256(text.encode()).digest())
+    return h.hexdigest()
+
+
+def lookup(name: str) -> bytes | None:
+    """The CUBIN of kernel `name` from the first bundle that holds it, hash checked."""
+    for folder in env.kernel_bundles():
+        manifest = load(folder)
+        if manifest is not None and name in manifest.kernels:
+            cubin = _read_checked(manifest, name)
+            if cubin is not None:
+                return cubin
+    return None
+
+
+def load(folder: Path) -> Manifest | None:
+    """The bundle's manifest if it is trusted, whole and current; None (one warning) otherwise."""
+    return _load(str(Path(folder).resolve()), generator_digest())
+
+
+@functools.lru_cache(maxsize=16)
+def _load(folder: str, current_generator: str) -> Manifest | None:
+    path = Path(folder) / MANIFEST
+    try:
+        trust.check_path(Path(folder))
+        manifest = parse(Path(folder), trust.read_file(path))
+    except (OSError, ValueError) as error:
+        warn_once(("bundle", folder), f"ignoring the kernel bundle {folder} ({error})")
+        return None
+    if manifest.generator != current_generator:
+        warn_once(("bundle", folder), f"ignoring the kernel bundle {folder}: it was built from other "
+                                      "templates than this sparsegen's; precompile it again")
+        return None
+    return manifest
+
+
+def parse(folder: Path, raw: bytes) -> Manifest:
+    """The manifest's fields, each checked (ValueError naming what is off)."""
+    data = json.loads(raw)
+    expect(isinstance(data, dict) and data.get("format") == FORMAT, f"a manifest of format {FORMAT}",
+           repr(data.get("format") if isinstance(data, dict) else type(data).__name__), ValueError)
+    kernels = data.get("kernels")
+    expect(isinstance(kernels, dict), "'kernels' mapping names to sha256 hashes", type(kernels).__name__, ValueError)
+    for name, digest in kernels.items():
+        expect(_NAME_RE.fullmatch(name) is not None and isinstance(digest, str) and _HASH_RE.fullmatch(digest),
+               "kernel names of [a-z0-9_] and 64-digit sha256 hashes", f"{name!r}: {digest!r}", ValueError)
+    nvrtc, generator = data.get("nvrtc"), data.get("generator")
+    expect(isinstance(nvrtc, str) and isinstance(generator, str) and _HASH_RE.fullmatch(generator),
+           "'nvrtc' and a sha256 'generator'", f"{nvrtc!r}, {generator!r}", ValueError)
+    return Manifest(folder, nvrtc, generator, dict(kernels))
+
+
+def _read_checked(manifest: Manifest, name: str) -> bytes | None:
+    path = manifest.folder / f"{name}.cubin"
+    try:
+        cubin = path.read_bytes()
+    except OSError as error:
+        warn_once(("bundle entry", str(path)), f"cannot read {path} ({error}); looking further")
+        return None
+    if hashlib.sha256(cubin).hexdigest() != manifest.kernels[name]:
+        warn_once(("bundle entry", str(path)), f"{path} does not match its manifest's sha256; ignoring it")
+        return None
+    return cubin
+
+
+def is_free(folder: Path) -> bool:
+    """Whether a bundle may be written there: a new or empty directory."""
+    folder = Path(folder)
+    return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
+
+
+def write(folder: Path, cubins: dict[str, bytes]) -> Path:
+    """Write a read-only bundle of `cubins` (kernel name -> CUBIN) into a new or empty folder."""
+    folder = Path(folder)
+    expect(is_free(folder), "a new or empty directory for the bundle", str(folder), SparsegenError)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, cubin in cubins.items():
+        (folder / f"{name}.cubin").write_bytes(cubin)
+    manifest = dict(format=FORMAT, nvrtc=compiler.nvrtc_version(), generator=generator_digest(),
+                    kernels={name: hashlib.sha256(c).hexdigest() for name, c in sorted(cubins.items())})
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    for path in folder.iterdir():
+        os.chmod(path, 0o444)
+    os.chmod(folder, 0o555)
+    return folder / MANIFEST

@@ -1,0 +1,150 @@
+"""The kernel cache on disk: one file per entry, read as raw bytes, written atomically.
+
+Files, not a database: an entry is `<root>/<kind>/<key>`, and reading one is `os.read`, so
+nothing read can run (diskcache unpickles whatever an entry says it holds). A write goes
+to a private temporary file in the same folder and is renamed over the entry, so readers
+see the old entry or the new one, never half of one, and two processes writing the same
+key both leave a whole file. Every folder and file passes trust.check before it is read.
+
+Faults never stop a build: a folder that cannot be written (read-only, full, deleted
+under us) costs one warning per process and the kernel stays in memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from . import trust
+
+KERNELS, ALIASES, LOCKS = "kernels", "aliases", "locks"
+LEGACY = ("cubins", "jinja")  # diskcache's folder and jinja's bytecode of earlier versions: never read
+KEY_RE = re.compile(r"[0-9a-f]{64}")
+LOCK_WAIT_S = 120.0  # a build lock held longer than this (a hung process) is ignored
+_warned: set[tuple] = set()
+
+
+def warn_once(what: tuple, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(f"sparsegen: {message}", RuntimeWarning, stacklevel=4)
+
+
+class DiskStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def read(self, kind: str, key: str) -> bytes | None:
+        """The entry's bytes; None when missing or unreadable. Raises UntrustedPathError for
+        a folder or file someone else could have written."""
+        folder = self.root / kind
+        try:
+            trust.check_path(self.root)
+            return trust.read_file(folder / key, follow_links=False)
+        except FileNotFoundError:
+            return None
+        except OSError as error:  # unreadable, or a symbolic link where an entry belongs
+            warn_once(("read", str(folder)), f"cannot read the kernel cache entry {folder / key} ({error}); "
+                                             "recompiling it")
+            return None
+
+    def write(self, kind: str, key: str, data: bytes) -> bool:
+        """Store the entry atomically; False (with one warning per process) where the disk
+        refuses: the kernel then lives in this process's memory only."""
+        folder = self.root / kind
+        try:
+            trust.make_dirs(folder)
+            trust.check_path(self.root)
+            _replace_atomically(folder, key, data)
+            return True
+        except OSError as error:
+            warn_once(("write", str(self.root)), f"cannot write the kernel cache at {self.root} ({error}); "
+                                                 "kernels compiled now stay in memory for this process")
+            return False
+
+    def delete(self, kind: str, key: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.root / kind / key)
+
+    def keys(self, kind: str) -> list[str]:
+        folder = self.root / kind
+        if not folder.is_dir():
+            return []
+        trust.check_path(folder)
+        return [p.name for p in folder.iterdir() if KEY_RE.fullmatch(p.name)]
+
+    def volume(self, kind: str) -> int:
+        return sum(_size(self.root / kind / key) for key in self.keys(kind))
+
+    def clear(self) -> None:
+        """Remove every entry and lock, and the folders of earlier versions; keep the rest
+        (crossover tables)."""
+        for name in (KERNELS, ALIASES, LOCKS, *LEGACY):
+            shutil.rmtree(self.root / name, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def build_lock(self, key: str):
+        """One process builds a given kernel at a time; the others wait, then find it cached.
+        flock dies with its process, so a killed builder leaves no stale lock; a hung one is
+        waited for LOCK_WAIT_S at most. Where no lock file can be made, build unlocked."""
+        handle = self._open_lock(key)
+        if handle is None:
+            yield
+            return
+        with handle:
+            locked = _flock_within(handle, LOCK_WAIT_S)
+            if not locked:
+                warn_once(("lock", key), f"a build lock in {self.root / LOCKS} was held over {LOCK_WAIT_S:.0f} s; "
+                                         "building without it")
+            try:
+                yield
+            finally:
+                if locked:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _open_lock(self, key: str):
+        folder = self.root / LOCKS
+        try:
+            trust.make_dirs(folder)
+            fd = os.open(folder / f"{key[:32]}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None  # read-only or full: the write that follows warns
+        return os.fdopen(fd, "rb+")
+
+
+def _flock_within(handle, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+
+def _replace_atomically(folder: Path, name: str, data: bytes) -> None:
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")  # 0600, never followed
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(temporary, trust.file_mode(folder))
+        os.replace(temporary, folder / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
