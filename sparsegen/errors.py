@@ -38,3 +38,23 @@ def expect(condition: bool, expected: str, got: object, error=InputError) -> Non
     """Raise `error("Expected <expected>. Got <got>.")` unless condition holds."""
     if not condition:
         raise error(f"Expected {expected}. Got {got}.")
+
+
+def integer(value, what: str, error=InputError) -> int:
+    """value as an int: an int or anything with __index__ (numpy, 0-d int tensors), not a bool."""
+    expect(not isinstance(value, bool) and hasattr(type(value), "__index__"), f"{what} as an int", repr(value), error)
+    return value.__index__()
+
+
+def positive_int(value, what: str, error=InputError) -> int:
+    number = integer(value, what, error)
+    expect(number >= 1, f"{what} as a positive int", repr(value), error)
+    return number
+
+
+def fraction(value, what: str, error=InputError, zero: bool = True) -> float:
+    """value as a float in [0, 1], or (0, 1] without zero (an int or a float, not a bool or NaN)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    low = 0.0 <= float(value) if zero and ok else ok and 0.0 < float(value)
+    expect(ok and low and float(value) <= 1.0, f"{what} in {'[' if zero else '('}0, 1]", repr(value), error)
+    return float(value)

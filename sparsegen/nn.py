@@ -6,9 +6,9 @@ import math
 import torch
 from torch import nn
 
-from . import epilogues, lean, ops
+from . import checkpoint, epilogues, lean, ops
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
-from .errors import expect
+from .errors import expect, fraction, positive_int
 from .layouts import bsr
 
 
@@ -54,11 +54,11 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
     def __init__(self, in_features: int, out_features: int, block=(32, 32), density: float = 0.5,
                  bias: bool = True, device=None, dtype=None, layout: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        expect(len(tuple(block)) == 2, "block as (rows, cols)", block)
-        self.block = tuple(int(b) for b in block)
+        self.in_features = positive_int(in_features, "in_features")
+        self.out_features = positive_int(out_features, "out_features")
+        self.block = bsr.check_block(block)
         grid = bsr.grid_shape(self.out_features, self.in_features, self.block)
-        mask = bsr.random_mask(grid, density) if layout is None else bsr.check_mask(layout, grid)
+        mask = bsr.random_mask(grid, fraction(density, "density")) if layout is None else bsr.check_mask(layout, grid)
         factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("layout", mask.to(device))
         self._register_index(mask, device)
@@ -98,14 +98,19 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         """A saved layout is adopted with its values; one with another number of blocks is
-        refused before anything is copied, so the layer is never left half-loaded."""
+        refused before anything is copied, so the layer is never left half-loaded. The saved
+        row_offsets / col_indices are never used: the index is rebuilt from the layout."""
         layout = state_dict.get(prefix + "layout")
-        if layout is not None and int(layout.sum()) != self.values.shape[0]:
-            error_msgs.append(f"{prefix}layout: Expected a layout with this layer's {self.values.shape[0]} "
-                              f"blocks. Got {int(layout.sum())}; build the layer with "
-                              f"layout=state_dict['{prefix}layout'] to load it.")
-            return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+        if isinstance(layout, torch.Tensor) and layout.dtype == torch.bool and layout.shape == self.layout.shape:
+            expect(int(layout.sum()) == self.values.shape[0], f"state_dict['{prefix}layout'] with this layer's "
+                   f"{self.values.shape[0]} blocks (build the layer with layout=state_dict['{prefix}layout'] "
+                   "to load another)", int(layout.sum()))
+        checkpoint.check_entries(self, state_dict, prefix, skip=("row_offsets", "col_indices"))
+        state = dict(state_dict)
+        for name in ("row_offsets", "col_indices"):  # what the file says is replaced by what the layout says
+            if prefix + name in state:
+                state[prefix + name] = getattr(self, name)
+        super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._register_index(self.layout, self.layout.device)  # the loaded layout's index
 
@@ -137,8 +142,9 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         """Keep the blocks of `linear.weight` with the largest norm (or those in `layout`)."""
         expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
         weight = linear.weight.detach()
-        bsr.grid_shape(linear.out_features, linear.in_features, tuple(block))  # clear error first
-        mask = layout if layout is not None else bsr.top_norm_mask(weight, tuple(block), density)
+        block = bsr.check_block(block)
+        bsr.grid_shape(linear.out_features, linear.in_features, block)  # clear error first
+        mask = layout if layout is not None else bsr.top_norm_mask(weight, block, fraction(density, "density", zero=False))
         layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, layout=mask)
         with torch.no_grad():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import epilogues, lean, ops
+from . import checkpoint, epilogues, lean, ops
 from .autograd24 import forward_product, sp24_linear
 from .errors import expect
 from .layouts import semi24
@@ -26,8 +26,8 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  method: str = "magnitude"):
         super().__init__()
+        semi24.check_shape((out_features, in_features))
         self.in_features, self.out_features = int(in_features), int(out_features)
-        semi24.check_shape((self.out_features, self.in_features))
         if dtype is not None:
             semi24.check_dtype(dtype)
         dense = nn.Linear(self.in_features, self.out_features, bias=bias, device=device, dtype=dtype)
@@ -67,6 +67,7 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         metadata = state_dict.get(prefix + "metadata")
         if metadata is not None:
             semi24.check_metadata(metadata, (self.out_features, self.in_features))
+        checkpoint.check_entries(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._forget_lean_calls()

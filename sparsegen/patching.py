@@ -138,7 +138,7 @@ def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
 
 
 def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
-    compiled = [(pattern, re.compile(pattern), _checked(pattern, settings)) for pattern, settings in rules.items()]
+    compiled = [(pattern, _regex(pattern), _checked(pattern, settings)) for pattern, settings in rules.items()]
     linears = [(name, module) for name, module in model.named_modules() if _dense_weight(module) is not None]
     plan, used = [], set()
     for name, module in linears:
@@ -154,9 +154,23 @@ def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
     return plan
 
 
+def _regex(pattern) -> re.Pattern:
+    expect(isinstance(pattern, str), "rule patterns as strings (regular expressions)", repr(pattern))
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise InputError(f"Expected rule patterns that are regular expressions. Got {pattern!r} ({error}).") from None
+
+
+_TRAINING_OPTIONS = ("mask_interval", "method", "dw_sparse", "soft_threshold")
+
+
 def _checked(pattern: str, settings) -> dict:
     expect(isinstance(settings, dict) and set(settings) <= set(_SETTINGS),
            f"settings for {pattern!r} as a dict with keys from {_SETTINGS}", settings)
+    training = settings.get("training", {})
+    expect(isinstance(training, dict) and set(training) <= set(_TRAINING_OPTIONS),
+           f"'training' settings for {pattern!r} as a dict with keys from {_TRAINING_OPTIONS}", training)
     return dict(settings)
 
 
@@ -174,7 +188,7 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None,
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias
-    block = tuple(settings.get("block", (32, 32)))
+    block = settings.get("block", (32, 32))
     try:
         if settings.get("sparsity", "block") == "2:4":  # 2:4 always prunes the given weights
             if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products

@@ -502,8 +502,8 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
                  for many in (False, True)]
     backward += [s for d in wide for b in blocks if (s := input_grad_spec(b[::-1], d, arch))]
     backward += [_clustered(s) for s in backward if has_call_variants(s)]
-    # the forward's dense path for small blocks at high density (ops.DENSE_FROM_DENSITY)
-    forward += [scatter_spec(b, d, arch) for d in wide for b in blocks if min(b) <= 32]
+    # the forward's dense path (ops._dense_forward_weight: crossover table, high density), any block
+    forward += [scatter_spec(b, d, arch) for d in wide for b in blocks]
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     # the epilogues sparsegen.patch fuses into BERT, GPT-2 and Llama blocks, on 16-bit products

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
-from .errors import expect
+from . import checkpoint, ops
+from .errors import expect, positive_int
 from .layouts import semi24
 from .nn import autocast_inputs, dense_linear
 from .sparse24 import compress_masked, prune_and_compress, prune_mask
@@ -105,7 +105,7 @@ class Sparse24TrainingLinear(nn.Module):
         super().__init__()
         semi24.check_shape((out_features, in_features))
         expect(method in MASK_METHODS, f"method in {MASK_METHODS}", repr(method))
-        expect(int(mask_interval) >= 1, "mask_interval >= 1", mask_interval)
+        mask_interval = positive_int(mask_interval, "mask_interval")
         dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.weight, self.bias = dense.weight, dense.bias
@@ -134,6 +134,7 @@ class Sparse24TrainingLinear(nn.Module):
         mask = state_dict.get(prefix + "mask")
         if mask is not None:
             semi24.check_mask(mask, (self.out_features, self.in_features))
+        checkpoint.check_entries(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

@@ -17,7 +17,7 @@ import sparsegen
 from sparsegen import cache, cli, env
 from sparsegen.spec import forward_spec
 
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ALLOWED = (sparsegen.SparsegenError, ValueError, TypeError)
 
@@ -165,7 +165,7 @@ cli_words = st.sampled_from(["precompile", "show", "cache", "info", "clear", "--
 
 
 @FUZZ
-@given(st.lists(cli_words | st.text(max_size=6), max_size=6))
+@given(argv=st.lists(cli_words | st.text(max_size=6), max_size=6))
 def test_cli_arguments(argv, capsys, tmp_path):
     if "precompile" in argv and "--bundle" not in argv:
         argv = argv + ["--bundle", str(tmp_path)]  # a used folder: refused before any compile
@@ -191,8 +191,8 @@ VARIABLES = ["SPARSEGEN_CACHE_DIR", "SPARSEGEN_TEAM_CACHE_DIR", "SPARSEGEN_DUMP_
 SPEC = forward_spec((16, 16), "bf16", 80)
 
 
-@settings(FUZZ, max_examples=25)
-@given(st.dictionaries(st.sampled_from(VARIABLES), env_values, min_size=1, max_size=3))
+@settings(FUZZ, max_examples=40)
+@given(values=st.dictionaries(st.sampled_from(VARIABLES), env_values, min_size=1, max_size=3))
 def test_environment_variables(values, monkeypatch, tmp_path):
     with monkeypatch.context() as patched:
         patched.chdir(tmp_path)

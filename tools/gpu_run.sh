@@ -25,6 +25,12 @@ for step in "${steps[@]}"; do
     epi_tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu_epilogues.py tests/test_inductor.py --maxfail=8 2>&1 | tee "$OUT/epi_tests.log" | tail -15 ;;
     dense_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_dense_path.py -x 2>&1 | tee "$OUT/dense_tests.log" | tail -5 ;;
     lean_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_lean.py 2>&1 | tee "$OUT/lean_tests.log" | tail -25 ;;
+    bundle) rm -rf /tmp/bundle; start=$SECONDS  # every default bf16/fp16 kernel of this GPU, then run from them alone
+         python3 -m sparsegen precompile --dtype bf16 fp16 -j 16 --bundle /tmp/bundle 2>/dev/null | tee "$OUT/precompile.log"
+         echo "precompile: $((SECONDS - start)) s" | tee -a "$OUT/precompile.log"
+         mkdir -p /tmp/ro_cache && chattr +i /tmp/ro_cache  # a cache nobody can write (root included)
+         SPARSEGEN_CACHE_DIR=/tmp/ro_cache SPARSEGEN_KERNEL_BUNDLE=/tmp/bundle python3 tools/bundle_check.py 2>&1 | tee "$OUT/bundle.log"
+         chattr -i /tmp/ro_cache ;;
     probe) python3 tools/probe_host.py 2>&1 | tee "$OUT/probe.log" ;;
     crossovers) python3 -m sparsegen tune 2>&1 | tee "$OUT/crossovers.log" | tail -12  # this GPU's table, used by later steps
          cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..errors import expect
+from ..errors import expect, positive_int
 
 
 def check_divisible(features: int, side: int, what: str) -> None:
@@ -19,6 +19,13 @@ def check_divisible(features: int, side: int, what: str) -> None:
     expect(features % side == 0,
            f"{what} ({features}) to be a multiple of the block's {side}; nearest valid {nearest}",
            f"{features} % {side} = {features % side}")
+
+
+def check_block(block) -> tuple[int, int]:
+    """(rows, cols) of positive ints; the kernels' own limits are checked by their specs."""
+    sides = tuple(block) if isinstance(block, (tuple, list)) else None
+    expect(sides is not None and len(sides) == 2, "block as (rows, cols)", repr(block))
+    return tuple(positive_int(side, "a block side") for side in sides)
 
 
 def grid_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import itertools
 
 import torch
 
-from ..errors import expect
+from ..errors import expect, integer
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # kernels: the 16-bit ones
 # One-byte types: Sparse24Tensor inference only (mma.sp m16n8k64: int8 -> int32, e4m3 -> bf16).
@@ -39,7 +39,7 @@ BYTE_COL_GRANULE = 64  # one m16n8k64 A tile, the one-byte instruction
 
 def check_shape(shape, what: str = "weight", cols: int = COL_GRANULE) -> None:
     expect(len(shape) == 2, f"a 2-D {what} [out_features, in_features]", tuple(shape))
-    n, k = shape
+    n, k = (integer(side, f"the {what}'s sides") for side in shape)
     expect(n > 0 and k > 0 and n % ROW_GRANULE == 0 and k % cols == 0,
            f"a {what} whose rows are a positive multiple of {ROW_GRANULE} and columns of {cols} "
            f"(one mma.sp m16n8k{cols} tile)", tuple(shape))
