@@ -3,7 +3,7 @@
 # benchmark. Logs go to $OUT (or ./out). Usage: tools/gpu_run.sh STEP... (steps: the case labels below)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (diskcache)
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, if any are carried
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
