@@ -38,17 +38,21 @@ class Manifest:
     kernels: dict[str, str]      # kernel name -> sha256 of NAME.cubin
 
 
-def generator_digest() -> str:
+def generator_digest(generator_texts: list[str] | None = None) -> str:
+    """sha256 over codegen.generator_texts() (or those texts, already read by the caller)."""
     h = hashlib.sha256()
-    for text in codegen.generator_texts():
+    for text in generator_texts if generator_texts is not None else codegen.generator_texts():
         h.update(hashlib.sha256(text.encode()).digest())
     return h.hexdigest()
 
 
-def lookup(name: str) -> bytes | None:
-    """The CUBIN of kernel `name` from the first bundle that holds it, hash checked."""
-    for folder in env.kernel_bundles():
-        manifest = load(folder)
+def lookup(name: str, generator_texts: list[str]) -> bytes | None:
+    """The CUBIN of kernel `name` from the first bundle that holds it, hash checked; bundles
+    built from other generator texts than these are skipped."""
+    folders = env.kernel_bundles()
+    current = generator_digest(generator_texts) if folders else None
+    for folder in folders:
+        manifest = _load(str(Path(folder).resolve()), current)
         if manifest is not None and name in manifest.kernels:
             cubin = _read_checked(manifest, name)
             if cubin is not None:
@@ -56,13 +60,9 @@ def lookup(name: str) -> bytes | None:
     return None
 
 
-def load(folder: Path) -> Manifest | None:
-    """The bundle's manifest if it is trusted, whole and current; None (one warning) otherwise."""
-    return _load(str(Path(folder).resolve()), generator_digest())
-
-
 @functools.lru_cache(maxsize=16)
 def _load(folder: str, current_generator: str) -> Manifest | None:
+    """The bundle's manifest if it is trusted, whole and current; None (one warning) otherwise."""
     path = Path(folder) / MANIFEST
     try:
         trust.check_path(Path(folder))

@@ -74,23 +74,25 @@ def _read_alias(store: DiskStore, alias: str) -> str | None:
     return key if key is not None and KEY_RE.fullmatch(key) else None
 
 
-def alias_key(spec: KernelSpec) -> str:
+def alias_key(spec: KernelSpec, generator_texts: list[str]) -> str:
     """Everything the rendered source and the CUBIN follow from, without rendering or loading
-    NVRTC (together ~100 ms in a new process): the spec, the template files, and the
-    installed versions of jinja2 and the compiler packages."""
-    return _digest(repr(dataclasses.astuple(spec)), *codegen.generator_texts(), *compiler.identity(),
+    NVRTC (together ~100 ms in a new process): the spec, the templates and the code that
+    renders them (codegen.generator_texts), and the installed versions of jinja2 and the
+    compiler packages."""
+    return _digest(repr(dataclasses.astuple(spec)), *generator_texts, *compiler.identity(),
                    *compiler.options(spec.target))
 
 
 def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else a kernel bundle, else disk, else NVRTC (then
     stored on disk and in memory)."""
-    alias = alias_key(spec)
+    texts = codegen.generator_texts()  # read once: the alias and the bundles' staleness check
+    alias = alias_key(spec, texts)
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
         return _remember(alias, _compile(spec, *_source(spec)))
-    bundled = bundle.lookup(spec.name)
+    bundled = bundle.lookup(spec.name, texts)
     if bundled is not None:
         return _remember(alias, Built(spec, "bundle:" + hashlib.sha256(bundled).hexdigest(), bundled, False))
     store = _store()

@@ -9,13 +9,36 @@ from torch import nn
 from .errors import expect
 
 
-def check_entries(module: nn.Module, state_dict: dict, prefix: str, skip: tuple[str, ...] = ()) -> None:
-    """Every entry of the module's own parameters and persistent buffers that state_dict
-    holds: a tensor of the module's shape, floating where the module's is, else of its dtype."""
+class CheckedLoad:
+    """A layer whose load_state_dict checks every entry before torch copies any: its own
+    check (_check_state: 2:4 metadata, a mask, a layout), then check_entries. Entries named
+    in _rebuilt are never taken from the file: the layer's current tensors stand in for
+    them, and _after_load derives them again from what was loaded."""
+
+    _rebuilt: tuple[str, ...] = ()
+
+    def _check_state(self, state_dict: dict, prefix: str) -> None:
+        """The layer's own check of what it is about to load."""
+
+    def _after_load(self) -> None:
+        """What the layer rebuilds from what it loaded."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        self._check_state(state_dict, prefix)
+        state = dict(state_dict)
+        state.update({prefix + name: getattr(self, name) for name in self._rebuilt if prefix + name in state})
+        check_entries(self, state, prefix)
+        super()._load_from_state_dict(state, prefix, *args)
+        self._after_load()
+
+
+def check_entries(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Every entry of the module's own parameters and buffers that state_dict holds: a
+    tensor of the module's shape, floating where the module's is, else of its dtype."""
     own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
     for name, current in own.items():
         key = prefix + name
-        if name in skip or key not in state_dict or current is None:
+        if key not in state_dict or current is None:
             continue
         given = state_dict[key]
         expect(isinstance(given, torch.Tensor), f"state_dict['{key}'] as a tensor", type(given).__name__)

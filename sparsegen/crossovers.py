@@ -50,16 +50,16 @@ def table(gpu_name: str) -> tuple[Point, ...]:
     one, else none (every call then takes the sparse kernels)."""
     user = user_table_path(gpu_name)
     if user.is_file():
-        return load(user, trusted=False)
+        return load(user, check_trust=True)
     packaged = PACKAGED / file_name(gpu_name)
     return load(packaged) if packaged.is_file() else ()
 
 
-def load(path: Path, trusted: bool = True) -> tuple[Point, ...]:
+def load(path: Path, check_trust: bool = False) -> tuple[Point, ...]:
     """A table file's points; a damaged file counts as none, with one warning. One in the
-    cache directory (trusted=False) is read only if trust.py trusts it (else an error)."""
+    cache directory (check_trust) is read only if trust.py trusts it (else an error)."""
     try:
-        raw = path.read_bytes() if trusted else trust.read_file(path)
+        raw = trust.read_file(path) if check_trust else path.read_bytes()
         return tuple(_point(p) for p in json.loads(raw)["points"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "

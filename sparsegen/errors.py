@@ -1,4 +1,5 @@
 """Every error sparsegen raises is a SparsegenError, so callers can catch one type."""
+import math
 
 
 class SparsegenError(Exception):
@@ -54,7 +55,7 @@ def positive_int(value, what: str, error=InputError) -> int:
 
 def fraction(value, what: str, error=InputError, zero: bool = True) -> float:
     """value as a float in [0, 1], or (0, 1] without zero (an int or a float, not a bool or NaN)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    low = 0.0 <= float(value) if zero and ok else ok and 0.0 < float(value)
-    expect(ok and low and float(value) <= 1.0, f"{what} in {'[' if zero else '('}0, 1]", repr(value), error)
-    return float(value)
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    above_low = 0.0 <= number if zero else 0.0 < number  # False for NaN, as is every comparison
+    expect(above_low and number <= 1.0, f"{what} in {'[' if zero else '('}0, 1]", repr(value), error)
+    return number

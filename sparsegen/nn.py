@@ -43,7 +43,10 @@ def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
                                         or (bias is not None and bias.requires_grad))
 
 
-class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
+SAVED_INDEX = ("row_offsets", "col_indices")  # saved with the layout (the rest is derived)
+
+
+class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """y = x W^T + b with W [out, in] stored as block-CSR blocks of shape `block`.
 
     `layout` (a bool tensor [out/bm, in/bk]) fixes which blocks exist; otherwise a random
@@ -93,25 +96,20 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         self._forget_lean_calls()
         index = IndexTensors.of(mask, device)
         for name, tensor in vars(index).items():
-            self.register_buffer(name, tensor, persistent=name in ("row_offsets", "col_indices"))
+            self.register_buffer(name, tensor, persistent=name in SAVED_INDEX)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    _rebuilt = SAVED_INDEX  # pointers into X and W: a file's are never used, the layout's are
+
+    def _check_state(self, state_dict: dict, prefix: str) -> None:
         """A saved layout is adopted with its values; one with another number of blocks is
-        refused before anything is copied, so the layer is never left half-loaded. The saved
-        row_offsets / col_indices are never used: the index is rebuilt from the layout."""
+        refused before anything is copied, so the layer is never left half-loaded."""
         layout = state_dict.get(prefix + "layout")
         if isinstance(layout, torch.Tensor) and layout.dtype == torch.bool and layout.shape == self.layout.shape:
             expect(int(layout.sum()) == self.values.shape[0], f"state_dict['{prefix}layout'] with this layer's "
                    f"{self.values.shape[0]} blocks (build the layer with layout=state_dict['{prefix}layout'] "
                    "to load another)", int(layout.sum()))
-        checkpoint.check_entries(self, state_dict, prefix, skip=("row_offsets", "col_indices"))
-        state = dict(state_dict)
-        for name in ("row_offsets", "col_indices"):  # what the file says is replaced by what the layout says
-            if prefix + name in state:
-                state[prefix + name] = getattr(self, name)
-        super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+
+    def _after_load(self) -> None:
         self._register_index(self.layout, self.layout.device)  # the loaded layout's index
 
     def _index(self) -> tuple:

@@ -13,7 +13,7 @@ from .sparse24 import Sparse24Tensor, prune_and_compress
 from .train24 import Sparse24TrainingLinear
 
 
-class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
+class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """y = x W^T + b with W [out, in] 2:4 along rows: `values` [out, in/2] (the parameter)
     and `metadata` (a buffer in the layout mma.sp reads). fp16/bf16 run the generated
     mma.sp kernel on the GPU; float32 (or a CPU) runs the PyTorch reference.
@@ -60,16 +60,14 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, nn.Module):
         layer._adopt(linear.weight.detach(), linear.bias, method, mask)
         return layer
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _check_state(self, state_dict: dict, prefix: str) -> None:
         """Metadata from a file is checked before it is copied: a nibble mma.sp cannot read
         never reaches a kernel, and the layer is never left half-loaded."""
         metadata = state_dict.get(prefix + "metadata")
         if metadata is not None:
             semi24.check_metadata(metadata, (self.out_features, self.in_features))
-        checkpoint.check_entries(self, state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+
+    def _after_load(self) -> None:
         self._forget_lean_calls()
 
     @property

@@ -96,7 +96,7 @@ def _mvue_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([semi24.mvue(t[:, :whole].contiguous()), t[:, whole:]], dim=1)
 
 
-class Sparse24TrainingLinear(nn.Module):
+class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
     """nn.Linear trained with 2:4 sparse products (see the module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -127,16 +127,12 @@ class Sparse24TrainingLinear(nn.Module):
         layer.refresh_mask()
         return layer
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _check_state(self, state_dict: dict, prefix: str) -> None:
         """A saved mask is checked to be 2:4 before it is copied (the products compress at it
         without looking again)."""
         mask = state_dict.get(prefix + "mask")
         if mask is not None:
             semi24.check_mask(mask, (self.out_features, self.in_features))
-        checkpoint.check_entries(self, state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
 
     @torch.no_grad()
     def refresh_mask(self) -> None:

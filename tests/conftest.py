@@ -1,13 +1,20 @@
 """Shared test setup: every test gets its own kernel cache, and GPU tests skip without a GPU."""
 import json
+import os
+import subprocess
 
 import pytest
 import torch
 
 import sparsegen.bundle
 import sparsegen.cache
+import sparsegen.compiler
 import sparsegen.diskstore
+import sparsegen.env
 from sparsegen import crossovers, ops, runtime
+from sparsegen.spec import forward_spec
+
+CACHE_SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +29,41 @@ def isolated_cache(tmp_path, monkeypatch):
     sparsegen.bundle._load.cache_clear()
     yield folder
     sparsegen.cache.clear_memory()
+
+
+@pytest.fixture
+def nvrtc_calls(monkeypatch):
+    """Names of the kernels NVRTC compiles during the test."""
+    calls, real = [], sparsegen.compiler.compile_cubin
+
+    def counting(source, name, arch, headers):
+        calls.append(name)
+        return real(source, name, arch, headers)
+
+    monkeypatch.setattr(sparsegen.compiler, "compile_cubin", counting)
+    return calls
+
+
+@pytest.fixture
+def read_only_cache():
+    """The cache directory, holding CACHE_SPEC, made read-only for real: chmod for a normal user;
+    for root (whom modes do not stop) the immutable attribute, where the filesystem has it."""
+    built = sparsegen.cache.build(CACHE_SPEC)
+    root = sparsegen.env.cache_dir()
+    folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    if os.geteuid() != 0:
+        for folder in folders:
+            os.chmod(folder, 0o500)
+        yield built
+        for folder in folders:
+            os.chmod(folder, 0o700)
+        return
+    if subprocess.run(["chattr", "+i", *map(str, folders)], capture_output=True).returncode != 0:
+        pytest.skip("root here cannot make a folder read-only (no chattr +i)")
+    try:
+        yield built
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, folders)], check=True)
 
 
 def pytest_collection_modifyitems(config, items):

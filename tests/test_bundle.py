@@ -9,7 +9,6 @@ import sys
 
 import pytest
 from test_cache import PACKAGE_ROOT
-from test_cache_faults import read_only_cache  # noqa: F401  (a fixture)
 
 from sparsegen import bundle, cache, cli, env
 from sparsegen.spec import KernelSpec, forward_spec

@@ -55,19 +55,6 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@pytest.fixture
-def nvrtc_calls(monkeypatch):
-    """Names of the kernels NVRTC compiles during the test."""
-    calls, real = [], compiler.compile_cubin
-
-    def counting(source, name, arch, headers):
-        calls.append(name)
-        return real(source, name, arch, headers)
-
-    monkeypatch.setattr(compiler, "compile_cubin", counting)
-    return calls
-
-
 def forbid(monkeypatch, module, name):
     def fail(*args, **kwargs):
         raise AssertionError(f"{module.__name__}.{name} must not be called")

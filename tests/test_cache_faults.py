@@ -36,28 +36,6 @@ def no_warnings():
         yield
 
 
-@pytest.fixture
-def read_only_cache():
-    """The cache directory, holding SPEC, made read-only for real: chmod for a normal user;
-    for root (whom modes do not stop) the immutable attribute, where the filesystem has it."""
-    built = cache.build(SPEC)
-    root = env.cache_dir()
-    folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
-    if os.geteuid() != 0:
-        for folder in folders:
-            os.chmod(folder, 0o500)
-        yield built
-        for folder in folders:
-            os.chmod(folder, 0o700)
-        return
-    if subprocess.run(["chattr", "+i", *map(str, folders)], capture_output=True).returncode != 0:
-        pytest.skip("root here cannot make a folder read-only (no chattr +i)")
-    try:
-        yield built
-    finally:
-        subprocess.run(["chattr", "-i", *map(str, folders)], check=True)
-
-
 def test_a_read_only_cache_loads_what_it_has_and_compiles_the_rest_in_memory(read_only_cache):
     root = env.cache_dir()
     before = stored_files(root)

@@ -84,14 +84,6 @@ def test_a_symbolic_link_where_an_entry_belongs_is_not_followed(tmp_path, nvrtc_
     assert not entry.is_symlink()  # replaced by a real entry
 
 
-@pytest.fixture
-def nvrtc_calls(monkeypatch):
-    from sparsegen import compiler
-    calls, real = [], compiler.compile_cubin
-    monkeypatch.setattr(compiler, "compile_cubin", lambda *a: calls.append(a[1]) or real(*a))
-    return calls
-
-
 def test_a_team_directory_named_in_the_variable_may_be_group_writable(tmp_path, monkeypatch, nvrtc_calls):
     team = tmp_path / "team"
     monkeypatch.setenv("SPARSEGEN_TEAM_CACHE_DIR", str(team))
