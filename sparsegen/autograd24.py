@@ -1,9 +1,14 @@
 """The 2:4 linear: the sparsegen::sp24_dds op and an autograd.Function over it, which
 torch.compile traces (see autograd.py).
 
-Y = X W^T + b with W 2:4 ([N, K/2] values + metadata). dX = dY W runs cuBLAS on the
-decompressed W; dW is dY^T X gathered at the stored positions, so the values' gradient
-has their shape.
+Y = X W^T + b with W 2:4 ([N, K/2] values + metadata). The mask is fixed while the values
+train, so on the GPU (16-bit):
+- dX = dY W: when W's stored positions are 2:4 along columns too (a transposable mask), on
+  the 2:4 kernel over W^T, compressed from the expanded W each step; otherwise cuBLAS on
+  the expanded W (sp24_expand: one pass, no index tensors);
+- dW: dY^T X on cuBLAS, its stored positions gathered by the same kernel (sp24_gather), so
+  the values' gradient has their shape.
+Elsewhere, and in the backward torch.compile traces, PyTorch ops do the same.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import epilogues, library, ops
+from . import env, epilogues, library, ops, plans
 from .layouts import semi24
 
 
@@ -43,14 +48,50 @@ def forward_product(x, values, metadata, bias, out_features: int, epilogue: str 
 
 def _gradients(x, values, metadata, has_bias, need, dy):
     dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    n, k = dy.shape[-1], x.shape[-1]
+    # torch.compile traces this backward: there it stays in PyTorch ops (the kernels' launches
+    # are not traceable), checked first so that nothing else here is traced.
+    on_kernels = (not torch.compiler.is_compiling() and ops.runs_16bit_kernels(dy) and dy.dtype == values.dtype
+                  and env.compress_kernel())
     dx = dvalues = dbias = None
     if need[0]:
-        dx = dy @ semi24.decompress(values, metadata, (dy.shape[-1], x.shape[-1]))
+        dx = (_input_grad(dy, values, metadata, n, k) if on_kernels
+              else dy @ semi24.decompress(values, metadata, (n, k)))
     if need[1]:
-        dvalues = semi24.gather_kept(dy2.t() @ x2, metadata)
+        dw = dy2.t() @ x2
+        dvalues = ops.sp24_gather(dw, metadata) if on_kernels else semi24.gather_kept(dw, metadata)
     if has_bias and need[3]:
         dbias = dy2.sum(0)
     return dx, dvalues, None, dbias
+
+
+def _input_grad(dy: Tensor, values: Tensor, metadata: Tensor, n: int, k: int) -> Tensor:
+    """dX = dY W on the GPU: the 2:4 kernel on W^T where W's positions allow it, else cuBLAS."""
+    dense = ops.sp24_expand(values, metadata, n)
+    if stored_transposable(metadata, n, k):
+        # W^T has at most 2 nonzeros in every group of 4: its magnitude compression is exact.
+        return ops.sp24_dds(dy, *ops.sp24_compress(dense.t()), None, k)
+    return dy @ dense
+
+
+_TRANSPOSABLE = plans.PlanCache()
+
+
+def stored_transposable(metadata: Tensor, n: int, k: int) -> bool:
+    """Whether W's stored positions are 2:4 along columns as well (so W^T compresses exactly),
+    worked out once per metadata (and per in-place change of it: a load). Not known during a
+    CUDA graph capture that meets it first: then False (cuBLAS), for that capture."""
+    if n % semi24.COL_GRANULE:
+        return False
+    if metadata.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _TRANSPOSABLE.get(metadata, (metadata._version, n, k), lambda: False)
+    return _TRANSPOSABLE.get(metadata, (metadata._version, n, k), lambda: _columns_24(metadata, n, k))
+
+
+def _columns_24(metadata: Tensor, n: int, k: int) -> bool:
+    positions = semi24.stored_positions(metadata, n, k)
+    stored = torch.zeros(n, k // 4, 4, dtype=torch.bool, device=metadata.device).scatter_(-1, positions, True)
+    return bool((stored.reshape(n // 4, 4, k).sum(1) <= 2).all())
 
 
 class _Sp24Linear(torch.autograd.Function):

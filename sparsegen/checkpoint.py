@@ -13,9 +13,11 @@ class CheckedLoad:
     """A layer whose load_state_dict checks every entry before torch copies any: its own
     check (_check_state: 2:4 metadata, a mask, a layout), then check_entries. Entries named
     in _rebuilt are never taken from the file: the layer's current tensors stand in for
-    them, and _after_load derives them again from what was loaded."""
+    them, and _after_load derives them again from what was loaded. Entries named in
+    _optional may be missing from a file (an older version's): the current ones stay."""
 
     _rebuilt: tuple[str, ...] = ()
+    _optional: tuple[str, ...] = ()
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         """The layer's own check of what it is about to load."""
@@ -27,6 +29,7 @@ class CheckedLoad:
         self._check_state(state_dict, prefix)
         state = dict(state_dict)
         state.update({prefix + name: getattr(self, name) for name in self._rebuilt if prefix + name in state})
+        state.update({prefix + name: getattr(self, name) for name in self._optional if prefix + name not in state})
         check_entries(self, state, prefix)
         super()._load_from_state_dict(state, prefix, *args)
         self._after_load()

@@ -268,7 +268,7 @@ def _kept_bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_featur
 class _BsrPlan:
     kern: runtime.Kernel
     launch: runtime.PackedLaunch    # its parameters: X and W (pointers or TMA maps), index, bias, Y
-    keep: tuple[torch.Tensor, ...]  # what the index pointers point into
+    keep: tuple[torch.Tensor, ...]  # what the index pointers point into, row_offsets (the plan's key) aside
     width: int                      # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False             # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False       # and outside them (not host-bound: dense_outside_graphs)
@@ -306,7 +306,9 @@ def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, t
             dense = scatter or dense_path.wanted("bsr", device_index, out_features, k, m, tuple(block),
                                                  values.shape[0] / max(grid_blocks, 1))
     index = _kernel_index(kern.spec, row_offsets, col_indices, perm)
-    return _BsrPlan(kern, _bsr_launch(kern, x2, values, block, out_features, index), tuple(t for t in index if t is not None),
+    # keep holds no row_offsets: the plan cache keys plans by it, weakly (plans.PlanCache)
+    return _BsrPlan(kern, _bsr_launch(kern, x2, values, block, out_features, index),
+                    tuple(t for t in index if t is not None and t is not row_offsets),
                     epilogues.output_features(epilogue, out_features), dense,
                     dense and (scatter or dense_outside_graphs(m, k, out_features)), scatter)
 
@@ -631,7 +633,8 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
     spec, (m, k), ints = kern.spec, x2.shape, (x2.shape[0], x2.shape[1], out_features, k_split)
     if spec.instr != "tma":
         pointers = (0, values.data_ptr(), metadata.data_ptr(), 0, 0, 0, 0)
-        return runtime.PackedLaunch(kern, grid, (), pointers, ints), (values, metadata)
+        return runtime.PackedLaunch(kern, grid, (), pointers, ints), ()
+    given = (values, metadata)
     values, metadata = _aligned(values), _aligned(metadata)  # TMA reads from 16-byte aligned rows
     (n, half_k), w_rows, per_byte = values.shape, spec.sp24_w_rows, 2 // values.element_size()
     maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte),
@@ -640,23 +643,35 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
     launch = runtime.PackedLaunch(kern, grid, maps, (0, 0, 0, 0), ints)
     launch.bind_map(1, values.data_ptr())
     launch.bind_map(2, metadata.data_ptr())
-    return launch, (values, metadata)
+    # Only copies are kept: the caller's tensors live as long as the call, or (a kept plan) as
+    # its key, the metadata, which a plan must not hold (plans.PlanCache) - a training step's
+    # fresh compression would never be freed.
+    return launch, tuple(t for t, g in zip((values, metadata), given) if t is not g)
 
 
 SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
 
 
-def _k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2) -> int:
+def _k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2, min_stages: int = 1) -> int:
     """Small batches give too few output tiles to fill the GPU: split K until about
-    `per_sm` blocks per SM run (each split adds its partial sum in float32)."""
+    `per_sm` blocks per SM run (each split adds its partial sum in float32), each split
+    `min_stages` stages of K at least."""
     stages = -(-k // SP24_STAGE_K)
-    return max(1, min(stages, (per_sm * runtime.sm_count(device_index)) // max(blocks, 1)))
+    return max(1, min(stages // min_stages, (per_sm * runtime.sm_count(device_index)) // max(blocks, 1)))
 
 
 def _narrow_tiles(m: int, n: int, device_index: int) -> bool:
-    """33-128 tokens on Hopper: blocks of 64 W rows instead of 128 where 128 would leave SMs
-    idle (a one-off tile sweep on an H200, 4096x4096 at M 128: 1.10x dense against 0.83x)."""
-    return _rows_bucket(m) == 128 and -(-n // 128) * -(-m // 64) < runtime.sm_count(device_index)
+    """33-128 tokens on Hopper: blocks of 64 W rows instead of 128 (a decode sweep on an H100,
+    tools/bench24.py --tune-decode, weights read from HBM: as fast or faster at every weight of
+    its table, e.g. 11008x4096 at M 128 1.17x dense against 1.00x, 4096x4096 at M 64 0.95x
+    against 0.80x)."""
+    return _rows_bucket(m) == 128
+
+
+# K splits of wgmma.sp decode launches (the same sweep): one block per SM (a second split per SM
+# only added atomics), and for 33-128 tokens at least 24 stages (3072 of K) a split - 4096x4096
+# at M 64 ran 0.95x dense unsplit and 0.75x in two.
+_DECODE_MIN_STAGES = {32: 1, 128: 24}
 
 
 def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, resident: int | None = None):
@@ -664,9 +679,9 @@ def _sp24_grid(spec, m: int, k: int, n: int, device_index: int, splits: int | No
     than `resident` (default: one per SM), each walking tiles x, x + grid x, ...), K splits
     (whole stages) in z."""
     tiles_n, tiles_m = -(-n // spec.sp24_w_rows), -(-m // spec.tile.tile_m)
-    # wgmma.sp blocks for 33-128 tokens hold one SM each: a second split per SM only adds atomics
-    per_sm = 1 if spec.instr == "tma" and _rows_bucket(m) == 128 else 2
-    wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index, per_sm) if m <= 256 else 1)
+    decode = spec.instr == "tma" and _rows_bucket(m) is not None
+    per_sm, min_stages = (1, _DECODE_MIN_STAGES[_rows_bucket(m)]) if decode else (2, 1)
+    wanted = splits or (_k_splits(tiles_n * tiles_m, k, device_index, per_sm, min_stages) if m <= 256 else 1)
     k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
     k_splits = -(-k // k_split)
     if spec.instr != "tma":
@@ -732,7 +747,7 @@ def _sp24_dense_weight(values, metadata, out_features: int, k: int):
 class _Sp24Plan:
     kern: runtime.Kernel
     launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, bias, Y, sums, counts
-    keep: tuple[torch.Tensor, ...]    # what W's pointers or maps point into
+    keep: tuple[torch.Tensor, ...]    # copies W's pointers or maps point into (aligned ones made for it)
     workspace: int                    # float32 words of split-K sums and tile counts (0: no split)
     counts_at: int                    # bytes from the sums (M x N float32) to the tile counts
     width: int                        # Y's columns (half of W's rows for a gated epilogue)
@@ -849,14 +864,46 @@ def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
     return values, metadata
 
 
-def sp24_transposable_mask(w: torch.Tensor) -> torch.Tensor:
+_EXPAND, _GATHER = 0, 1  # sp24_expand's modes
+
+
+def sp24_expand(values: torch.Tensor, metadata: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The dense [N, K] W of a 16-bit CUDA 2:4 one (zeros where nothing is stored), in one pass."""
+    n, k = out_features, 2 * values.shape[1]
+    dense = torch.empty(n, k, dtype=values.dtype, device=values.device)
+    _launch_expand(dense, _aligned(values), metadata, _EXPAND)
+    return dense
+
+
+def sp24_gather(dense: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
+    """[N, K/2]: a 16-bit CUDA [N, K] tensor's elements at the positions `metadata` stores
+    (the values' gradient from a dense dW), in one pass."""
+    dense = _aligned(dense)
+    values = torch.empty(dense.shape[0], dense.shape[1] // 2, dtype=dense.dtype, device=dense.device)
+    _launch_expand(dense, values, metadata, _GATHER)
+    return values
+
+
+def _launch_expand(dense: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, mode: int) -> None:
+    if values.numel() == 0:
+        return
+    kern = _sp24_prune_kernel("sp24_expand", values.dtype, values.device.index or 0)
+    kern.launch((-(-metadata.numel() // kern.threads), 1, 1), (),
+                (dense.data_ptr(), values.data_ptr(), metadata.data_ptr()), (*dense.shape, mode))
+
+
+def sp24_transposable_mask(w: torch.Tensor, out: torch.Tensor | None = None, step: torch.Tensor | None = None,
+                           interval: int = 1) -> torch.Tensor:
     """The transposable 2:4 mask (bool, w's shape) of a 16-bit CUDA weight, on the GPU: what
-    layouts.semi24.transposable_mask computes."""
+    layouts.semi24.transposable_mask computes. With `step` (an int64 scalar on w's device)
+    the kernel writes `out` only when the step is a positive multiple of `interval`, decided
+    on the device (no host sync, and a CUDA graph keeps the schedule)."""
     w, (n, k) = _aligned(w), w.shape
-    mask = torch.empty(n, k, dtype=torch.bool, device=w.device)
+    mask = torch.empty(n, k, dtype=torch.bool, device=w.device) if out is None else out
     tiles = (n // 4) * (k // 4)
     if tiles == 0:
         return mask
     kern = _sp24_prune_kernel("sp24_mask", w.dtype, w.device.index or 0)
-    kern.launch((-(-tiles // kern.threads), 1, 1), (), (w.data_ptr(), mask.data_ptr()), (n, k))
+    kern.launch((-(-tiles // kern.threads), 1, 1), (),
+                (w.data_ptr(), mask.data_ptr(), 0 if step is None else step.data_ptr()), (n, k, interval))
     return mask

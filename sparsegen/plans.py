@@ -5,6 +5,8 @@ call after call; on a slow host each decision costs microseconds. A plan keeps t
 decisions' result, keyed by the layout's index tensor (by identity, checked through a weak
 reference, so a plan never outlives the tensors it points into) and the signature of the
 call (token count, dtype, device...). Each call is then the checks and the launch.
+A plan must not hold its key tensor: the cache's entry would then keep it alive, and a
+layout made per step (a training layer's fresh 2:4 compression) would never be freed.
 """
 from __future__ import annotations
 

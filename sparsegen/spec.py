@@ -27,13 +27,16 @@ BLOCK_SIDES = (16, 32, 64, 128)
 # 16 x 32 tile of W, the granule its shapes come in. sp24_compress: prune a dense W to 2:4
 # and pack values and metadata (one thread per metadata word; tile gives the block size).
 # sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
+# sp24_expand: a 2:4 W to dense, or a dense gradient's elements at W's stored positions
+# (16-bit; one thread per metadata word) - Sparse24Linear's backward.
 # bsr_scatter: the dense W of a block-sparse one (the forward's dense path, ops._dense_forward).
-OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress", "sp24_mask", "bsr_scatter")
-SP24_OPS = ("sp24_dds", "sp24_compress", "sp24_mask")
+OPS = ("bsr_dds", "bsr_sdd", "sp24_dds", "sp24_compress", "sp24_mask", "sp24_expand", "bsr_scatter")
+SP24_OPS = ("sp24_dds", "sp24_compress", "sp24_mask", "sp24_expand")
 TRANSPOSES = ("nt", "tn", "nn")  # nn: bsr_dds reading W's stored blocks as W^T (dX = dY W; swap only)
 OP_TRANS = {"bsr_dds": "nt", "bsr_sdd": "tn", "sp24_dds": "nt", "sp24_compress": "nt", "sp24_mask": "nt",
-            "bsr_scatter": "nt"}  # operand layouts
+            "sp24_expand": "nt", "bsr_scatter": "nt"}  # operand layouts
 SP24_BLOCK = (16, 32)
+NO_MMA_OPS = ("sp24_compress", "sp24_mask", "sp24_expand", "bsr_scatter")  # copies and pruning, no tensor cores
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
 # each tile) and "pingpong" (the same, consumers alternate whole tiles); "swap" (W as
@@ -173,7 +176,7 @@ class KernelSpec:
             return self.tile.stages * self.tile.tile_m * per_token + 1024 + 16 * self.tile.stages
         if self.op == "bsr_sdd":  # stages of tile_m rows of dY (bm columns) and X (bk columns)
             return self.tile.stages * self.tile.tile_m * sum(self.block) * ELEMENT_BYTES[self.dtype]
-        if self.op in ("sp24_compress", "sp24_mask", "bsr_scatter"):
+        if self.op in NO_MMA_OPS:
             return 0
         if self.op == "sp24_dds" and self.instr == "tma":  # 128 bytes per X row, 64 + 8 (e4m3: 16) per W row
             staging = self.sp24_w_rows * 2 * (64 if self.tile.tile_m >= 128 else 32)  # the store's token chunks
@@ -210,6 +213,9 @@ class KernelSpec:
         if self.op == "bsr_scatter":
             expect(self.instr == "mma" and self.dtype in BLOCK_DTYPES, f"instr 'mma' and a dtype in {BLOCK_DTYPES} "
                    "for bsr_scatter (it copies, no tensor cores)", f"{self.instr}, {self.dtype}", SpecError)
+        if self.op == "sp24_expand":
+            expect(self.dtype in ("bf16", "fp16"), "a 16-bit dtype for sp24_expand (the trained layers')",
+                   self.dtype, SpecError)
         if self.dtype in BYTE_DTYPES:
             _validate_byte_dtype(self)
         if self.op in SP24_OPS:
@@ -510,4 +516,5 @@ def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
     fused = [dataclasses.replace(s, epilogue=e) for s in forward + semi if s.op in EPILOGUE_OPS
              and s.dtype in ("bf16", "fp16") for e in PATCHED_EPILOGUES]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
+    semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
     return list(dict.fromkeys(forward + backward + semi + fused))

@@ -10,6 +10,10 @@ refreshed from |weight| every `mask_interval` training steps). Each step:
   can change), or with `dw_sparse=True` from an MVUE-sparsified dY^T (unbiased; on the GPU
   the product runs on the 2:4 kernel as dW^T = X^T S^T when the token count is a multiple
   of 32, else on cuBLAS).
+The schedule lives on the device: `step` (an int64 buffer) counts training forwards (training
+mode with gradients on) and the refresh at each positive multiple of `mask_interval` is
+decided by the mask kernel reading it, so a training step captured as a CUDA graph (or
+torch.compile's reduce-overhead) refreshes on schedule as it replays; see `_scheduled_refresh`.
 `soft_threshold=True` is S-STE: each group keeps sign(w) * (|w| - t) for its two largest,
 t its third largest magnitude, times a per-tensor scale fixed at each mask refresh.
 `masked_decay_` adds weight decay to the pruned weights' gradients only, and
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint, ops
+from . import checkpoint, env, ops
 from .errors import expect, positive_int
 from .layouts import semi24
 from .nn import autocast_inputs, dense_linear
@@ -113,7 +117,9 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         self.dw_sparse, self.soft_threshold, self.dense = dw_sparse, soft_threshold, False
         self.register_buffer("mask", torch.zeros(out_features, in_features, dtype=torch.bool, device=device))
         self.register_buffer("scale", torch.ones((), device=device))
-        self.steps = 0  # training forwards so far (a Python int: no GPU sync per step)
+        # Training forwards so far, on the device: read there by the scheduled refresh, so no
+        # host sync per step and a replayed CUDA graph advances it.
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         self.refresh_mask()
 
     @classmethod
@@ -127,6 +133,8 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         layer.refresh_mask()
         return layer
 
+    _optional = ("step",)  # checkpoints of sparsegen before the device-side schedule lack it
+
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         """A saved mask is checked to be 2:4 before it is copied (the products compress at it
         without looking again)."""
@@ -136,12 +144,29 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
 
     @torch.no_grad()
     def refresh_mask(self) -> None:
-        """A new mask from |weight| (and, for S-STE, the scale that keeps the norm)."""
+        """A new mask from |weight| (and, for S-STE, the scale that keeps the norm), now."""
         w = self.weight.detach()
         self.mask.copy_(prune_mask(w, self.method))
         if self.soft_threshold:
-            soft = soft_threshold(w.float())
-            self.scale.copy_((w.float() * soft).sum() / soft.square().sum().clamp_min(1e-30))
+            self.scale.copy_(_norm_keeping_scale(w))
+
+    @torch.no_grad()
+    def _scheduled_refresh(self, weight: torch.Tensor) -> None:
+        """Count a training step; at each positive multiple of mask_interval refresh the mask
+        from |weight| (the weight as the products see it: the autocast copy, if any) first.
+        All on the device: the transposable mask kernel on the GPU reads the counter and
+        returns at once between refreshes; elsewhere torch.where keeps the old mask."""
+        weight = weight.detach()
+        if self.method == "transposable" and ops.runs_prune_kernels(weight) and env.compress_kernel():
+            ops.sp24_transposable_mask(weight, out=self.mask, step=self.step, interval=self.mask_interval)
+        else:
+            self.mask.copy_(torch.where(self._due(), prune_mask(weight, self.method), self.mask))
+        if self.soft_threshold:
+            self.scale.copy_(torch.where(self._due(), _norm_keeping_scale(weight), self.scale))
+        self.step.add_(1)
+
+    def _due(self) -> torch.Tensor:
+        return (self.step > 0) & (self.step % self.mask_interval == 0)
 
     def sparse_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The 2:4 weight the products use: masked, or S-STE's scaled soft threshold."""
@@ -154,12 +179,10 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and not torch.compiler.is_compiling():
-            if self.steps > 0 and self.steps % self.mask_interval == 0:
-                self.refresh_mask()
-            self.steps += 1
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         ops.check_inputs(x, weight, bias, self.in_features)
+        if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._scheduled_refresh(weight)
         if self.dense:
             return F.linear(x, weight, bias)
         if torch.compiler.is_compiling():  # traceable PyTorch; the kernels run in eager mode
@@ -183,6 +206,13 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
                 f"({'dense fine-tuning' if self.dense else self.method + ' mask'}), "
                 f"mask_interval={self.mask_interval}, dw_sparse={self.dw_sparse}, "
                 f"soft_threshold={self.soft_threshold}")
+
+
+def _norm_keeping_scale(w: torch.Tensor) -> torch.Tensor:
+    """S-STE's per-tensor scale: the least-squares fit of w by its soft threshold."""
+    w = w.float()
+    soft = soft_threshold(w)
+    return (w * soft).sum() / soft.square().sum().clamp_min(1e-30)
 
 
 def _training_layers(model: nn.Module) -> list[Sparse24TrainingLinear]:

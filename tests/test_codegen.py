@@ -37,6 +37,7 @@ OTHER_GOLDEN = [
                epilogue="gelu"),
     KernelSpec(op="sp24_compress", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_mask", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
+    KernelSpec(op="sp24_expand", block=(16, 32), dtype="bf16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="bsr_scatter", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
 ]
 SPECS = GOLDEN_SPECS + [

@@ -67,17 +67,42 @@ def test_layer_forward_with_batch_dims_and_one_token(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_layer_gradients_match_float64(dtype):
-    layer = sparsegen.linear(320, 160, sparsity="2:4", device="cuda", dtype=dtype)
+@pytest.mark.parametrize("method, out_features, kernel_dx", [("magnitude", 160, False), ("transposable", 160, True),
+                                                              ("transposable", 176, False)])
+def test_layer_gradients_match_float64(dtype, method, out_features, kernel_dx, monkeypatch):
+    """Fixed-mask training: dX on the 2:4 kernel over W^T where the mask is transposable (and
+    out_features a multiple of 32), else cuBLAS on the expanded W; dW gathered at the mask."""
+    from sparsegen import autograd24
+
+    layer = sparsegen.Sparse24Linear(320, out_features, device="cuda", dtype=dtype, method=method)
     x = torch.randn(2, 333, 320, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(2, 333, 160, device="cuda", dtype=dtype)
+    dy = torch.randn(2, 333, out_features, device="cuda", dtype=dtype)
+    transposed = []
+    real = ops.sp24_compress
+    monkeypatch.setattr(ops, "sp24_compress", lambda w, *a, **kw: transposed.append(w.shape) or real(w, *a, **kw))
     layer(x).backward(dy)
+    assert bool(transposed) == kernel_dx == autograd24.stored_transposable(layer.metadata, out_features, 320)
     weight = layer.to_dense_weight().double().requires_grad_()
     x64 = x.detach().double().requires_grad_()
     (x64 @ weight.t() + layer.bias.detach().double()).backward(dy.double())
     assert relative_error(x.grad, x64.grad) < TOLERANCE[dtype]
     assert relative_error(layer.values.grad.flatten(), weight.grad[layer.mask]) < TOLERANCE[dtype]
     assert relative_error(layer.bias.grad, dy.double().sum((0, 1))) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (336, 160), (1024, 4096)])
+def test_expand_and_gather_kernels_match_the_layout(dtype, n, k):
+    """sp24_expand writes every element of the dense W (poisoned first: zeros where nothing
+    is stored); sp24_gather reads a dense tensor at exactly the stored positions."""
+    sparse = sparsegen.to_sparse24(torch.randn(n, k, device="cuda", dtype=dtype))
+    poisoned(n, k, dtype)  # freed at once: the allocator hands this block to the kernel's output next
+    dense = ops.sp24_expand(sparse.values, sparse.metadata, n)
+    assert torch.equal(dense, semi24.decompress(sparse.values, sparse.metadata, (n, k)))
+    grad = torch.randn(n, k, device="cuda", dtype=dtype)
+    poisoned(n, k // 2, dtype)
+    assert torch.equal(ops.sp24_gather(grad, sparse.metadata), semi24.gather_kept(grad, sparse.metadata))
+    assert torch.equal(ops.sp24_gather(dense, sparse.metadata), sparse.values)
 
 
 def test_autocast_and_float32_parameters():
@@ -484,3 +509,93 @@ def test_split_k_inside_a_cuda_graph_captured_without_warm_up():
     eager = ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
     assert relative_error(eager, want) < TOLERANCE[torch.bfloat16]
     assert workspace_is_zero()
+
+
+def _recipe_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(sparsegen.Sparse24TrainingLinear(256, 512, device="cuda", mask_interval=3),
+                               torch.nn.GELU(),
+                               sparsegen.Sparse24TrainingLinear(512, 256, device="cuda", mask_interval=3)).cuda()
+
+
+def _recipe_step(model, opt, x, y):
+    """One whole step of the recipe: bf16 autocast forward, backward, masked decay, AdamW."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    loss.backward()
+    sparsegen.masked_decay_(model, 1e-2)
+    opt.step()
+    return loss
+
+
+def _graphed_recipe(model, opt, x, y, warmup: int = 2):
+    """Run `warmup` steps eagerly on a side stream, then capture one step; returns the graph
+    and its loss tensor (the replays' output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.zero_grad(set_to_none=True)
+            _recipe_step(model, opt, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = _recipe_step(model, opt, x, y)
+    return graph, loss
+
+
+def test_recipe_step_replays_as_a_cuda_graph_and_refreshes_on_schedule():
+    """A captured training step (forward, backward, masked_decay_, capturable AdamW) of
+    Sparse24TrainingLinear layers: each replay advances the device-side step, the mask
+    changes at every 3rd step and only there (to the transposable mask of the weights the
+    step saw), and the losses follow an eager twin's."""
+    model = _recipe_model()
+    twin = _recipe_model()
+    twin.load_state_dict(model.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=torch.tensor(3e-2, device="cuda"), capturable=True)
+            for m in (model, twin)]
+    x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")
+    graph, graph_loss = _graphed_recipe(model, opts[0], x, y)
+    layer = model[0]
+    for counter in range(2, 11):  # the warm-up ran steps 0 and 1; the capture executed nothing
+        before_mask, weight_bf16 = layer.mask.clone(), layer.weight.detach().bfloat16()
+        graph.replay()
+        changed = not torch.equal(layer.mask, before_mask)
+        if counter % 3 == 0:
+            assert torch.equal(layer.mask, semi24.transposable_mask(weight_bf16)), counter
+            assert changed, counter  # Adam moves every weight: a refresh changes the mask
+        else:
+            assert not changed, counter
+    assert int(layer.step) == 11 and int(model[2].step) == 11
+    losses = []
+    for _ in range(11):
+        opts[1].zero_grad(set_to_none=True)
+        losses.append(float(_recipe_step(twin, opts[1], x, y)))
+    assert abs(float(graph_loss) - losses[-1]) <= 2e-2 * abs(losses[-1]) + 1e-3
+
+
+@pytest.mark.parametrize("counter, writes", [(0, False), (4, False), (6, True), (12, True)])
+def test_mask_kernel_writes_only_on_a_due_step(counter, writes):
+    w = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.ones(64, 128, dtype=torch.bool, device="cuda")  # poisoned: all kept, not 2:4
+    step = torch.tensor(counter, device="cuda")
+    ops.sp24_transposable_mask(w, out=out, step=step, interval=6)
+    assert torch.equal(out, semi24.transposable_mask(w) if writes else torch.ones_like(out))
+
+
+def test_training_steps_free_each_steps_compression():
+    """Each recipe step compresses W (and W^T) afresh; the plans made for them go with them:
+    memory after 30 steps is what it was after 3."""
+    layer = sparsegen.Sparse24TrainingLinear(512, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def steps(count):
+        for _ in range(count):
+            layer.weight.grad = x.grad = None
+            layer(x).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    settled = steps(3)
+    assert steps(30) <= settled

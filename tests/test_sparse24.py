@@ -139,9 +139,9 @@ def test_weight_memory_is_at_most_057_of_dense():
     assert sparse.nbytes() / (w.numel() * w.element_size()) <= 0.57
 
 
-@pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 11008, False), (100, 8448, False), (64, 8448, True),
+@pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 11008, True), (100, 8448, True), (64, 8448, True),
                                           (33, 8192, True), (32, 4096, False), (1000, 4096, False)])
-def test_small_batches_take_narrow_tiles_only_where_wide_ones_leave_sms_idle(m, n, narrow, monkeypatch):
+def test_33_to_128_tokens_take_narrow_tiles(m, n, narrow, monkeypatch):
     from sparsegen import ops, runtime
     from sparsegen.spec import TileConfig, sp24_spec
 
@@ -149,6 +149,20 @@ def test_small_batches_take_narrow_tiles_only_where_wide_ones_leave_sms_idle(m, 
     assert ops._narrow_tiles(m, n, 0) == narrow
     tile = sp24_spec("bf16", 90, rows=ops._rows_bucket(m), narrow=narrow).tile
     assert (tile == TileConfig(64, 4, 1, 8)) == narrow
+
+
+@pytest.mark.parametrize("m, n, k, splits", [(1, 4096, 4096, 4), (16, 11008, 4096, 1), (16, 8192, 8192, 2),
+                                             (64, 4096, 4096, 1), (64, 4096, 11008, 2), (128, 14336, 4096, 1)])
+def test_decode_k_splits_fill_the_sms_once(m, n, k, splits, monkeypatch):
+    """Decode launches split K until one block per SM runs, 33-128 tokens in splits of 3072
+    of K at least (the H100 sweep's best choices for these weights)."""
+    from sparsegen import ops, runtime
+    from sparsegen.spec import sp24_spec
+
+    monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
+    spec = sp24_spec("bf16", 90, rows=ops._rows_bucket(m), narrow=ops._narrow_tiles(m, n, 0))
+    grid, _ = ops._sp24_grid(spec, m, k, n, 0, None)
+    assert grid[2] == splits
 
 
 def test_compress_operands_keep_a_transposed_view_in_place():

@@ -55,6 +55,56 @@ def test_mask_refreshes_every_interval_in_training_only():
     assert torch.equal(layer.mask, semi24.transposable_mask(layer.weight.detach()))
 
 
+def test_the_schedule_counts_on_a_device_tensor_and_only_training_forwards_with_grad():
+    layer = make(mask_interval=2)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    assert layer.step.dtype == torch.int64 and layer.step.dim() == 0  # a buffer, not a Python int
+    with torch.no_grad():  # an evaluation pass in training mode: no step
+        layer(x)
+    layer.eval()
+    layer(x)
+    assert int(layer.step) == 0
+    layer.train()
+    first = layer.mask.clone()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn_like(layer.weight))
+    layer(x)
+    layer(x)
+    assert int(layer.step) == 2 and torch.equal(layer.mask, first)
+    layer(x)  # step 2: refreshed from the new weights before the product
+    assert torch.equal(layer.mask, semi24.transposable_mask(layer.weight.detach()))
+
+
+def test_the_step_is_saved_and_an_older_checkpoint_without_it_loads():
+    layer = make(mask_interval=5)
+    for _ in range(3):
+        layer(torch.randn(2, 64, dtype=torch.float64))
+    state = layer.state_dict()
+    assert int(state["step"]) == 3
+    other = make(mask_interval=5)
+    other.load_state_dict(state)
+    assert int(other.step) == 3
+    older = {k: v for k, v in state.items() if k != "step"}
+    fresh = make(mask_interval=5)
+    fresh.load_state_dict(older)  # strict: the missing step keeps the layer's own
+    assert int(fresh.step) == 0 and torch.equal(fresh.mask, layer.mask)
+
+
+def test_soft_threshold_scale_follows_the_schedule():
+    layer = make(mask_interval=2, soft_threshold=True, method="magnitude")
+    x = torch.randn(2, 64, dtype=torch.float64)
+    before = layer.scale.clone()
+    with torch.no_grad():
+        layer.weight.mul_(torch.rand_like(layer.weight) + 0.5)
+    layer(x)
+    layer(x)
+    assert torch.equal(layer.scale, before)
+    layer(x)
+    soft = soft_threshold(layer.weight.detach())
+    expected = (layer.weight.detach() * soft).sum() / soft.square().sum()
+    torch.testing.assert_close(layer.scale, expected.float())
+
+
 def test_masked_decay_touches_only_pruned_weights():
     model = nn.Sequential(make(), nn.ReLU())
     layer = model[0]

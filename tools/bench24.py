@@ -65,19 +65,140 @@ def prune_compress_ms(n: int = 4096, k: int = 11008) -> dict:
     return {method: median_ms(lambda: sparsegen.to_sparse24(w, method)) for method in ("magnitude", "transposable", "mvue")}
 
 
-def training_row(m: int = 8192, k: int = 4096, n: int = 11008) -> list[str]:
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    layer = sparsegen.Sparse24Linear.from_dense(dense)
-    trained = sparsegen.Sparse24TrainingLinear.from_dense(dense)
-    sparse_dw = sparsegen.Sparse24TrainingLinear.from_dense(dense, dw_sparse=True)
-    step = lambda model: lambda: median_ms(lambda: model(x).backward(dy))  # noqa: E731
-    dense_ms, ours, pretrain, mvue = interleaved(*(step(model) for model in (dense, layer, trained, sparse_dw)))
-    return [f"- fwd+bwd of one linear ({m}, {k}, {n}), bf16: dense {dense_ms:.3f} ms; Sparse24Linear "
-            f"(fixed mask, values trained) {ours:.3f} ms ({dense_ms / ours:.2f}x dense); "
-            f"Sparse24TrainingLinear (2by4 recipe, transposable mask) {pretrain:.3f} ms ({dense_ms / pretrain:.2f}x dense); "
-            f"the same with dw_sparse=True (MVUE dY, dW on the 2:4 kernel) {mvue:.3f} ms ({dense_ms / mvue:.2f}x dense)"]
+GPT2_WIDTHS = (768, 1024, 2048, 2560)  # the 2by4 paper's GPT-2 FFN shapes: d -> 4d -> d
+TRAIN_TOKENS = 2048 * 4  # sequence 2048 x batch 4
+TRAIN_VARIANTS = ("Sparse24Linear, magnitude mask", "Sparse24Linear, transposable mask", "2by4 recipe",
+                  "recipe + dw_sparse")
+
+
+def _sparse_twin(linear: torch.nn.Linear, variant: str) -> torch.nn.Module:
+    """Fixed-mask layers (values trained) or the recipe's (dense weights, mask refreshed every 100 steps)."""
+    if variant.startswith("Sparse24Linear"):
+        return sparsegen.Sparse24Linear.from_dense(linear, method=variant.split(", ")[1].split()[0])
+    return sparsegen.Sparse24TrainingLinear.from_dense(linear, dw_sparse=variant == TRAIN_VARIANTS[3])
+
+
+def ffn(d: int, variant: str | None) -> torch.nn.Module:
+    """GPT-2's FFN block (d -> 4d, GELU, 4d -> d) in bf16, its linears dense or 2:4."""
+    torch.manual_seed(0)
+    up, down = (torch.nn.Linear(a, b, device="cuda", dtype=torch.bfloat16) for a, b in ((d, 4 * d), (4 * d, d)))
+    if variant is not None:
+        up, down = _sparse_twin(up, variant), _sparse_twin(down, variant)
+    return torch.nn.Sequential(up, torch.nn.GELU(approximate="tanh"), down)
+
+
+def fwd_bwd_ms(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> float:
+    """One training step's products - forward, backward into fresh gradients - replayed as a
+    CUDA graph (as a graphed training step runs them: the GPU's time, no launch cost). Three
+    eager steps first, on a side stream, as capture asks."""
+    def step():
+        model(x).backward(dy)
+
+    def clear():
+        for p in [*model.parameters(), x]:
+            p.grad = None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            clear()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return median_ms(graph.replay)
+
+
+def train_rows(widths=GPT2_WIDTHS, tokens: int = TRAIN_TOKENS) -> list[str]:
+    """fwd+bwd per FFN block, dense against the 2:4 training variants, and one linear
+    (8192, 4096, 11008) the same way, each as a CUDA graph."""
+    cases = [(f"GPT-2 FFN d={d}", tokens, d, lambda v, d=d: ffn(d, v)) for d in widths]
+    cases.append(("linear (8192, 4096, 11008)", 8192, 4096, lambda v: _linear_case(v)))
+    rows = []
+    for label, m, d, build in cases:
+        models = [build(None)] + [build(v) for v in TRAIN_VARIANTS]
+        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, models[0](x).shape[-1], device="cuda", dtype=torch.bfloat16)
+        times = interleaved(*(lambda model=model: fwd_bwd_ms(model, x, dy) for model in models))
+        rows.append(f"| {label} | {m} | {times[0]:.3f} | " + " | ".join(
+            f"{t:.3f} ({times[0] / t:.2f}x)" for t in times[1:]) + " |")
+        print(rows[-1], flush=True)
+    return ["| fwd+bwd, bf16, CUDA graph | tokens | dense ms | " + " | ".join(TRAIN_VARIANTS) + " |",
+            "|---|---|---|" + "---|" * len(TRAIN_VARIANTS)] + rows
+
+
+def _linear_case(variant: str | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(4096, 11008, bias=False, device="cuda", dtype=torch.bfloat16)
+    return dense if variant is None else _sparse_twin(dense, variant)
+
+
+DECODE_WEIGHTS = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (14336, 4096)]  # N x K
+DECODE_TOKENS = (1, 8, 16, 64, 128)
+
+
+def graph_ms(calls) -> float | None:
+    """Per call, the median time of `calls` (each on its own weight) replayed from one CUDA
+    graph - no launch cost - or None if they cannot be captured. The weights together are 3x
+    the L2 cache, so each call reads its weight from HBM, as a decode step over many layers
+    does (one weight replayed alone would stay in L2)."""
+    from triton.testing import do_bench_cudagraph
+
+    def all_calls():
+        for call in calls:
+            call()
+    try:
+        return do_bench_cudagraph(all_calls, rep=40, return_mode="median") / len(calls)
+    except Exception as error:  # a peer that cannot be captured: recorded, not fatal
+        print(f"  capture failed: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        return None
+
+
+def decode_rows(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> list[str]:
+    """1-128 tokens, bf16: eager (do_bench flushes L2 before each call) and CUDA-graph times
+    of dense, sparsegen and cuSPARSELt."""
+    from torch.sparse import to_sparse_semi_structured
+
+    rows = []
+    for n, k in weights:
+        copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
+        dense_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        sparse = [sparsegen.to_sparse24(w) for w in dense_ws]
+        peers = [_cusparselt_weight(s.to_dense(), to_sparse_semi_structured) for s in sparse]
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            calls = [[lambda w=w: F.linear(x, w) for w in dense_ws],
+                     [lambda s=s: ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse],
+                     None if None in peers else [lambda p=p: F.linear(x, p) for p in peers]]
+            eager = interleaved(*(lambda c=c: c and median_ms(c[0]) for c in calls))
+            graph = interleaved(*(lambda c=c: c and graph_ms(c) for c in calls))
+            rows.append(_decode_row(n, k, m, eager, graph))
+            print(rows[-1], flush=True)
+        del dense_ws, sparse, peers
+    return ["| weight N x K | M | dense eager ms | sparsegen eager | cuSPARSELt eager | dense graph ms | "
+            "sparsegen graph | cuSPARSELt graph | graph: sparsegen > 1.3x and > cuSPARSELt |",
+            "|---|---|---|---|---|---|---|---|---|"] + rows
+
+
+def _cusparselt_weight(dense_w: torch.Tensor, convert):
+    from torch.sparse import SparseSemiStructuredTensor
+
+    SparseSemiStructuredTensor._FORCE_CUTLASS = False
+    try:
+        return convert(dense_w)
+    except Exception as error:
+        print(f"  cuSPARSELt failed: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        return None
+
+
+def _decode_row(n, k, m, eager, graph) -> str:
+    def ratio(times, i):
+        return "-" if times[i] is None else f"{times[i]:.4f} ({times[0] / times[i]:.2f}x)"
+    met = graph[1] is not None and graph[0] / graph[1] >= 1.3 and (graph[2] is None or graph[1] < graph[2])
+    return (f"| {n}x{k} | {m} | {eager[0]:.4f} | {ratio(eager, 1)} | {ratio(eager, 2)} | {graph[0]:.4f} | "
+            f"{ratio(graph, 1)} | {ratio(graph, 2)} | {'yes' if met else 'NO'} |")
 
 
 def random_bytes(shape, dtype) -> torch.Tensor:
@@ -138,6 +259,33 @@ def tune() -> None:
             print(f"{n}x{k} M={m} {instr} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
 
 
+def tune_decode() -> None:
+    """Per decode weight and token count: CUDA-graph time (weights from HBM, as in --decode)
+    of tile configurations and K splits of the sp24 kernel, against dense."""
+    from sparsegen.spec import TileConfig
+
+    tiles = {32: [TileConfig(32, 8, 1, 6), TileConfig(32, 4, 1, 8)],
+             128: [TileConfig(64, 8, 1, 6), TileConfig(64, 4, 1, 8), TileConfig(128, 8, 1, 6)]}
+    for n, k in DECODE_WEIGHTS:
+        copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
+        dense_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        sparse = [sparsegen.to_sparse24(w) for w in dense_ws]
+        for m in (1, 16, 64, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dense = graph_ms([lambda w=w: F.linear(x, w) for w in dense_ws])
+            default = graph_ms([lambda s=s: ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse])
+            print(f"{n}x{k} M={m}: dense {dense:.4f} ms, default {dense / default:.2f}x", flush=True)
+            for tile in tiles[32 if m <= 32 else 128]:
+                for splits in (1, 2, 4, 8, 16):
+                    try:
+                        ms = graph_ms([lambda s=s: ops.sp24_dds(x, s.values, s.metadata, None, n, tile=tile,
+                                                                 splits=splits, instr="tma") for s in sparse])
+                    except Exception as error:
+                        print(f"  {tile.tag} splits={splits}: {type(error).__name__}", flush=True)
+                        continue
+                    print(f"  {tile.tag} splits={splits}: {dense / ms:.2f}x", flush=True)
+
+
 def table_rows(markdown: str) -> list[dict]:
     """The forward table of a markdown file this script wrote, as dicts."""
     rows = []
@@ -179,7 +327,16 @@ def main(argv=None) -> None:
     parser.add_argument("--plot", type=Path, help="write the speedup plot (PNG) here")
     parser.add_argument("--replot", type=Path, help="only plot the table of this markdown file (no GPU)")
     parser.add_argument("--bytes", action="store_true", help="int8 and e4m3 2:4 against dense cuBLAS instead")
+    parser.add_argument("--decode", action="store_true", help="only the 1-128 token table (eager and CUDA graphs)")
+    parser.add_argument("--train", action="store_true", help="only the fwd+bwd table (GPT-2 FFNs, one linear)")
+    parser.add_argument("--tune-decode", action="store_true", help="time decode tiles and K splits instead")
     args = parser.parse_args(argv)
+    if args.tune_decode:
+        return tune_decode()
+    if args.decode or args.train:
+        head = (f"GPU: {torch.cuda.get_device_name()} - date: {datetime.date.today()} - torch {torch.__version__} "
+                f"- command: `python tools/bench24.py {'--decode' if args.decode else '--train'}`\n")
+        return print("\n".join([head] + (decode_rows() if args.decode else train_rows())))
     if args.bytes:
         weights = {str(d)[6:]: random_bytes((4096, 11008), d) for d in (torch.int8, torch.float8_e4m3fn)}
         prune = {name: median_ms(lambda: sparsegen.to_sparse24(w, "transposable")) for name, w in weights.items()}
@@ -197,7 +354,7 @@ def main(argv=None) -> None:
     times = prune_compress_ms()
     lines += ["", "- prune + compress a 4096x11008 bf16 weight on the GPU (sp24_mask / sp24_compress kernels): " +
               ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())]
-    lines += training_row()
+    lines += ["", "Training (`--train`):", ""] + train_rows()
     w = torch.randn(11008, 4096, dtype=torch.bfloat16)
     lines.append(f"- weight memory / dense: {sparsegen.to_sparse24(w).nbytes() / (w.numel() * 2):.4f}")
     print("\n".join(lines))

@@ -55,9 +55,15 @@ for step in "${steps[@]}"; do
              python3 tools/ncu_case.py $case; done 2>&1 | tee "$OUT/ncu.log" | grep -E "bsr_dds|Throughput|Duration|Stall|Warp Cycles|Issued|L2|DRAM|Hit" ;;
     demo) python3 tools/demo.py 2>&1 | tee "$OUT/demo.log" ;;
     tune24) python3 tools/bench24.py --tune 2>&1 | tee "$OUT/tune24.log" ;;
-    tests24) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24.log" ;;
+    tests24) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/tests24.log" | tail -15 ;;
     tests24k) SPARSEGEN_COMPRESS_KERNEL=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24k.log" ;;
     bench24) python3 tools/bench24.py --markdown "$OUT/bench24.md" --plot "$OUT/bench24.png" 2>&1 | tee "$OUT/bench24.log" ;;
+    bench24_train) python3 tools/bench24.py --train 2>&1 | tee "$OUT/bench24_train.log" ;;
+    tune_decode) python3 tools/bench24.py --tune-decode 2>&1 | tee "$OUT/tune_decode.log" ;;
+    bench24_decode) python3 tools/bench24.py --decode 2>&1 | tee "$OUT/bench24_decode.log" ;;
+    train24_profile) timeout 200 python3 tools/profile_train.py --models dense,2:4-train,2:4 2>&1 | tee "$OUT/train24_profile.log" | grep -E " ms" ;;
+    train_demo24) for s in ${SEEDS:-0 1 2}; do  # issue 15's demo: dense, the 2by4 recipe and fixed-mask 2:4, three seeds
+           timeout 190 python3 tools/train_demo.py --out "$OUT/s$s" --models dense,2:4-train,2:4 --seed $s 2>&1 | tee "$OUT/train_demo24_s$s.log" | tail -5; done ;;
     bench24bytes) python3 tools/bench24.py --bytes 2>&1 | tee "$OUT/bench24bytes.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \

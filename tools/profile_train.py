@@ -1,7 +1,8 @@
 """Where a training step of the demo GPT goes: step times and a torch.profiler table for the
 dense and the block-sparse-FFN model. GPU: PYTHONPATH=. python tools/profile_train.py
-[--compare-init]: the latter times the d = 0.5 model built both ways (train_demo --init
-pruned and fresh) in one process, same batch."""
+[--compare-init | --models dense,2:4-train]: --compare-init times the d = 0.5 model built
+both ways (train_demo --init pruned and fresh) in one process, same batch; --models profiles
+those train_demo models instead of dense, 0.5 and 0.25."""
 from __future__ import annotations
 
 import faulthandler
@@ -42,11 +43,14 @@ def profile(args, density, x, y) -> None:
         for _ in range(3):
             step(model, opt, x, y)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
 
 
 def main(argv=None) -> None:
-    compare_init = "--compare-init" in (sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    compare_init = "--compare-init" in argv
+    kinds = ([train_demo.MODELS[name] for name in argv[argv.index("--models") + 1].split(",")]
+             if "--models" in argv else [0.5, None, 0.25])
     args = train_demo.parse_args([])
     start = time.perf_counter()
     data = train_demo.corpus(args.corpus_mb << 20)
@@ -61,8 +65,8 @@ def main(argv=None) -> None:
             print(f"--init {init}")
             profile(train_demo.parse_args(["--init", init]), 0.5, x, y)
         return
-    for density in (0.5, None, 0.25):
-        profile(args, density, x, y)
+    for kind in kinds:
+        profile(args, kind, x, y)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 // sign * (|a| + |b|) - 2by4-pretrain's unbiased estimator, drawn from a counter-based hash
 // of (seed, pair index) so any launch shape gives the same sample.
 #include "sg_mma.cuh"
+#include "sg_sp24_word.cuh"
 
 using Elem = unsigned short;
 enum Mode { MAGNITUDE = 0, MASKED = 1, MVUE = 2 };
@@ -141,11 +142,8 @@ sp24_compress_b16x32_bf16_nt_sm80_mma_t64w4x2s2(const Elem* __restrict__ w, cons
            unsigned* __restrict__ metadata, unsigned long long seed, long long row_step, long long col_step,
            int N, int K, int mode) {
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long tiles_k = K / 32, words = (long long)N / 16 * tiles_k * 16;
-  if (t >= words) return;
-  const int slot = t % 16, g = slot / 2, h = slot % 2;
-  const long long tile = t / 16;
-  const int row = (tile / tiles_k) * 16 + g, col = (tile % tiles_k) * 32 + 16 * h;
+  long long row, col;
+  if (!sg::sp24_word_origin(t, N, K, row, col)) return;
   unsigned word = 0;
 #pragma unroll
   for (int upper = 0; upper < 2; ++upper) {

@@ -3,6 +3,9 @@
 // tile, of the 90 patterns that keep 2 of every row and 2 of every column,
 // the one keeping the most |w| (the first of equal ones, in layouts/semi24.py's order).
 // One thread per tile; the mask is one byte per element (torch.bool), 4 bytes per tile row.
+// Given a step counter (the training layers' device-side schedule), the launch writes only at
+// a positive multiple of `interval` and returns at once otherwise: a CUDA graph replays the
+// launch every step and the mask still changes every `interval` steps.
 #include "sg_mma.cuh"
 
 using Elem = unsigned short;
@@ -13,7 +16,9 @@ __device__ __forceinline__ unsigned pair_bytes(int p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-sp24_mask_b16x32_fp16_nt_sm90_mma_t64w4x2s2(const Elem* __restrict__ w, unsigned* __restrict__ mask, int N, int K) {
+sp24_mask_b16x32_fp16_nt_sm90_mma_t64w4x2s2(const Elem* __restrict__ w, unsigned* __restrict__ mask, const long long* __restrict__ step, int N, int K,
+           int interval) {
+  if (step != nullptr && (*step <= 0 || *step % interval != 0)) return;
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x, tiles_k = K / 4;
   if (t >= (long long)(N / 4) * tiles_k) return;
   const long long row = t / tiles_k * 4, col = t % tiles_k * 4;
