@@ -661,11 +661,15 @@ def _k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2, min_stage
 
 
 def _narrow_tiles(m: int, n: int, device_index: int) -> bool:
-    """33-128 tokens on Hopper: blocks of 64 W rows instead of 128 (a decode sweep on an H100,
-    tools/bench24.py --tune-decode, weights read from HBM: as fast or faster at every weight of
-    its table, e.g. 11008x4096 at M 128 1.17x dense against 1.00x, 4096x4096 at M 64 0.95x
-    against 0.80x)."""
-    return _rows_bucket(m) == 128
+    """33-128 tokens on Hopper: blocks of 64 W rows x 64 tokens, except 65-128 tokens on a
+    weight whose 128-row tiles fill half the SMs or more: 128 W rows x 128 tokens. From a
+    decode sweep on an H100 (tools/bench24.py --tune-decode, weights read from HBM): at M 128
+    11008x4096 ran 1.45x dense that way against 1.17x narrow and 1.00x on 128 x 64 tiles,
+    14336x4096 1.54x against 1.25x; 8192x8192 (64 tiles) 1.34x narrow against 1.23x; at M 64
+    narrow was as fast or faster everywhere (4096x4096 0.95x against 0.80x)."""
+    if _rows_bucket(m) != 128:
+        return False
+    return m <= 64 or 2 * -(-n // 128) < runtime.sm_count(device_index)
 
 
 # K splits of wgmma.sp decode launches (the same sweep): one block per SM (a second split per SM

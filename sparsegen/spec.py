@@ -439,8 +439,8 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
     mma.sp reached 0.6x; the pairs gave 1-5% over single blocks at M = 16384), 64 tokens up
-    to M = 128 (`narrow`: one consumer warpgroup, for weights too short to fill the GPU with
-    128-row blocks) and 32 up to 32 (the host splits K across blocks there). Elsewhere
+    to M = 128 (`narrow`: one consumer warpgroup; otherwise 128 tokens, for 65-128 tokens on
+    weights of N/128 >= half the SMs: ops._narrow_tiles) and 32 up to 32 (the host splits K across blocks there). Elsewhere
     mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
     tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
     small batches. One-byte types take the same tiles (k64 products: wgmma.sp on sm_90)."""
@@ -450,7 +450,7 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     if tile is None:
         if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
             tile = (TileConfig(256, 8, 1, 4, cluster=2) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
-                    else TileConfig(64, 4, 1, 8) if narrow else TileConfig(64, 8, 1, 6))
+                    else TileConfig(64, 4, 1, 8) if narrow else TileConfig(128, 8, 1, 6))
         elif rows is not None and rows <= 32:
             tile = TileConfig(32, 2, 1, 4 if big_smem else 3)
         elif not many_rows or not big_smem:

@@ -24,7 +24,7 @@ def poisoned(m, n, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 7, 64, 65, 200, 1000, 2049])
-@pytest.mark.parametrize("n, k", [(16, 32), (128, 128), (336, 160), (1024, 4096)])
+@pytest.mark.parametrize("n, k", [(16, 32), (128, 128), (336, 160), (1024, 4096), (11008, 256)])
 @pytest.mark.parametrize("method", ["magnitude", "transposable"])
 def test_sp24_forward_matches_float64(dtype, m, n, k, method):
     w = torch.randn(n, k, device="cuda", dtype=dtype)

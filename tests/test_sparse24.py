@@ -139,9 +139,9 @@ def test_weight_memory_is_at_most_057_of_dense():
     assert sparse.nbytes() / (w.numel() * w.element_size()) <= 0.57
 
 
-@pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 11008, True), (100, 8448, True), (64, 8448, True),
-                                          (33, 8192, True), (32, 4096, False), (1000, 4096, False)])
-def test_33_to_128_tokens_take_narrow_tiles(m, n, narrow, monkeypatch):
+@pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 8192, True), (128, 11008, False), (100, 8448, False),
+                                          (64, 14336, True), (33, 8192, True), (32, 4096, False), (1000, 4096, False)])
+def test_33_to_128_tokens_take_narrow_tiles_unless_wide_ones_fill_the_gpu(m, n, narrow, monkeypatch):
     from sparsegen import ops, runtime
     from sparsegen.spec import TileConfig, sp24_spec
 
@@ -149,6 +149,8 @@ def test_33_to_128_tokens_take_narrow_tiles(m, n, narrow, monkeypatch):
     assert ops._narrow_tiles(m, n, 0) == narrow
     tile = sp24_spec("bf16", 90, rows=ops._rows_bucket(m), narrow=narrow).tile
     assert (tile == TileConfig(64, 4, 1, 8)) == narrow
+    if 64 < m <= 128 and not narrow:
+        assert tile == TileConfig(128, 8, 1, 6)
 
 
 @pytest.mark.parametrize("m, n, k, splits", [(1, 4096, 4096, 4), (16, 11008, 4096, 1), (16, 8192, 8192, 2),
