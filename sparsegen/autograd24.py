@@ -83,9 +83,8 @@ def stored_transposable(metadata: Tensor, n: int, k: int) -> bool:
     CUDA graph capture that meets it first: then False (cuBLAS), for that capture."""
     if n % semi24.COL_GRANULE:
         return False
-    if metadata.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _TRANSPOSABLE.get(metadata, (metadata._version, n, k), lambda: False)
-    return _TRANSPOSABLE.get(metadata, (metadata._version, n, k), lambda: _columns_24(metadata, n, k))
+    capturing = metadata.is_cuda and torch.cuda.is_current_stream_capturing()  # (the cache keeps no result then)
+    return _TRANSPOSABLE.get(metadata, (metadata._version, n, k), lambda: not capturing and _columns_24(metadata, n, k))
 
 
 def _columns_24(metadata: Tensor, n: int, k: int) -> bool:

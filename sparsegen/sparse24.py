@@ -96,7 +96,7 @@ def byte_reference(x, values, metadata, bias, out_features: int) -> torch.Tensor
     return (y if bias is None else y + bias.double()).to(ops.sp24_output_dtype(x.dtype))
 
 
-def _on_kernels(w: torch.Tensor) -> bool:
+def on_kernels(w: torch.Tensor) -> bool:
     """Prune and pack with the generated kernels (a CUDA 16-bit or one-byte weight), else PyTorch ops."""
     return ops.runs_prune_kernels(w) and env.compress_kernel()
 
@@ -104,7 +104,7 @@ def _on_kernels(w: torch.Tensor) -> bool:
 def compress_masked(w: torch.Tensor, mask: torch.Tensor):
     """(values, metadata) of w at a mask already known to be 2:4 (no check, no host sync):
     the training layers' per-step path."""
-    if _on_kernels(w):
+    if on_kernels(w):
         return ops.sp24_compress(w.detach(), mask)
     return semi24.compress(w.detach().contiguous(), mask.contiguous())
 
@@ -113,7 +113,7 @@ def prune_mask(w: torch.Tensor, method: str) -> torch.Tensor:
     """The "magnitude" or "transposable" 2:4 mask of w (the transposable one by a kernel on
     the GPU)."""
     if method == "transposable":
-        return ops.sp24_transposable_mask(w) if _on_kernels(w) else semi24.transposable_mask(w)
+        return ops.sp24_transposable_mask(w) if on_kernels(w) else semi24.transposable_mask(w)
     return semi24.magnitude_mask(w)
 
 
@@ -131,7 +131,7 @@ def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, ge
     w = w.detach()
     if mask is None:
         semi24.check_method(method)
-    if not _on_kernels(w):
+    if not on_kernels(w):
         pruned, keep = semi24.prune(w, method, mask, generator)
         return semi24.compress(pruned.contiguous(), keep.to(w.device).contiguous())
     if mask is not None:

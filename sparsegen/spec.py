@@ -440,8 +440,8 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
     mma.sp reached 0.6x; the pairs gave 1-5% over single blocks at M = 16384), 64 tokens up
     to M = 128 (`narrow`: one consumer warpgroup; otherwise 128 tokens, for 65-128 tokens on
-    weights of N/128 >= half the SMs: ops._narrow_tiles) and 32 up to 32 (the host splits K across blocks there). Elsewhere
-    mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
+    weights of N/128 >= half the SMs: ops._narrow_tiles) and 32 up to 32 (the host splits K
+    across blocks there). Elsewhere mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
     tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
     small batches. One-byte types take the same tiles (k64 products: wgmma.sp on sm_90)."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128

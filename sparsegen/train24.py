@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint, env, ops
+from . import checkpoint, ops
 from .errors import expect, positive_int
 from .layouts import semi24
 from .nn import autocast_inputs, dense_linear
-from .sparse24 import compress_masked, prune_and_compress, prune_mask
+from .sparse24 import compress_masked, on_kernels, prune_and_compress, prune_mask
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -157,16 +157,15 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         All on the device: the transposable mask kernel on the GPU reads the counter and
         returns at once between refreshes; elsewhere torch.where keeps the old mask."""
         weight = weight.detach()
-        if self.method == "transposable" and ops.runs_prune_kernels(weight) and env.compress_kernel():
+        kernel = self.method == "transposable" and on_kernels(weight)
+        due = None if kernel and not self.soft_threshold else (self.step > 0) & (self.step % self.mask_interval == 0)
+        if kernel:
             ops.sp24_transposable_mask(weight, out=self.mask, step=self.step, interval=self.mask_interval)
         else:
-            self.mask.copy_(torch.where(self._due(), prune_mask(weight, self.method), self.mask))
+            self.mask.copy_(torch.where(due, prune_mask(weight, self.method), self.mask))
         if self.soft_threshold:
-            self.scale.copy_(torch.where(self._due(), _norm_keeping_scale(weight), self.scale))
+            self.scale.copy_(torch.where(due, _norm_keeping_scale(weight), self.scale))
         self.step.add_(1)
-
-    def _due(self) -> torch.Tensor:
-        return (self.step > 0) & (self.step % self.mask_interval == 0)
 
     def sparse_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The 2:4 weight the products use: masked, or S-STE's scaled soft threshold."""

@@ -67,15 +67,14 @@ def prune_compress_ms(n: int = 4096, k: int = 11008) -> dict:
 
 GPT2_WIDTHS = (768, 1024, 2048, 2560)  # the 2by4 paper's GPT-2 FFN shapes: d -> 4d -> d
 TRAIN_TOKENS = 2048 * 4  # sequence 2048 x batch 4
-TRAIN_VARIANTS = ("Sparse24Linear, magnitude mask", "Sparse24Linear, transposable mask", "2by4 recipe",
-                  "recipe + dw_sparse")
-
-
-def _sparse_twin(linear: torch.nn.Linear, variant: str) -> torch.nn.Module:
-    """Fixed-mask layers (values trained) or the recipe's (dense weights, mask refreshed every 100 steps)."""
-    if variant.startswith("Sparse24Linear"):
-        return sparsegen.Sparse24Linear.from_dense(linear, method=variant.split(", ")[1].split()[0])
-    return sparsegen.Sparse24TrainingLinear.from_dense(linear, dw_sparse=variant == TRAIN_VARIANTS[3])
+# The 2:4 training layers timed, by column: fixed-mask layers (values trained) or the recipe's
+# (dense weights, mask refreshed every 100 steps).
+TRAIN_VARIANTS = {
+    "Sparse24Linear, magnitude mask": lambda dense: sparsegen.Sparse24Linear.from_dense(dense, method="magnitude"),
+    "Sparse24Linear, transposable mask": lambda dense: sparsegen.Sparse24Linear.from_dense(dense, method="transposable"),
+    "2by4 recipe": lambda dense: sparsegen.Sparse24TrainingLinear.from_dense(dense),
+    "recipe + dw_sparse": lambda dense: sparsegen.Sparse24TrainingLinear.from_dense(dense, dw_sparse=True),
+}
 
 
 def ffn(d: int, variant: str | None) -> torch.nn.Module:
@@ -83,7 +82,7 @@ def ffn(d: int, variant: str | None) -> torch.nn.Module:
     torch.manual_seed(0)
     up, down = (torch.nn.Linear(a, b, device="cuda", dtype=torch.bfloat16) for a, b in ((d, 4 * d), (4 * d, d)))
     if variant is not None:
-        up, down = _sparse_twin(up, variant), _sparse_twin(down, variant)
+        up, down = TRAIN_VARIANTS[variant](up), TRAIN_VARIANTS[variant](down)
     return torch.nn.Sequential(up, torch.nn.GELU(approximate="tanh"), down)
 
 
@@ -132,7 +131,7 @@ def train_rows(widths=GPT2_WIDTHS, tokens: int = TRAIN_TOKENS) -> list[str]:
 def _linear_case(variant: str | None) -> torch.nn.Module:
     torch.manual_seed(0)
     dense = torch.nn.Linear(4096, 11008, bias=False, device="cuda", dtype=torch.bfloat16)
-    return dense if variant is None else _sparse_twin(dense, variant)
+    return dense if variant is None else TRAIN_VARIANTS[variant](dense)
 
 
 DECODE_WEIGHTS = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (14336, 4096)]  # N x K
@@ -156,6 +155,14 @@ def graph_ms(calls) -> float | None:
         return None
 
 
+def decode_weights(n: int, k: int) -> tuple[list, list]:
+    """bf16 N x K weights, dense and 2:4, as many as make 3x the L2 cache (at least 2): a graph
+    replaying one call per weight reads each from HBM."""
+    copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
+    dense_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    return dense_ws, [sparsegen.to_sparse24(w) for w in dense_ws]
+
+
 def decode_rows(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> list[str]:
     """1-128 tokens, bf16: eager (do_bench flushes L2 before each call) and CUDA-graph times
     of dense, sparsegen and cuSPARSELt."""
@@ -163,9 +170,7 @@ def decode_rows(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> list[str]:
 
     rows = []
     for n, k in weights:
-        copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
-        dense_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-        sparse = [sparsegen.to_sparse24(w) for w in dense_ws]
+        dense_ws, sparse = decode_weights(n, k)
         peers = [_cusparselt_weight(s.to_dense(), to_sparse_semi_structured) for s in sparse]
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -267,9 +272,7 @@ def tune_decode() -> None:
     tiles = {32: [TileConfig(32, 8, 1, 6), TileConfig(32, 4, 1, 8)],
              128: [TileConfig(64, 8, 1, 6), TileConfig(64, 4, 1, 8), TileConfig(128, 8, 1, 6)]}
     for n, k in DECODE_WEIGHTS:
-        copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
-        dense_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-        sparse = [sparsegen.to_sparse24(w) for w in dense_ws]
+        dense_ws, sparse = decode_weights(n, k)
         for m in (1, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dense = graph_ms([lambda w=w: F.linear(x, w) for w in dense_ws])
