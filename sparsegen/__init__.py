@@ -1,12 +1,14 @@
 """sparsegen: JIT-generated sparse kernels for PyTorch layers."""
 from .errors import CompileError, InputError, SparsegenError, SpecError
-from .nn import BlockSparseLinear, linear
-from .nn24 import Sparse24Linear
-from . import inductor, topology  # noqa: F401 (inductor: the compiled graphs' lowerings)
+from .bsr.nn import BlockSparseLinear
+from .factory import linear
+from .semi24.nn import Sparse24Linear
+from . import inductor  # noqa: F401 (the compiled graphs' lowerings)
+from .bsr import topology
 from .patching import GatedMLP, dense_copy, patch
 from .spec import KernelSpec, TileConfig
-from .sparse24 import Sparse24Tensor, to_sparse24
-from .train24 import Sparse24TrainingLinear, dense_finetune_, masked_decay_
+from .semi24.tensor import Sparse24Tensor, to_sparse24
+from .semi24.train import Sparse24TrainingLinear, dense_finetune_, masked_decay_
 
 __version__ = "0.1.0"
 __all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "GatedMLP", "topology", "KernelSpec", "TileConfig", "SparsegenError",

@@ -15,7 +15,9 @@ import warnings
 
 import torch
 
-from . import epilogues, lean, library, ops, plans
+from . import calls, epilogues, lean, library, plans
+from .bsr import ops as bsr_ops
+from .semi24 import ops as sp24_ops
 
 def register() -> None:
     """Register the lowerings (library.on_first_trace calls this once per process)."""
@@ -37,7 +39,7 @@ def _register() -> None:
 
     def lowering(op, name: str, tensors: int, bias_at: int):
         """op(*tensor inputs (bias, at `bias_at`, may be None), *ints, out_features, epilogue)
-        -> one [..., width] tensor (ops.fake_product's shape)."""
+        -> one [..., width] tensor (calls.fake_product's shape)."""
         @register_lowering(op, type_promotion_kind=None)
         def lower(*args):
             inputs, constants = args[:tensors], args[tensors:]
@@ -55,7 +57,7 @@ def _register() -> None:
 
 
 def _output_dtype(op, dtype: torch.dtype) -> torch.dtype:
-    return ops.sp24_output_dtype(dtype) if op.name() == "sparsegen::sp24_dds" else dtype
+    return sp24_ops.sp24_output_dtype(dtype) if op.name() == "sparsegen::sp24_dds" else dtype
 
 
 def _fits(out: torch.Tensor) -> bool:
@@ -69,12 +71,12 @@ _PLANS = plans.PlanCache()
 
 def _bsr_dds(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features, epilogue,
              *, out):
-    plan = _PLANS.get(row_offsets, (x.shape, x.dtype, x.get_device(), epilogue), lambda: ops.bsr_lean_plan(
+    plan = _PLANS.get(row_offsets, (x.shape, x.dtype, x.get_device(), epilogue), lambda: bsr_ops.bsr_lean_plan(
         x, values, row_offsets, col_indices, (block_rows, block_cols), out_features, epilogue))
     if plan is not None and lean.runs(plan, x) and _fits(out):
         plan.run(x, values, bias, out)
-    elif x.is_cuda and ops.has_kernels(x.device.index or 0) and _fits(out):
-        ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out,
+    elif x.is_cuda and calls.has_kernels(x.device.index or 0) and _fits(out):
+        bsr_ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out,
                     epilogue=epilogue)
     else:
         out.copy_(torch.ops.sparsegen.bsr_dds.default(x, values, bias, row_offsets, col_indices, flat_index,
@@ -87,11 +89,11 @@ def _bsr_dds_no_bias(x, values, row_offsets, col_indices, flat_index, *ints, out
 
 def _sp24_dds(x, values, metadata, bias, out_features, epilogue, *, out):
     plan = _PLANS.get(metadata, (x.shape, x.dtype, x.get_device(), values.data_ptr(), epilogue),
-                      lambda: ops.sp24_lean_plan(x, values, metadata, out_features, epilogue))
+                      lambda: sp24_ops.sp24_lean_plan(x, values, metadata, out_features, epilogue))
     if plan is not None and lean.runs(plan, x) and _fits(out):
         plan.run(x, values, bias, out)
-    elif ops.runs_16bit_kernels(x) and _fits(out):
-        ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
+    elif calls.runs_16bit_kernels(x) and _fits(out):
+        sp24_ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
     else:
         out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))
 

@@ -4,7 +4,7 @@ torch.library.custom_op wraps every call in Python (an autograd wrapper, then a 
 about 8 us a call on a fast host, 3-4x that on the slow ones, and inside a compiled graph
 that is most of a small layer's host time. Here the dispatcher calls our implementation
 directly (about 2 us). The ops carry no gradient of their own: the layers' autograd
-Functions (autograd.py, autograd24.py) compose them, and torch.compile traces those
+Functions (each layout's autograd.py) compose them, and torch.compile traces those
 Functions, so a compiled graph calls these ops and nothing heavier.
 """
 from __future__ import annotations

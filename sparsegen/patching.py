@@ -10,9 +10,9 @@ from torch import nn
 
 from . import epilogues
 from .errors import InputError, expect
-from .nn import BlockSparseLinear
-from .nn24 import Sparse24Linear
-from .train24 import Sparse24TrainingLinear
+from .bsr.nn import BlockSparseLinear
+from .semi24.nn import Sparse24Linear
+from .semi24.train import Sparse24TrainingLinear
 
 _SETTINGS = ("block", "density", "layout", "sparsity", "method", "training")
 

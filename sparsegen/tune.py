@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from . import crossovers, dense_path, runtime, trust
-from .nn import BlockSparseLinear
-from .nn24 import Sparse24Linear
+from .bsr.nn import BlockSparseLinear
+from .semi24.nn import Sparse24Linear
 
 # (out_features, in_features): attention and MLP projections of BERT-base, Llama-7B-like and
 # Llama-1B-like models, and square layers from 768 to 8192.

@@ -11,8 +11,8 @@ import sparsegen.cache
 import sparsegen.compiler
 import sparsegen.diskstore
 import sparsegen.env
-from sparsegen import crossovers, ops, runtime
-from sparsegen.spec import forward_spec
+from sparsegen import calls, crossovers, runtime
+from sparsegen.bsr.specs import forward_spec
 
 CACHE_SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
 
@@ -122,4 +122,4 @@ def losing_table(tmp_path, monkeypatch):
 @pytest.fixture
 def dense_everywhere(losing_table, monkeypatch):
     """That table, and no call counted host-bound: eager calls take the dense path too."""
-    monkeypatch.setattr(ops, "HOST_BOUND_FLOPS", 0)
+    monkeypatch.setattr(calls, "HOST_BOUND_FLOPS", 0)

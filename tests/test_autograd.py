@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import autograd
-from sparsegen.autograd import IndexTensors
-from sparsegen.layouts import bsr
+from sparsegen.bsr import autograd
+from sparsegen.bsr.autograd import IndexTensors
+from sparsegen.bsr import format as bsr
+from sparsegen.bsr import ops as bsr_ops
 
 
 def random_layout(rows, cols, density=0.5, empty_row=None):
@@ -35,18 +36,18 @@ def test_gradcheck_float64(block):
 
 
 def kernel_stand_in(x, values, bias, row_offsets, col_indices, flat_index, block, out_features, epilogue="none"):
-    """ops.bsr_dds_any_device computed by the reference from its (row_offsets, col_indices)
+    """bsr_ops.bsr_dds_any_device computed by the reference from its (row_offsets, col_indices)
     arguments alone, as the kernels read them (flat_index is ignored)."""
     rows = torch.repeat_interleave(torch.arange(row_offsets.numel() - 1), row_offsets.diff())
     flat = rows * (x.shape[-1] // block[1]) + col_indices
-    return sparsegen.ops.indexed_reference(x, values, bias, flat, block, out_features, epilogue)
+    return bsr_ops.indexed_reference(x, values, bias, flat, block, out_features, epilogue)
 
 
 @pytest.mark.parametrize("block", [(2, 3), (4, 2)])
 def test_kernel_path_gradcheck_float64(block, monkeypatch):
     """The autograd.Function as the GPU runs it, the product replaced by a stand-in that reads
     the block CSR as the kernels do: forward and dX (on W^T's index) wired to the right index."""
-    monkeypatch.setattr(sparsegen.ops, "bsr_dds_any_device", kernel_stand_in)
+    monkeypatch.setattr(bsr_ops, "bsr_dds_any_device", kernel_stand_in)
     assert gradcheck_on_3x4_blocks(autograd.block_sparse_linear, block, empty_row=2)
 
 
@@ -118,11 +119,11 @@ def test_demo_gpt_compiles_without_graph_breaks():
 
 
 def test_input_grad_on_cpu_is_dy_times_w():
-    """ops.input_grad off the GPU: W^T's values transposed from the stored ones, then the
+    """bsr_ops.input_grad off the GPU: W^T's values transposed from the stored ones, then the
     reference product - the same dX the GPU kernel computes from the stored blocks."""
     torch.manual_seed(3)
     layer = sparsegen.linear(96, 64, block=(16, 32), density=0.5, dtype=torch.float64)
     dy = torch.randn(7, 64, dtype=torch.float64)
-    dx = sparsegen.ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+    dx = bsr_ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
                                   layer.t_flat_index, (32, 16), 96)
     torch.testing.assert_close(dx, dy @ layer.to_dense_weight())

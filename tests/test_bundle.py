@@ -11,7 +11,8 @@ import pytest
 from test_cache import PACKAGE_ROOT
 
 from sparsegen import bundle, cache, cli, env
-from sparsegen.spec import KernelSpec, forward_spec
+from sparsegen.spec import KernelSpec
+from sparsegen.bsr.specs import forward_spec
 from sparsegen.trust import UntrustedPathError
 
 SELECTION = ["--arch", "sm_80", "--dtype", "bf16", "--block", "16"]

@@ -13,7 +13,7 @@ import pytest
 
 import sparsegen
 from sparsegen import cache, codegen, compiler, env
-from sparsegen.spec import forward_spec
+from sparsegen.bsr.specs import forward_spec
 
 SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
 PACKAGE_ROOT = str(Path(sparsegen.__file__).resolve().parent.parent)
@@ -23,7 +23,7 @@ PACKAGE_ROOT = str(Path(sparsegen.__file__).resolve().parent.parent)
 WORKER = """
 import hashlib, json, sys, time
 from sparsegen import cache, compiler
-from sparsegen.spec import forward_spec
+from sparsegen.bsr.specs import forward_spec
 bm, bk, dtype, arch, mode = sys.argv[1:]
 real = compiler.compile_cubin
 def compile_cubin(*args):
@@ -183,7 +183,7 @@ def use_template_copy(tmp_path, monkeypatch) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("pattern", [f"{SPEC.op}.cu.j2", "*.cuh"])
+@pytest.mark.parametrize("pattern", [SPEC.rules.template, "*/*.cuh"])
 def test_editing_a_template_invalidates_the_key(pattern, tmp_path, monkeypatch, fresh_jinja,
                                                 nvrtc_calls):
     original = cache.build(SPEC)

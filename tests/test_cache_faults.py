@@ -14,7 +14,7 @@ import pytest
 from test_cache import result_of, sha, start_worker
 
 from sparsegen import cache, diskstore, env
-from sparsegen.spec import forward_spec
+from sparsegen.bsr.specs import forward_spec
 
 SPEC = forward_spec((16, 16), "bf16", 80)
 OTHERS = [forward_spec((16, 16), "fp16", 80), forward_spec((32, 32), "bf16", 80), forward_spec((32, 32), "fp16", 80)]

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from sparsegen import cache, crossovers, env
-from sparsegen.spec import forward_spec
+from sparsegen.bsr.specs import forward_spec
 from sparsegen.trust import UntrustedPathError
 
 SPEC = forward_spec((16, 16), "bf16", 80)

@@ -10,7 +10,8 @@ import torch
 
 from sparsegen import cache, cli
 from sparsegen.errors import CompileError, SparsegenError, SpecError
-from sparsegen.spec import KernelSpec, default_specs, forward_spec
+from sparsegen.spec import KernelSpec, default_specs
+from sparsegen.bsr.specs import forward_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--arch", "sm_80", "--dtype", "bf16", "--block", "32", "64"]

@@ -9,7 +9,8 @@ import pytest
 
 import sparsegen
 from sparsegen import cache, compiler
-from sparsegen.spec import DTYPES, NO_MMA_OPS, KernelSpec, TileConfig, default_specs, forward_spec
+from sparsegen.spec import DTYPES, KernelSpec, TileConfig, default_specs
+from sparsegen.bsr.specs import forward_spec
 
 DEFAULT_SPECS = default_specs(80) + default_specs(90) + default_specs(89, ["e4m3"])  # sm_89: native fp8 mma.sp
 # Non-default tiles exercise other warp grids and pipeline depths of the same template.
@@ -109,7 +110,7 @@ def largest_per_kind(specs):
     return [s for _, s in largest.values()]
 
 
-SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.op not in NO_MMA_OPS])
+SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.rules.tensor_cores])
 # How each instruction family moves a stage into shared memory, as SASS spells it.
 STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG",
               "pairs": "UTMALDG"}
@@ -178,7 +179,7 @@ def test_failed_compile_is_not_cached(monkeypatch):
 @pytest.mark.parametrize("arch", [80, 90])
 def test_prune_kernels_have_no_spills(arch, op, tmp_path):
     """Their per-group choices index small arrays; unrolled, those stay in registers."""
-    from sparsegen.spec import sp24_compress_spec
+    from sparsegen.semi24.specs import sp24_compress_spec
 
     spec = sp24_compress_spec("bf16", arch, op)
     sass, usage = disassemble(spec, tmp_path)

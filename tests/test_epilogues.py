@@ -9,7 +9,9 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Lla
 import sparsegen
 from sparsegen import epilogues
 from sparsegen.errors import InputError, SpecError
-from sparsegen.spec import KernelSpec, forward_spec, sp24_spec
+from sparsegen.spec import KernelSpec
+from sparsegen.bsr.specs import forward_spec
+from sparsegen.semi24.specs import sp24_spec
 
 ACTIVATION_FORMULAS = {  # float64, written out
     "relu": lambda z: z.clamp_min(0),

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import sparsegen
-from sparsegen import BlockSparseLinear, ops
+from sparsegen import BlockSparseLinear
+from sparsegen.bsr import ops as bsr_ops
 
 IN, OUT, BLOCK = 4 * 32, 2 * 32, (32, 32)
 
@@ -18,8 +19,8 @@ def layer(monkeypatch):
     def unreachable(*args, **kwargs):
         raise AssertionError("input checks must run before any computation")
 
-    monkeypatch.setattr(ops, "indexed_reference", unreachable)
-    monkeypatch.setattr(ops, "bsr_dds", unreachable)
+    monkeypatch.setattr(bsr_ops, "indexed_reference", unreachable)
+    monkeypatch.setattr(bsr_ops, "bsr_dds", unreachable)
     return built
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import sparsegen
 from sparsegen import cache, cli, env
-from sparsegen.spec import forward_spec
+from sparsegen.bsr.specs import forward_spec
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

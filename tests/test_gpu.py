@@ -3,8 +3,10 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import ops
-from sparsegen.layouts import bsr
+
+from sparsegen.bsr import dispatch as bsr_dispatch
+from sparsegen.bsr import format as bsr
+from sparsegen.bsr import ops as bsr_ops
 from sparsegen.spec import TileConfig
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +29,7 @@ def reference(layer: sparsegen.BlockSparseLinear, x: torch.Tensor) -> torch.Tens
 def run_poisoned(layer, x):
     """Launch into an output filled with NaN, so any element the kernel skips shows up."""
     out = torch.full((*x.shape[:-1], layer.out_features), float("nan"), dtype=x.dtype, device=x.device)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                 layer.out_features, out=out)
     torch.cuda.synchronize()
     return out
@@ -53,7 +55,7 @@ def test_mma_sync_path_on_any_arch(block, dtype):
     layer = sparsegen.linear(4 * 128, 3 * 128, block=block, density=0.5, device="cuda", dtype=dtype)
     x = torch.randn(517, 4 * 128, device="cuda", dtype=dtype)
     out = torch.full((517, 3 * 128), float("nan"), device="cuda", dtype=dtype)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                 layer.out_features, out=out, instr="mma")
     assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
 
@@ -76,7 +78,7 @@ def test_hopper_paths(block, dtype, instr, m):
                              device="cuda", dtype=dtype)
     x = torch.randn(m, 7 * block[1], device="cuda", dtype=dtype)
     out = torch.full((m, 5 * block[0]), float("nan"), device="cuda", dtype=dtype)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                 layer.out_features, out=out, instr=instr)
     assert not out.isnan().any()
     assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
@@ -95,13 +97,13 @@ def test_swap_kernel_and_its_transposed_read_match_float64(block, dtype, m):
     layer = sparsegen.linear(7 * block[1], 5 * block[0], block=block, layout=layout, device="cuda", dtype=dtype)
     x = torch.randn(m, 7 * block[1], device="cuda", dtype=dtype)
     out = torch.full((m, 5 * block[0]), float("nan"), device="cuda", dtype=dtype)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                 layer.out_features, out=out, instr="swap")
     assert not out.isnan().any()
     assert relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
-    assert ops._input_grad_kernel(x, block[::-1]).spec.trans == "nn"
+    assert bsr_dispatch.input_grad_kernel(x, block[::-1]).spec.trans == "nn"
     dy = torch.randn(m, 5 * block[0], device="cuda", dtype=dtype)
-    dx = ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+    dx = bsr_ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
                         layer.t_flat_index, block[::-1], 7 * block[1])
     want = dy.double() @ layer.to_dense_weight().double()
     assert not dx.isnan().any()
@@ -125,12 +127,12 @@ def test_pairs_kernel_forward_and_input_grad_match_float64(block, dtype, m, tile
     if block[0] == 64:
         x = torch.randn(m, 7 * block[1], device="cuda", dtype=dtype)
         out = torch.full((m, 5 * block[0]), float("nan"), device="cuda", dtype=dtype)
-        ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+        bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                     layer.out_features, out=out, tile=tile, instr="pairs")
         assert not out.isnan().any() and relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
     if block[1] == 64:
         dy = torch.randn(m, 5 * block[0], device="cuda", dtype=dtype)
-        dx = ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+        dx = bsr_ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
                             layer.t_flat_index, block[::-1], 7 * block[1], tile=tile, instr="pairs")
         want = dy.double() @ layer.to_dense_weight().double()
         assert not dx.isnan().any() and relative_error(dx, want) < TOLERANCE[dtype]
@@ -149,11 +151,11 @@ def test_clusters_sharing_w_match_float64(instr, m):
     layer = sparsegen.linear(7 * 64, 5 * 64, block=(64, 64), layout=layout, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 7 * 64, device="cuda", dtype=torch.bfloat16)
     out = torch.full((m, 5 * 64), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
                 out=out, tile=tile, instr=instr)
     assert not out.isnan().any() and relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
     dy = torch.randn(m, 5 * 64, device="cuda", dtype=torch.bfloat16)
-    dx = ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
+    dx = bsr_ops.input_grad(dy, layer.values, layer.t_perm, layer.t_row_offsets, layer.t_col_indices,
                         layer.t_flat_index, (64, 64), 7 * 64, tile=tile, instr=instr)
     want = dy.double() @ layer.to_dense_weight().double()
     assert not dx.isnan().any() and relative_error(dx, want) < TOLERANCE[torch.bfloat16]
@@ -164,7 +166,7 @@ def test_pairs_index_follows_a_layout_change():
     layer = sparsegen.linear(512, 384, block=(64, 64), density=0.5, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(100, 512, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        out = ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+        out = bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                           layer.out_features, instr="pairs")
         assert relative_error(out, reference(layer, x)) < TOLERANCE[torch.bfloat16]
         with torch.no_grad():
@@ -174,7 +176,9 @@ def test_pairs_index_follows_a_layout_change():
 # Run in a child process so that a hang fails the test instead of stalling the suite.
 PERSISTENT_STRESS = r"""
 import torch, sparsegen
-from sparsegen import ops
+from sparsegen.bsr import ops as bsr_ops
+from sparsegen.bsr import dispatch as bsr_dispatch
+
 torch.manual_seed(0)
 nnz = torch.tensor([0, 1, 0, 1, 8, 0, 1, 12, 1, 0, 2, 1] * 4)       # empty, one-stage and long rows
 layout = torch.rand(48, 16).argsort(1) < nnz[:, None]
@@ -184,7 +188,7 @@ for instr in ("pingpong", "tma"):
     want = x.double() @ layer.to_dense_weight().double().t() + layer.bias.double()
     for _ in range(40):
         out = torch.full((8192, 3072), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, 3072,
+        bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, 3072,
                     out=out, instr=instr)
     torch.cuda.synchronize()
     print(instr, ((out.double() - want).norm() / want.norm()).item())
@@ -324,7 +328,7 @@ def test_sdd_kernel_matches_float64(block, dtype, m):
     dy = torch.randn(m, 7 * block[0], device="cuda", dtype=dtype)
     x = torch.randn(m, 9 * block[1], device="cuda", dtype=dtype)
     out = torch.full((flat.numel(), *block), float("nan"), device="cuda", dtype=dtype)
-    ops.sdd_into(out, dy, x, flat, block)
+    bsr_ops.sdd_into(out, dy, x, flat, block)
     want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[dtype]
@@ -343,14 +347,14 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
     first."""
     if block[0] == 128 and tile.warps_m == 16:
         pytest.skip("four consumers only for 64-row blocks")
-    kern = sparsegen.runtime.kernel(sparsegen.spec.sdd_spec(block, "bf16", 90, tile, "tma"), 0)
+    kern = sparsegen.runtime.kernel(sparsegen.bsr.specs.sdd_spec(block, "bf16", 90, tile, "tma"), 0)
     mask = torch.rand(7, 13) < 0.6
     mask[1], mask[4] = False, torch.arange(13) == 5
     flat = bsr.flat_index(mask, "cuda")
     dy = torch.randn(m, 7 * block[0], device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 13 * block[1], device="cuda", dtype=torch.bfloat16)
     out = torch.full((flat.numel(), *block), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ops.sdd_into(out, dy, x, flat, block, kern)
+    bsr_ops.sdd_into(out, dy, x, flat, block, kern)
     want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, block)
     assert not out.isnan().any() and relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
@@ -358,18 +362,18 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
 @pytest.mark.skipif(not is_hopper(), reason="the wide tile is the wgmma kernel's")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_weight_grad_takes_the_wide_tile_for_many_blocks(dtype):
-    """Enough stored 64-row blocks for the wide dW tile (ops.SDD_WIDE_BLOCKS_PER_SM an SM):
+    """Enough stored 64-row blocks for the wide dW tile (bsr_dispatch.SDD_WIDE_BLOCKS_PER_SM an SM):
     the default sdd kernel is the wide one, and it matches float64, output poisoned first."""
     sms = sparsegen.runtime.sm_count(0)
-    rows = cols = int((4 * ops.SDD_WIDE_BLOCKS_PER_SM * sms) ** 0.5) + 1  # twice enough at density 0.5
+    rows = cols = int((4 * bsr_dispatch.SDD_WIDE_BLOCKS_PER_SM * sms) ** 0.5) + 1  # twice enough at density 0.5
     mask = torch.rand(rows, cols) < 0.5
     flat = bsr.flat_index(mask, "cuda")
     dy = torch.randn(93, rows * 64, device="cuda", dtype=dtype)
     x = torch.randn(93, cols * 64, device="cuda", dtype=dtype)
-    assert ops.sdd_kernel_for(dy, flat, (64, 64)).spec.tile == TileConfig(48, 16, 1, 4)
-    assert ops.sdd_kernel_for(dy, flat[: 4 * sms], (64, 64)).spec.tile == TileConfig(64, 8, 1, 4)
+    assert bsr_dispatch.sdd_kernel_for(dy, flat, (64, 64)).spec.tile == TileConfig(48, 16, 1, 4)
+    assert bsr_dispatch.sdd_kernel_for(dy, flat[: 4 * sms], (64, 64)).spec.tile == TileConfig(64, 8, 1, 4)
     got = torch.full((flat.numel(), 64, 64), float("nan"), device="cuda", dtype=dtype)
-    ops.sdd_into(got, dy, x, flat, (64, 64))
+    bsr_ops.sdd_into(got, dy, x, flat, (64, 64))
     want = bsr.gather_blocks(dy.double().t() @ x.double(), flat, (64, 64))
     assert not got.isnan().any() and relative_error(got, want) < TOLERANCE[dtype]
 
@@ -378,14 +382,14 @@ def test_weight_grad_takes_the_wide_tile_for_many_blocks(dtype):
 @pytest.mark.parametrize("block, density, rows", [((16, 16), 0.5, 1100), ((32, 32), 0.6, 1025), ((32, 64), 0.7, 2000),
                                                   ((16, 16), 0.5, 1000)])
 def test_small_blocks_at_high_density_forward_matches_float64(block, density, rows, dtype):
-    """Blocks of 16 or 32 dense enough (ops.DENSE_FROM_DENSITY) over enough tokens run cuBLAS on
+    """Blocks of 16 or 32 dense enough (bsr_dispatch.DENSE_FROM_DENSITY) over enough tokens run cuBLAS on
     the blocks scattered into a dense weight; fewer tokens keep the kernel. Either way the
     answer matches float64, with bias, into a poisoned `out` and with leading batch dims."""
     layer = sparsegen.linear(5 * block[1], 7 * block[0], block=block, density=density, device="cuda", dtype=dtype)
-    assert ops._dense_pays(block, layer.values.shape[0], rows, layer.in_features, layer.out_features) == (rows >= 1024)
+    assert bsr_dispatch.dense_pays(block, layer.values.shape[0], rows, layer.in_features, layer.out_features) == (rows >= 1024)
     x = torch.randn(rows, layer.in_features, device="cuda", dtype=dtype)
     out = torch.full((rows, layer.out_features), float("nan"), device="cuda", dtype=dtype)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
                 out=out)
     assert not out.isnan().any() and relative_error(out, reference(layer, x)) < TOLERANCE[dtype]
     batched = layer(x.view(rows // 5, 5, layer.in_features))  # every `rows` here is a multiple of 5
@@ -405,7 +409,7 @@ def test_dense_weight_kernel_writes_every_element(block, dtype):
     shape = (7 * block[0], 5 * block[1])
     del_me = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
     del del_me  # the caching allocator hands this block to the next allocation of its size
-    got = ops.dense_weight(values, row_offsets, col_indices, shape, block)
+    got = bsr_ops.dense_weight(values, row_offsets, col_indices, shape, block)
     assert torch.equal(got, bsr.values_to_dense(values, mask, block))
 
 
@@ -505,7 +509,7 @@ def as_dense(layer, values: torch.Tensor) -> torch.Tensor:
     """`values` (the layer's stored values or their gradient) laid out as the dense weight, in float64."""
     if isinstance(layer, sparsegen.BlockSparseLinear):
         return bsr.values_to_dense(values.double(), layer.layout, layer.block)
-    from sparsegen.layouts import semi24
+    from sparsegen.semi24 import format as semi24
     return semi24.decompress(values.double(), layer.metadata, (layer.out_features, layer.in_features))
 
 
@@ -517,6 +521,6 @@ def test_a_failed_driver_call_names_the_error():
 
     with pytest.raises(LaunchError, match=r"cuExample failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         runtime._call("cuExample", 1)
-    kern = runtime.kernel(sparsegen.spec.forward_spec((32, 32), "bf16", runtime.device_arch(torch.device("cuda"))), 0)
+    kern = runtime.kernel(sparsegen.bsr.specs.forward_spec((32, 32), "bf16", runtime.device_arch(torch.device("cuda"))), 0)
     with pytest.raises(LaunchError, match=rf"cuModuleLoadData\({kern.spec.name}\) failed: CUDA_ERROR_\w+"):
         kern._load(b"not a cubin" * 16)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import dense_path, ops
+from sparsegen import dense_path
+from sparsegen import calls
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -69,8 +70,8 @@ def test_host_bound_eager_call_keeps_its_kernels_and_its_graph_takes_the_copy(lo
     """A small call outside graphs launches its kernel (less host time than cuBLAS's path) but
     builds the copy, which the CUDA graph captured next runs."""
     dense_calls = []
-    real = ops._dense_result
-    monkeypatch.setattr(ops, "_dense_result", lambda *args: dense_calls.append(1) or real(*args))
+    real = calls.dense_result
+    monkeypatch.setattr(calls, "dense_result", lambda *args: dense_calls.append(1) or real(*args))
     layer = LAYERS[kind]()
     x = torch.randn(48, 320, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

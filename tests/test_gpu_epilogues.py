@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import epilogues, ops
+from sparsegen import epilogues
 from sparsegen.spec import TileConfig
+from sparsegen.semi24 import ops as sp24_ops
+from sparsegen.bsr import ops as bsr_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -51,7 +53,7 @@ def test_block_sparse_kernel_epilogue_matches_float64(family, epilogue, m):
     tile = None  # the default tile for m; the swap family has one for any m
     if instr in ("swap", "pairs"):
         tile = TileConfig(256, 8, 1, 4)
-    ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
+    bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, layer.out_features,
                 out=out, instr=instr, tile=tile, epilogue=epilogue)
     assert not out.isnan().any()
     assert relative_error(out, want(x, layer.to_dense_weight(), layer.bias, epilogue)) < TOLERANCE[dtype]
@@ -72,7 +74,7 @@ def test_sp24_kernel_epilogue_matches_float64(instr, epilogue, m, splits):
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     out = poisoned(m, epilogues.output_features(epilogue, n), dtype)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr=instr, splits=splits, epilogue=epilogue)
+    sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr=instr, splits=splits, epilogue=epilogue)
     assert not out.isnan().any()
     assert relative_error(out, want(x, sparse.to_dense(), bias, epilogue)) < TOLERANCE[dtype]
 
@@ -109,9 +111,9 @@ def test_dense_path_applies_the_epilogue_too(dense_everywhere, kind, epilogue):
     with torch.no_grad():
         y = layer(x)
         if kind == "2:4":
-            ops.sp24_dds(x, layer.values, layer.metadata, layer.bias, layer.out_features, out=out, epilogue=epilogue)
+            sp24_ops.sp24_dds(x, layer.values, layer.metadata, layer.bias, layer.out_features, out=out, epilogue=epilogue)
         else:
-            ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
+            bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block,
                         layer.out_features, out=out, epilogue=epilogue)
     reference = want(x, layer.to_dense_weight(), layer.bias, epilogue)
     assert relative_error(y, reference) < 1.5e-2 and relative_error(out, reference) < 1.5e-2

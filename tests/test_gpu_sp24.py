@@ -3,9 +3,11 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import ops
+from sparsegen.semi24 import tensor as sparse24
+
 from sparsegen.spec import TileConfig
-from sparsegen.layouts import semi24
+from sparsegen.semi24 import format as semi24
+from sparsegen.semi24 import ops as sp24_ops
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,7 +34,7 @@ def test_sp24_forward_matches_float64(dtype, m, n, k, method):
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     out = poisoned(m, n, dtype)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out)
+    sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out)
     want = x.double() @ sparse.to_dense().double().t() + bias.double()
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[dtype]
@@ -50,7 +52,7 @@ def test_sp24_metadata_layout_element_by_element():
         w = torch.zeros(n, k)
         w[row] = torch.arange(1, k + 1, dtype=torch.float32)
         sparse = sparsegen.to_sparse24((w * mask).to("cuda", torch.bfloat16), mask=mask.cuda())
-        y = ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
+        y = sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
         assert torch.equal(y.t()[row].float().cpu(), (w * mask)[row]), f"row {row}"
 
 
@@ -72,14 +74,14 @@ def test_layer_forward_with_batch_dims_and_one_token(dtype):
 def test_layer_gradients_match_float64(dtype, method, out_features, kernel_dx, monkeypatch):
     """Fixed-mask training: dX on the 2:4 kernel over W^T where the mask is transposable (and
     out_features a multiple of 32), else cuBLAS on the expanded W; dW gathered at the mask."""
-    from sparsegen import autograd24
+    from sparsegen.semi24 import autograd as autograd24
 
     layer = sparsegen.Sparse24Linear(320, out_features, device="cuda", dtype=dtype, method=method)
     x = torch.randn(2, 333, 320, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(2, 333, out_features, device="cuda", dtype=dtype)
     transposed = []
-    real = ops.sp24_compress
-    monkeypatch.setattr(ops, "sp24_compress", lambda w, *a, **kw: transposed.append(w.shape) or real(w, *a, **kw))
+    real = sp24_ops.sp24_compress
+    monkeypatch.setattr(sp24_ops, "sp24_compress", lambda w, *a, **kw: transposed.append(w.shape) or real(w, *a, **kw))
     layer(x).backward(dy)
     assert bool(transposed) == kernel_dx == autograd24.stored_transposable(layer.metadata, out_features, 320)
     weight = layer.to_dense_weight().double().requires_grad_()
@@ -97,12 +99,12 @@ def test_expand_and_gather_kernels_match_the_layout(dtype, n, k):
     is stored); sp24_gather reads a dense tensor at exactly the stored positions."""
     sparse = sparsegen.to_sparse24(torch.randn(n, k, device="cuda", dtype=dtype))
     poisoned(n, k, dtype)  # freed at once: the allocator hands this block to the kernel's output next
-    dense = ops.sp24_expand(sparse.values, sparse.metadata, n)
+    dense = sp24_ops.sp24_expand(sparse.values, sparse.metadata, n)
     assert torch.equal(dense, semi24.decompress(sparse.values, sparse.metadata, (n, k)))
     grad = torch.randn(n, k, device="cuda", dtype=dtype)
     poisoned(n, k // 2, dtype)
-    assert torch.equal(ops.sp24_gather(grad, sparse.metadata), semi24.gather_kept(grad, sparse.metadata))
-    assert torch.equal(ops.sp24_gather(dense, sparse.metadata), sparse.values)
+    assert torch.equal(sp24_ops.sp24_gather(grad, sparse.metadata), semi24.gather_kept(grad, sparse.metadata))
+    assert torch.equal(sp24_ops.sp24_gather(dense, sparse.metadata), sparse.values)
 
 
 def test_autocast_and_float32_parameters():
@@ -127,7 +129,7 @@ def test_transposable_weight_transposes_on_gpu():
     sparse = sparsegen.to_sparse24(w, "transposable")
     wt = sparse.t()
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
-    out = ops.sp24_dds(x, wt.values, wt.metadata, None, 128)
+    out = sp24_ops.sp24_dds(x, wt.values, wt.metadata, None, 128)
     assert relative_error(out, x.double() @ sparse.to_dense().double()) < TOLERANCE[torch.bfloat16]
 
 
@@ -140,7 +142,7 @@ def test_sp24_forward_tiles_for_small_batches(m, n):
     sparse = sparsegen.to_sparse24(w)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = poisoned(m, n, torch.bfloat16)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, out=out)
+    sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, out=out)
     want = x.double() @ sparse.to_dense().double().t()
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
@@ -160,7 +162,7 @@ def test_sp24_hopper_kernels_match_float64(tile, m, n, k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = poisoned(m, n, torch.bfloat16)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="tma", tile=tile)
+    sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="tma", tile=tile)
     want = x.double() @ sparse.to_dense().double().t() + bias.double()
     assert not out.isnan().any()
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
@@ -179,13 +181,13 @@ def test_gpu_compress_kernel_matches_the_pytorch_path(dtype, n, k):
     """The generated sp24_compress kernel (opt-in through SPARSEGEN_COMPRESS_KERNEL) packs
     exactly what the PyTorch path packs."""
     w = distinct_magnitudes(n, k, dtype)
-    values, metadata = ops.sp24_compress(w)
+    values, metadata = sp24_ops.sp24_compress(w)
     want_values, want_meta = semi24.compress(w.cpu(), semi24.magnitude_mask(w.cpu()))
     assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
     mask = torch.rand(n, k) < 0.3
     mask &= semi24._groups(mask).cumsum(-1).reshape(n, k) <= 2  # at most 2 kept, some groups fewer
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    values, metadata = ops.sp24_compress(w, mask.cuda())
+    values, metadata = sp24_ops.sp24_compress(w, mask.cuda())
     want_values, want_meta = semi24.compress(w.cpu(), mask)
     assert torch.equal(values.cpu(), want_values) and torch.equal(metadata.cpu(), want_meta)
 
@@ -196,10 +198,10 @@ def test_gpu_compress_kernel_reads_a_transposed_view_in_place(dtype, n, k):
     """W^T compressed from the transposed view (strided reads, as dX's) packs exactly what
     compressing a contiguous copy does, with and without a mask."""
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    mask = ops.sp24_transposable_mask(w)
+    mask = sp24_ops.sp24_transposable_mask(w)
     for args in [(), (mask.t(),)]:
-        got = ops.sp24_compress(w.t(), *args)
-        want = ops.sp24_compress(w.t().contiguous(), *(a.contiguous() for a in args))
+        got = sp24_ops.sp24_compress(w.t(), *args)
+        want = sp24_ops.sp24_compress(w.t().contiguous(), *(a.contiguous() for a in args))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -209,8 +211,8 @@ def test_gpu_kernels_launch_from_a_thread_with_no_cuda_context_yet():
     import threading
 
     w = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
-    want, got = ops.sp24_compress(w), []
-    thread = threading.Thread(target=lambda: got.append(ops.sp24_compress(w)))
+    want, got = sp24_ops.sp24_compress(w), []
+    thread = threading.Thread(target=lambda: got.append(sp24_ops.sp24_compress(w)))
     thread.start()
     thread.join()
     assert len(got) == 1 and torch.equal(got[0][0], want[0]) and torch.equal(got[0][1], want[1])
@@ -229,7 +231,7 @@ def test_gpu_transposable_mask_kernel_picks_the_best_pattern(dtype, n, k):
     """The sp24_mask kernel's mask is 2:4 along rows and columns and keeps as much |w| per
     4 x 4 tile as the CPU's exhaustive search (the same pattern but for exact ties)."""
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    mask = ops.sp24_transposable_mask(w)
+    mask = sp24_ops.sp24_transposable_mask(w)
     want = semi24.transposable_mask(w.cpu())
     assert (semi24._groups(mask).sum(-1) == 2).all() and (semi24._groups(mask.t()).sum(-1) == 2).all()
     torch.testing.assert_close(tile_scores(w, mask).cpu(), tile_scores(w.cpu(), want), rtol=1e-6, atol=0)
@@ -351,13 +353,13 @@ def test_byte_sp24_forward_matches_float64(dtype, m, n, k, with_bias):
         pytest.skip("fp8 tensor cores need sm_89")
     sparse = sparsegen.to_sparse24(random_bytes((n, k), dtype))
     x = random_bytes((m, k), dtype)
-    out_dtype = ops.sp24_output_dtype(dtype)
+    out_dtype = sp24_ops.sp24_output_dtype(dtype)
     bias = None
     if with_bias:
         bias = (torch.randint(-1000, 1000, (n,), device="cuda", dtype=torch.int32) if dtype == torch.int8
                 else torch.randn(n, device="cuda", dtype=out_dtype))
     out = byte_output_poisoned(m, n, dtype)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out)
+    sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out)
     want = x.double() @ sparse.to_dense().double().t() + (0 if bias is None else bias.double())
     if dtype == torch.int8:
         assert torch.equal(out.double(), want)  # exact: int32 sums of int8 products
@@ -383,7 +385,7 @@ def test_byte_sp24_metadata_layout_element_by_element(dtype):
         w = torch.zeros(n, k)
         w[row] = row_values
         sparse = sparsegen.to_sparse24((w * mask).to("cuda", dtype), mask=mask.cuda())
-        y = ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
+        y = sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)
         assert torch.equal(y.t()[row].float().cpu(), (w * mask)[row]), f"row {row}"
 
 
@@ -395,8 +397,8 @@ def test_f_linear_with_a_byte_sparse24_weight_and_batch_dims(dtype):
     sparse = sparsegen.to_sparse24(w, method="transposable")
     x = random_bytes((2, 3, 256), dtype)
     y = torch.nn.functional.linear(x, sparse)
-    want = sparsegen.sparse24.byte_reference(x.cpu(), sparse.values.cpu(), sparse.metadata.cpu(), None, 128)
-    assert y.shape == (2, 3, 128) and y.dtype == ops.sp24_output_dtype(dtype)
+    want = sparse24.byte_reference(x.cpu(), sparse.values.cpu(), sparse.metadata.cpu(), None, 128)
+    assert y.shape == (2, 3, 128) and y.dtype == sp24_ops.sp24_output_dtype(dtype)
     if dtype == torch.int8:
         assert torch.equal(y.cpu(), want)
     else:
@@ -413,18 +415,18 @@ def test_gpu_byte_compress_kernel_matches_the_pytorch_path(dtype, n, k):
     """sp24_compress on raw bytes (ties included: int8 has many) packs exactly what the
     PyTorch path packs, by magnitude and by mask, from a contiguous weight and a transposed view."""
     w = random_bytes((n, k), dtype)
-    values, metadata = ops.sp24_compress(w)
+    values, metadata = sp24_ops.sp24_compress(w)
     want_values, want_meta = semi24.compress(w.cpu(), semi24.magnitude_mask(w.cpu()))
     assert values.dtype == dtype and torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(metadata.cpu(), want_meta)
     mask = torch.rand(n, k) < 0.3
     mask &= semi24._groups(mask).cumsum(-1).reshape(n, k) <= 2
-    values, metadata = ops.sp24_compress(w, mask.cuda())
+    values, metadata = sp24_ops.sp24_compress(w, mask.cuda())
     want_values, want_meta = semi24.compress(w.cpu(), mask)
     assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(metadata.cpu(), want_meta)
     square = random_bytes((k, k), dtype)
-    got, want = ops.sp24_compress(square.t()), ops.sp24_compress(square.t().contiguous())
+    got, want = sp24_ops.sp24_compress(square.t()), sp24_ops.sp24_compress(square.t().contiguous())
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
 
 
@@ -432,7 +434,7 @@ def test_gpu_byte_compress_kernel_matches_the_pytorch_path(dtype, n, k):
 @pytest.mark.parametrize("n, k", [(16, 64), (272, 192)])
 def test_gpu_byte_transposable_mask_kernel_keeps_the_most(dtype, n, k):
     w = random_bytes((n, k), dtype)
-    mask = ops.sp24_transposable_mask(w)
+    mask = sp24_ops.sp24_transposable_mask(w)
     want = semi24.transposable_mask(w.cpu())
     assert (semi24._groups(mask).sum(-1) == 2).all() and (semi24._groups(mask.t()).sum(-1) == 2).all()
     torch.testing.assert_close(tile_scores(w.float(), mask).cpu(), tile_scores(w.cpu().float(), want), rtol=1e-6, atol=0)
@@ -441,8 +443,8 @@ def test_gpu_byte_transposable_mask_kernel_keeps_the_most(dtype, n, k):
 def test_to_sparse24_of_bytes_prunes_on_the_gpu_kernels(monkeypatch):
     """to_sparse24 on a CUDA int8 weight goes through the generated kernels."""
     calls = []
-    real = ops.sp24_compress
-    monkeypatch.setattr(ops, "sp24_compress", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = sp24_ops.sp24_compress
+    monkeypatch.setattr(sp24_ops, "sp24_compress", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     sparse = sparsegen.to_sparse24(random_bytes((32, 128), torch.int8), "transposable")
     assert calls and (semi24._groups(sparse.mask).sum(-1) == 2).all()
 
@@ -456,7 +458,7 @@ def test_int8_mma_sp_path_matches_float64_on_any_arch(m):
     x = random_bytes((m, k), torch.int8)
     bias = torch.randint(-1000, 1000, (n,), device="cuda", dtype=torch.int32)
     out = byte_output_poisoned(m, n, torch.int8)
-    ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="mma")
+    sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, bias, n, out=out, instr="mma")
     want = x.double() @ sparse.to_dense().double().t() + bias.double()
     assert torch.equal(out.double(), want)
 
@@ -487,7 +489,7 @@ def test_split_k_finishes_in_the_kernel_and_leaves_the_workspace_zero(instr, spl
     for case in (split_case(m, n, k, bias=bias), split_case(m + 5, n // 32 * 16 + 16, k + 128, bias=not bias)):
         sparse, x, b, want = case
         out = poisoned(x.shape[0], want.shape[1], torch.bfloat16)
-        ops.sp24_dds(x, sparse.values, sparse.metadata, b, want.shape[1], out=out, splits=splits, instr=instr)
+        sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, want.shape[1], out=out, splits=splits, instr=instr)
         assert not out.isnan().any()
         assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
         assert workspace_is_zero()
@@ -499,14 +501,14 @@ def test_split_k_inside_a_cuda_graph_captured_without_warm_up():
     sparse, x, b, _ = split_case(8, 1024, 2048)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        y = ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
+        y = sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         y.fill_(float("nan"))
         graph.replay()
         want = x.double() @ sparse.to_dense().double().t() + b.double()
         assert relative_error(y, want) < TOLERANCE[torch.bfloat16]
-    eager = ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
+    eager = sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
     assert relative_error(eager, want) < TOLERANCE[torch.bfloat16]
     assert workspace_is_zero()
 
@@ -580,7 +582,7 @@ def test_mask_kernel_writes_only_on_a_due_step(counter, writes):
     w = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.ones(64, 128, dtype=torch.bool, device="cuda")  # poisoned: all kept, not 2:4
     step = torch.tensor(counter, device="cuda")
-    ops.sp24_transposable_mask(w, out=out, step=step, interval=6)
+    sp24_ops.sp24_transposable_mask(w, out=out, step=step, interval=6)
     assert torch.equal(out, semi24.transposable_mask(w) if writes else torch.ones_like(out))
 
 

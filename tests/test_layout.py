@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.layouts import bsr
+from sparsegen.bsr import format as bsr
 
 GRIDS = [(1, 1), (1, 9), (7, 13), (5, 3), (16, 16)]
 DENSITIES = [0.0, 0.01, 0.13, 0.5, 0.77, 1.0]
@@ -147,13 +147,13 @@ def test_sdd_work_items_cover_every_stored_block_once(group):
     """The Hopper dW kernel's work items: each starts at a stored block and takes the next
     ones of the same block row, up to `group` (the kernel's own rule, modelled here); the
     padded list from sdd_item_starts must cover every stored block exactly once."""
-    from sparsegen import ops
+    from sparsegen.bsr import ops as bsr_ops
 
     torch.manual_seed(group)
     for _ in range(50):
         rows, cols = torch.randint(1, 9, (2,)).tolist()
         flat = bsr.flat_index(torch.rand(rows, cols) < torch.rand(()))
-        starts = ops.sdd_item_starts(flat, cols, rows, group)
+        starts = bsr_ops.sdd_item_starts(flat, cols, rows, group)
         covered = []
         for start in starts.tolist():
             if start < 0:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import lean, ops
+from sparsegen import lean
+from sparsegen import calls
 
 
 class DensePlan:
@@ -28,7 +29,7 @@ def planned_layer(monkeypatch):
     made = []
 
     def lean_call(x, values, bias):
-        ops.check_inputs(x, values, bias, layer.in_features)  # as the layers' own _lean_call
+        calls.check_inputs(x, values, bias, layer.in_features)  # as the layers' own _lean_call
         made.append(DensePlan(layer))
         return lean.LeanCall(made[-1], x, values, bias)
 

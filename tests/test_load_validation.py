@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.autograd import INDEX_NAMES, IndexTensors
+from sparsegen.bsr.autograd import INDEX_NAMES, IndexTensors
 from sparsegen.errors import InputError
-from sparsegen.layouts import semi24
+from sparsegen.semi24 import format as semi24
 
 INVALID_PAIRS = [(0, 0), (1, 1), (3, 3), (2, 1), (3, 0), (3, 2)]  # repeated or decreasing positions
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import sparsegen
-from sparsegen import autograd24
+from sparsegen.semi24 import autograd as autograd24
 from sparsegen.errors import InputError
 
 

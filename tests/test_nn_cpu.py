@@ -161,10 +161,11 @@ def test_loading_a_state_dict_with_other_block_count_is_a_clear_error():
 
 def test_gpus_without_kernels_fall_back_to_the_reference(monkeypatch):
     """An sm_75 (or unknown) GPU gets the PyTorch reference and one warning, not an error."""
-    from sparsegen import ops, runtime
+    from sparsegen import runtime
+    from sparsegen import calls
 
-    ops.has_kernels.cache_clear()
+    calls.has_kernels.cache_clear()
     monkeypatch.setattr(runtime, "device_arch", lambda device: 75)
     with pytest.warns(RuntimeWarning, match="no kernels for sm_75"):
-        assert not ops.has_kernels(0)
-    ops.has_kernels.cache_clear()
+        assert not calls.has_kernels(0)
+    calls.has_kernels.cache_clear()

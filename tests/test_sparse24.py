@@ -5,7 +5,7 @@ import torch
 
 import sparsegen
 from sparsegen.errors import InputError
-from sparsegen.layouts import semi24
+from sparsegen.semi24 import format as semi24
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -142,12 +142,14 @@ def test_weight_memory_is_at_most_057_of_dense():
 @pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 8192, True), (128, 11008, False), (100, 8448, False),
                                           (64, 14336, True), (33, 8192, True), (32, 4096, False), (1000, 4096, False)])
 def test_33_to_128_tokens_take_narrow_tiles_unless_wide_ones_fill_the_gpu(m, n, narrow, monkeypatch):
-    from sparsegen import ops, runtime
-    from sparsegen.spec import TileConfig, sp24_spec
+    from sparsegen import runtime
+    from sparsegen.semi24 import dispatch as sp24_dispatch
+    from sparsegen.semi24.specs import sp24_spec
+    from sparsegen.spec import TileConfig
 
     monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
-    assert ops._narrow_tiles(m, n, 0) == narrow
-    tile = sp24_spec("bf16", 90, rows=ops._rows_bucket(m), narrow=narrow).tile
+    assert sp24_dispatch.narrow_tiles(m, n, 0) == narrow
+    tile = sp24_spec("bf16", 90, rows=sp24_dispatch.rows_bucket(m), narrow=narrow).tile
     assert (tile == TileConfig(64, 4, 1, 8)) == narrow
     if 64 < m <= 128 and not narrow:
         assert tile == TileConfig(128, 8, 1, 6)
@@ -158,49 +160,51 @@ def test_33_to_128_tokens_take_narrow_tiles_unless_wide_ones_fill_the_gpu(m, n, 
 def test_decode_k_splits_fill_the_sms_once(m, n, k, splits, monkeypatch):
     """Decode launches split K until one block per SM runs, 33-128 tokens in splits of 3072
     of K at least (the H100 sweep's best choices for these weights)."""
-    from sparsegen import ops, runtime
-    from sparsegen.spec import sp24_spec
+    from sparsegen import runtime
+    from sparsegen.semi24 import dispatch as sp24_dispatch
+    from sparsegen.semi24.specs import sp24_spec
 
     monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
-    spec = sp24_spec("bf16", 90, rows=ops._rows_bucket(m), narrow=ops._narrow_tiles(m, n, 0))
-    grid, _ = ops._sp24_grid(spec, m, k, n, 0, None)
+    spec = sp24_spec("bf16", 90, rows=sp24_dispatch.rows_bucket(m), narrow=sp24_dispatch.narrow_tiles(m, n, 0))
+    grid, _ = sp24_dispatch.grid(spec, m, k, n, 0, None)
     assert grid[2] == splits
 
 
 def test_compress_operands_keep_a_transposed_view_in_place():
     """The compress kernel reads W^T views where they lie (dX's weight); other layouts are
     made contiguous, and a mask is brought to the weight's strides."""
-    from sparsegen import ops
+    from sparsegen.semi24 import ops as sp24_ops
 
     w = torch.randn(64, 32, dtype=torch.bfloat16)
     mask = torch.rand(64, 32) < 0.5
-    view, view_mask, row_step, col_step = ops._rows_or_columns(w.t(), mask.t().contiguous())
+    view, view_mask, row_step, col_step = sp24_ops._rows_or_columns(w.t(), mask.t().contiguous())
     assert view.data_ptr() == w.data_ptr() and (row_step, col_step) == (1, 32)
     assert view_mask.stride() == view.stride() and torch.equal(view_mask, mask.t())
-    plain, _, row_step, col_step = ops._rows_or_columns(w, None)
+    plain, _, row_step, col_step = sp24_ops._rows_or_columns(w, None)
     assert plain.data_ptr() == w.data_ptr() and (row_step, col_step) == (32, 1)
-    sliced, _, row_step, col_step = ops._rows_or_columns(w[:, ::2], None)
+    sliced, _, row_step, col_step = sp24_ops._rows_or_columns(w[:, ::2], None)
     assert sliced.is_contiguous() and torch.equal(sliced, w[:, ::2]) and (row_step, col_step) == (16, 1)
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (16, 11008, 4096), (200, 160, 336), (300, 4096, 4096),
                                      (7, 32, 16)])
 def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch):
-    from sparsegen import ops, runtime
-    from sparsegen.spec import sp24_spec
+    from sparsegen import runtime
+    from sparsegen.semi24 import dispatch as sp24_dispatch
+    from sparsegen.semi24.specs import sp24_spec
 
     monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
-    spec = sp24_spec("bf16", 90, rows=ops._rows_bucket(m))
-    (slots, one, splits), k_split = ops._sp24_grid(spec, m, k, n, 0, None)
+    spec = sp24_spec("bf16", 90, rows=sp24_dispatch.rows_bucket(m))
+    (slots, one, splits), k_split = sp24_dispatch.grid(spec, m, k, n, 0, None)
     # wgmma.sp blocks walk work items (`cluster` neighbouring tiles, one per block of a
     # cluster): one item each when K is split, else at most one block per SM
     c = spec.tile.cluster
-    items = -(-n // (spec.sp24_w_rows * c)) * -(-m // spec.tile.tile_m)
+    items = -(-n // (sparsegen.semi24.specs.w_rows(spec) * c)) * -(-m // spec.tile.tile_m)
     assert one == 1 and slots % c == 0 and slots // c == (items if splits > 1 else min(items, 132 // c))
-    assert k_split % ops.SP24_STAGE_K == 0 and k_split * (splits - 1) < k <= k_split * splits
+    assert k_split % sp24_dispatch.SP24_STAGE_K == 0 and k_split * (splits - 1) < k <= k_split * splits
     if m > 256:
         assert splits == 1
-    assert ops._sp24_grid(spec, m, k, n, 0, 3)[0][2] <= 3
+    assert sp24_dispatch.grid(spec, m, k, n, 0, 3)[0][2] <= 3
 
 
 def test_f_linear_accepts_a_sparse24_weight():

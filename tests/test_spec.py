@@ -66,8 +66,8 @@ def test_every_field_has_a_variant():
 
 def test_cluster_changes_sp24_name_and_key_and_round_trips():
     # Only sp24_dds on TMA takes a cluster, so it has no variant of BASE.
-    single = specmod.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4), instr="tma")
-    paired = specmod.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma")
+    single = sparsegen.semi24.specs.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4), instr="tma")
+    paired = sparsegen.semi24.specs.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma")
     assert paired.name == single.name + "c2" and paired.key != single.key
     assert KernelSpec.from_name(paired.name) == paired and KernelSpec.from_name(single.name) == single
 
@@ -194,8 +194,8 @@ def test_shared_memory_limit_depends_on_arch():
 def test_default_tile_is_valid_for_every_block_arch_and_m():
     sides = specmod.BLOCK_SIDES
     for arch, block, dtype, rows in itertools.product(
-            specmod.ARCHS, itertools.product(sides, sides), specmod.BLOCK_DTYPES, (None, 1, 64, 1000)):
-        s = specmod.forward_spec(block, dtype, arch, rows=rows)  # validates, or raises SpecError
+            specmod.ARCHS, itertools.product(sides, sides), sparsegen.bsr.specs.BLOCK_DTYPES, (None, 1, 64, 1000)):
+        s = sparsegen.bsr.specs.forward_spec(block, dtype, arch, rows=rows)  # validates, or raises SpecError
         assert s.smem_bytes() <= specmod.SMEM_LIMIT[arch]
 
 
@@ -203,14 +203,14 @@ def test_one_byte_dtypes_take_only_the_24_forward_on_archs_that_have_them():
     for arch, dtype, rows in itertools.product(specmod.ARCHS, specmod.BYTE_DTYPES, (None, 128, 1)):
         if dtype not in specmod.supported_dtypes(arch):
             with pytest.raises(SpecError, match=rf"Expected .*{dtype}.*Got sm_{arch}"):
-                specmod.sp24_spec(dtype, arch, rows=rows)
+                sparsegen.semi24.specs.sp24_spec(dtype, arch, rows=rows)
             continue
-        s = specmod.sp24_spec(dtype, arch, rows=rows)
+        s = sparsegen.semi24.specs.sp24_spec(dtype, arch, rows=rows)
         assert s.instr == ("tma" if arch == 90 else "mma")
         assert s.smem_bytes() <= specmod.SMEM_LIMIT[arch]
-    for make in (lambda: specmod.forward_spec((32, 32), "int8", 90),
-                 lambda: specmod.sp24_compress_spec("fp32", 90),
-                 lambda: specmod.sp24_spec("e4m3", 90, instr="mma")):
+    for make in (lambda: sparsegen.bsr.specs.forward_spec((32, 32), "int8", 90),
+                 lambda: sparsegen.semi24.specs.sp24_compress_spec("fp32", 90),
+                 lambda: sparsegen.semi24.specs.sp24_spec("e4m3", 90, instr="mma")):
         with pytest.raises(SpecError, match="Expected"):
             make()
 
@@ -220,13 +220,13 @@ def test_default_specs_cover_every_dtype_once_per_block():
     assert len({s.name for s in specs}) == len(specs)
     assert {s.dtype for s in specs} == set(specmod.supported_dtypes(90)) == set(specmod.DTYPES)
     assert all(s.arch == 90 for s in specs)
-    assert {s.op for s in specs} == set(specmod.OPS)
+    assert {s.op for s in specs} == set(sparsegen.registry.ops())
     assert {s.dtype for s in specs if s.op == "bsr_sdd"} == {"bf16", "fp16"}  # fp32 dW: dense GEMM
 
 
 def test_input_grad_spec_refuses_a_family_that_cannot_read_w_transposed():
     with pytest.raises(SpecError, match="'swap' or 'pairs'"):
-        specmod.input_grad_spec((64, 64), "bf16", 90, instr="mma")
-    assert specmod.input_grad_spec((64, 64), "bf16", 90).instr == "pairs"
-    assert specmod.input_grad_spec((128, 64), "bf16", 90).instr == "swap"
-    assert specmod.input_grad_spec((64, 64), "bf16", 80) is None  # elsewhere: a transposed copy
+        sparsegen.bsr.specs.input_grad_spec((64, 64), "bf16", 90, instr="mma")
+    assert sparsegen.bsr.specs.input_grad_spec((64, 64), "bf16", 90).instr == "pairs"
+    assert sparsegen.bsr.specs.input_grad_spec((128, 64), "bf16", 90).instr == "swap"
+    assert sparsegen.bsr.specs.input_grad_spec((64, 64), "bf16", 80) is None  # elsewhere: a transposed copy

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import topology
-from sparsegen.layouts import bsr
+from sparsegen.bsr import topology
+from sparsegen.bsr import format as bsr
 
 
 def grid_values(layer):

@@ -8,8 +8,8 @@ from torch import nn
 
 import sparsegen
 from sparsegen.errors import InputError
-from sparsegen.layouts import semi24
-from sparsegen.train24 import soft_threshold
+from sparsegen.semi24 import format as semi24
+from sparsegen.semi24.train import soft_threshold
 
 
 def is_24(t: torch.Tensor) -> bool:

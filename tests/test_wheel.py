@@ -25,7 +25,8 @@ CHECK = """
 import json, sysconfig
 from pathlib import Path
 import sparsegen
-from sparsegen import cache, codegen, spec
+from sparsegen import cache, codegen
+from sparsegen.bsr import specs as spec
 
 site = Path(sysconfig.get_paths()["purelib"]).resolve()
 templates = codegen.templates_dir().resolve()
@@ -80,8 +81,8 @@ def clean_env(cache_dir: Path) -> dict:
 def test_wheel_ships_templates_and_compiles_outside_the_repo(tmp_path):
     wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    for template in sorted((REPO / "templates").glob("*.*")):
-        assert f"sparsegen/templates/{template.name}" in names
+    for template in sorted((REPO / "templates").rglob("*.*")):
+        assert f"sparsegen/templates/{template.relative_to(REPO / 'templates').as_posix()}" in names
     python = make_venv(tmp_path / "venv")
     run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel)
     elsewhere, env = tmp_path / "elsewhere", clean_env(tmp_path / "cache")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import sparsegen
-from sparsegen import ops
+from sparsegen.bsr import ops as bsr_ops
 
 SHAPES = [(4096, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (16384, 1024, 4096),
           (2048, 8192, 8192)]
@@ -135,7 +135,8 @@ NEW_PROCESS_SNIPPET = """
 import time, torch
 torch.zeros(1, device='cuda'); torch.cuda.synchronize()
 t0 = time.perf_counter()
-from sparsegen import cache, runtime, spec
+from sparsegen import cache, runtime
+from sparsegen.bsr import specs as spec
 t1 = time.perf_counter()
 s = spec.forward_spec((64, 64), 'bf16', runtime.device_arch(torch.device('cuda')))
 cache.build(s); t2 = time.perf_counter()
@@ -173,7 +174,7 @@ def tune(dtype_name: str, shape, block: int, density: float, tiles, instr) -> No
                              device="cuda", dtype=dtype)
     for tile in tiles:
         try:
-            ms = median_ms(lambda: ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices,
+            ms = median_ms(lambda: bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices,
                                                None, layer.block, n, tile=tile, instr=instr))
         except sparsegen.SparsegenError as error:
             print(f"tune {dtype_name} {shape} b{block} d{density} {tile.tag}: {error}")
@@ -255,13 +256,13 @@ def training_row(block, density, d, dense, both, dense_dx, dx, dense_dw, dw) -> 
 
 
 def backward_parts(layer, x, dy):
-    """Callables for dX and dW as the layer's backward runs them (ops.input_grad: on sm_90
+    """Callables for dX and dW as the layer's backward runs them (bsr_ops.input_grad: on sm_90
     the swap kernel reading the stored blocks transposed, else a transposed copy of the
-    values and the forward kernel on W^T; ops.weight_grad)."""
+    values and the forward kernel on W^T; bsr_ops.weight_grad)."""
     _, _, flat, t_rows, t_cols, t_flat, t_perm = layer._index()
     (bm, bk), values = layer.block, layer.values.detach()
-    dx = lambda: ops.input_grad(dy, values, t_perm, t_rows, t_cols, t_flat, (bk, bm), x.shape[1])  # noqa: E731
-    return dx, lambda: ops.weight_grad(dy, x, flat, layer.block)
+    dx = lambda: bsr_ops.input_grad(dy, values, t_perm, t_rows, t_cols, t_flat, (bk, bm), x.shape[1])  # noqa: E731
+    return dx, lambda: bsr_ops.weight_grad(dy, x, flat, layer.block)
 
 
 SDD_TILES = {128: ["t64w8x1s4", "t48w8x1s5", "t32w8x1s8", "t32w2x2s4"],
@@ -272,7 +273,8 @@ def tune_sdd(shape=(8192, 4096, 11008), densities=(0.25, 0.5)) -> None:
     """Tile configurations of the weight-gradient kernel (warps_n 1: the wgmma one),
     interleaved with cuBLAS's dense dW: per useful FLOP, the issue's measure."""
     from sparsegen import runtime
-    from sparsegen.spec import TileConfig, sdd_spec
+    from sparsegen.bsr.specs import sdd_spec
+    from sparsegen.spec import TileConfig
 
     m, k, n = shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -284,7 +286,7 @@ def tune_sdd(shape=(8192, 4096, 11008), densities=(0.25, 0.5)) -> None:
         tiles = [TileConfig.from_tag(tag) for tag in tags]
         kernels = [runtime.kernel(sdd_spec(layer.block, "bf16", 90, t, "tma" if t.warps_n == 1 else "mma"), 0)
                    for t in tiles]
-        launches = [lambda kern=kern: ops.sdd_into(out, dy, x, flat, layer.block, kern) for kern in kernels]
+        launches = [lambda kern=kern: bsr_ops.sdd_into(out, dy, x, flat, layer.block, kern) for kern in kernels]
         dense, *times = interleaved(lambda: median_ms(lambda: dy.t() @ x), *[lambda f=f: median_ms(f) for f in launches])
         for tag, ms in zip(tags, times):
             print(f"sdd b{block} d{density} {tag}: {ms:.3f} ms, {dense * layer.density / ms:.0%} of cuBLAS "

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
 from bench import interleaved, median_ms  # noqa: E402
-from sparsegen import ops  # noqa: E402
+from sparsegen.semi24 import ops as sp24_ops  # noqa: E402
 
 WEIGHTS = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]  # N x K
 TOKENS = [16, 128, 1024, 4096, 16384]
@@ -49,7 +49,7 @@ def forward_rows(dtype_names, weights, tokens) -> list[str]:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 dense, ours, peer = interleaved(
                     lambda: median_ms(lambda: F.linear(x, w)),
-                    lambda: median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)),
+                    lambda: median_ms(lambda: sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, None, n)),
                     lambda: cusparselt_ms(dense_w, x))
                 target = 1.15 if m >= 1024 else 0.9
                 ok = ours <= dense / target and (peer is None or ours < peer or m < 1024)
@@ -175,7 +175,7 @@ def decode_rows(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> list[str]:
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             calls = [[lambda w=w: F.linear(x, w) for w in dense_ws],
-                     [lambda s=s: ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse],
+                     [lambda s=s: sp24_ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse],
                      None if None in peers else [lambda p=p: F.linear(x, p) for p in peers]]
             eager = interleaved(*(lambda c=c: c and median_ms(c[0]) for c in calls))
             graph = interleaved(*(lambda c=c: c and graph_ms(c) for c in calls))
@@ -259,7 +259,7 @@ def tune() -> None:
         sparse, x = sparsegen.to_sparse24(w), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         dense = median_ms(lambda: F.linear(x, w))
         for tile, splits, instr in (big if m > 256 else small):
-            ms = median_ms(lambda: ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, tile=tile,
+            ms = median_ms(lambda: sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, None, n, tile=tile,
                                                 splits=splits, instr=instr))
             print(f"{n}x{k} M={m} {instr} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
 
@@ -276,12 +276,12 @@ def tune_decode() -> None:
         for m in (1, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dense = graph_ms([lambda w=w: F.linear(x, w) for w in dense_ws])
-            default = graph_ms([lambda s=s: ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse])
+            default = graph_ms([lambda s=s: sp24_ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse])
             print(f"{n}x{k} M={m}: dense {dense:.4f} ms, default {dense / default:.2f}x", flush=True)
             for tile in tiles[32 if m <= 32 else 128]:
                 for splits in (1, 2, 4, 8, 16):
                     try:
-                        ms = graph_ms([lambda s=s: ops.sp24_dds(x, s.values, s.metadata, None, n, tile=tile,
+                        ms = graph_ms([lambda s=s: sp24_ops.sp24_dds(x, s.values, s.metadata, None, n, tile=tile,
                                                                  splits=splits, instr="tma") for s in sparse])
                     except Exception as error:
                         print(f"  {tile.tag} splits={splits}: {type(error).__name__}", flush=True)

@@ -9,7 +9,9 @@ import time
 import torch
 
 import sparsegen
-from sparsegen import cache, codegen, spec
+from sparsegen import cache, codegen
+from sparsegen.bsr.specs import forward_spec
+from sparsegen.semi24.specs import sp24_spec
 
 
 def show_layers() -> None:
@@ -28,7 +30,7 @@ def show_layers() -> None:
 
 
 def show_pipeline() -> None:
-    for s in [spec.forward_spec((64, 64), "bf16", arch) for arch in (80, 90)] + [spec.sp24_spec("bf16", 90)]:
+    for s in [forward_spec((64, 64), "bf16", arch) for arch in (80, 90)] + [sp24_spec("bf16", 90)]:
         start = time.perf_counter()
         built = cache.build(s)
         source = "compiled by NVRTC" if built.compiled else "from the cache"

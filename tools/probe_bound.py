@@ -18,9 +18,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import sparsegen  # noqa: E402
-from sparsegen import cache, codegen, ops, runtime  # noqa: E402
+from sparsegen import cache, codegen, runtime  # noqa: E402
 
 from bench import interleaved, median_ms, target_speedup  # noqa: E402
+from sparsegen.bsr import dispatch as bsr_dispatch  # noqa: E402
+from sparsegen.bsr import ops as bsr_ops  # noqa: E402
 
 SHAPES = [(8192, 4096, 11008), (4096, 4096, 4096)]
 REAL_RENDER = codegen.render
@@ -36,14 +38,14 @@ def without_products(spec) -> str:
 def use_render(render) -> None:
     """Switch the template renderer and forget every kernel built with the other one."""
     codegen.render = render
-    ops._forward_kernel.cache_clear()
+    bsr_dispatch.forward_kernel.cache_clear()
     runtime.kernel.cache_clear()
     cache._memory.clear()
 
 
 def forward_timer(x, layer):
     values = layer.values.detach()
-    return lambda: median_ms(lambda: ops.bsr_dds(x, values, layer.row_offsets, layer.col_indices, None,
+    return lambda: median_ms(lambda: bsr_ops.bsr_dds(x, values, layer.row_offsets, layer.col_indices, None,
                                                  layer.block, layer.out_features))
 
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import sparsegen
-from sparsegen import inductor, ops, runtime
+from sparsegen import inductor, runtime
+from sparsegen.bsr import ops as bsr_ops
 
 CALLS, ROUNDS = 300, 15  # few enough calls a round that launches never wait for the GPU
 
@@ -30,7 +31,7 @@ def us_per_call(fn, calls: int = CALLS) -> float:
 def pieces(x: torch.Tensor, layer: nn.Module) -> dict:
     """Each callable: one piece of host work a forward call may do."""
     dense = nn.Linear(1024, 1024, device="cuda", dtype=torch.bfloat16)
-    plan = next(iter(ops._PLANS._plans.values()))[1]
+    plan = next(iter(bsr_ops._PLANS._plans.values()))[1]
     y = torch.empty(16, 1024, device="cuda", dtype=torch.bfloat16)
     buffer = bytearray(64)
     return {
@@ -57,7 +58,7 @@ def pieces(x: torch.Tensor, layer: nn.Module) -> dict:
         "plan.run(x, values, bias, y)": lambda: plan.run(x, layer.values, layer.bias, y),
         "plan.launch.run() (bound parameters)": plan.launch.run,
         "lean call (layer._lean_forward(x))": lambda: layer._lean_forward(x),
-        "ops.bsr_dds(...)": lambda: ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, 1024),
+        "bsr_ops.bsr_dds(...)": lambda: bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, 1024),
         "inductor._bsr_dds(..., out=y)": lambda: inductor._bsr_dds(x, layer.values, layer.bias, layer.row_offsets, layer.col_indices, layer.flat_index, 64, 64, 1024, "none", out=y),
         "layer(x) BlockSparseLinear": lambda: layer(x),
         "empty module call": _empty_module(),

@@ -1,7 +1,7 @@
 // Storing a warpgroup's wgmma accumulators of Y^T (m64 features x TOKENS tokens) into Y [M, N]
 // in Y's own row-major layout - no transpose pass - for kernels that put W in wgmma's A.
 #pragma once
-#include "bsr_dds_wgmma.cuh"
+#include "sg_wgmma.cuh"
 
 namespace sg {
 

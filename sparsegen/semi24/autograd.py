@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import env, epilogues, library, ops, plans
-from .layouts import semi24
+from .. import calls, env, epilogues, library, plans
+from . import format as semi24
+from . import ops
 
 
 def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Tensor | None, out_features: int,
@@ -28,14 +29,14 @@ def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Tensor | N
 
 
 def sp24_any_device(x, values, metadata, bias, out_features: int, epilogue: str = "none") -> Tensor:
-    if ops.runs_16bit_kernels(x):
+    if calls.runs_16bit_kernels(x):
         return ops.sp24_dds(x, values, metadata, bias, out_features, epilogue=epilogue)
     return sp24_reference(x, values, metadata, bias, out_features, epilogue)
 
 
 sp24_dds_op = library.define(
     "sp24_dds(Tensor x, Tensor values, Tensor metadata, Tensor? bias, int out_features, str epilogue) -> Tensor",
-    sp24_any_device, ops.fake_product)
+    sp24_any_device, calls.fake_product)
 
 
 def forward_product(x, values, metadata, bias, out_features: int, epilogue: str = "none") -> Tensor:
@@ -51,7 +52,7 @@ def _gradients(x, values, metadata, has_bias, need, dy):
     n, k = dy.shape[-1], x.shape[-1]
     # torch.compile traces this backward: there it stays in PyTorch ops (the kernels' launches
     # are not traceable), checked first so that nothing else here is traced.
-    on_kernels = (not torch.compiler.is_compiling() and ops.runs_16bit_kernels(dy) and dy.dtype == values.dtype
+    on_kernels = (not torch.compiler.is_compiling() and calls.runs_16bit_kernels(dy) and dy.dtype == values.dtype
                   and env.compress_kernel())
     dx = dvalues = dbias = None
     if need[0]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import expect
-from .layouts import bsr
+from ..errors import expect
+from . import format as bsr
 from .nn import BlockSparseLinear
 
 

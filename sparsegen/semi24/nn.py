@@ -4,16 +4,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import checkpoint, epilogues, lean, ops
-from .autograd24 import forward_product, sp24_linear
-from .errors import expect
-from .layouts import semi24
-from .nn import autocast_inputs, dense_linear, needs_grad
-from .sparse24 import Sparse24Tensor, prune_and_compress
-from .train24 import Sparse24TrainingLinear
+from .. import calls, checkpoint, epilogues, lean
+from ..errors import expect
+from ..layer import SparseLinearForward, dense_linear
+from . import format as semi24
+from . import ops
+from .autograd import forward_product, sp24_linear
+from .tensor import Sparse24Tensor, prune_and_compress
+from .train import Sparse24TrainingLinear
 
 
-class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """y = x W^T + b with W [out, in] 2:4 along rows: `values` [out, in/2] (the parameter)
     and `metadata` (a buffer in the layout mma.sp reads). fp16/bf16 run the generated
     mma.sp kernel on the GPU; float32 (or a CPU) runs the PyTorch reference.
@@ -80,18 +81,14 @@ class Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, 
     def to_dense_weight(self) -> torch.Tensor:
         return semi24.decompress(self.values.detach(), self.metadata, (self.out_features, self.in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._lean_forward(x)
-        if y is not None:
-            return y
-        x, values, bias = autocast_inputs(x, self.values, self.bias)
-        ops.check_inputs(x, values, bias, self.in_features)
-        if needs_grad(x, values, bias):
-            return epilogues.reference(sp24_linear(x, values, self.metadata, bias, self.out_features), self.epilogue)
+    def _differentiable_product(self, x, values, bias) -> torch.Tensor:
+        return sp24_linear(x, values, self.metadata, bias, self.out_features)
+
+    def _product(self, x, values, bias) -> torch.Tensor:
         return forward_product(x, values, self.metadata, bias, self.out_features, self.epilogue)
 
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
-        ops.check_inputs(x, values, bias, self.in_features)
+        calls.check_inputs(x, values, bias, self.in_features)
         plan = ops.sp24_lean_plan(x, values, self.metadata, self.out_features, self.epilogue)
         return None if plan is None else lean.LeanCall(plan, x, values, bias)
 

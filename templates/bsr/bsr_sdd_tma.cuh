@@ -11,7 +11,7 @@
 // serves twice the columns: the default for layers with many blocks (sdd_spec's
 // many_blocks), with 4 stages of 48 tokens; smaller layers keep two and 64-token stages.
 #pragma once
-#include "bsr_dds_wgmma.cuh"
+#include "sg_wgmma.cuh"
 #include "sg_tma.cuh"
 
 namespace sg {

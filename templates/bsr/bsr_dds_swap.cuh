@@ -24,7 +24,7 @@
 // of once per block: fewer bytes per useful FLOP wherever the two rows share columns, which
 // is what bounds these kernels.
 #pragma once
-#include "bsr_dds_wgmma.cuh"
+#include "sg_wgmma.cuh"
 #include "sg_store_t.cuh"
 #include "sg_tma.cuh"
 

@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint, ops
-from .errors import expect, positive_int
-from .layouts import semi24
-from .nn import autocast_inputs, dense_linear
-from .sparse24 import compress_masked, on_kernels, prune_and_compress, prune_mask
+from .. import calls, checkpoint
+from ..errors import expect, positive_int
+from ..layer import autocast_inputs, dense_linear
+from . import format as semi24
+from . import ops
+from .tensor import compress_masked, on_kernels, prune_and_compress, prune_mask
 
 MASK_METHODS = ("transposable", "magnitude")
 
@@ -61,7 +62,7 @@ class _Sparse24STE(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # (W * mask)^T is 2:4 when the mask is transposable: the same kernel runs dX,
             # compressing the transposed views as they are (no transpose copy).
-            dx = (_sparse_product(dy, operand.t(), mask.t()) if kernel_dx and ops.runs_16bit_kernels(dy)
+            dx = (_sparse_product(dy, operand.t(), mask.t()) if kernel_dx and calls.runs_16bit_kernels(dy)
                   else dy @ (operand * mask))
         if ctx.needs_input_grad[1]:
             dw = _sparse_weight_grad(dy2, x2) if dw_sparse else dy2.t() @ x2
@@ -75,7 +76,7 @@ class _Sparse24STE(torch.autograd.Function):
 def _sparse_product(x: torch.Tensor, operand: torch.Tensor, mask: torch.Tensor, bias=None) -> torch.Tensor:
     """x @ (operand * mask)^T (+ bias), mask 2:4 along rows. The kernel path compresses the
     operand at the mask's positions directly: the masked weight is never materialized."""
-    if not ops.runs_16bit_kernels(x):
+    if not calls.runs_16bit_kernels(x):
         return F.linear(x, operand * mask, bias)
     values, metadata = compress_masked(operand, mask)
     return ops.sp24_dds(x, values, metadata, bias, operand.shape[0])
@@ -85,7 +86,7 @@ def _sparse_weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """dW = S X with S an MVUE 2:4 sample of dY^T along tokens. On the GPU (tokens a multiple
     of 32) the 2:4 kernel runs it as dW^T = X^T S^T: S is sampled and packed straight from
     dY's transposed view, X^T is one copy."""
-    if not (ops.runs_16bit_kernels(dy2) and dy2.shape[0] % semi24.COL_GRANULE == 0 and dy2.shape[0] > 0):
+    if not (calls.runs_16bit_kernels(dy2) and dy2.shape[0] % semi24.COL_GRANULE == 0 and dy2.shape[0] > 0):
         return _mvue_rows(dy2.t()) @ x2
     values, metadata = prune_and_compress(dy2.contiguous().t(), "mvue")  # the kernel unless turned off
     return ops.sp24_dds(x2.t().contiguous(), values, metadata, None, dy2.shape[1]).t()
@@ -179,7 +180,7 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
-        ops.check_inputs(x, weight, bias, self.in_features)
+        calls.check_inputs(x, weight, bias, self.in_features)
         if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._scheduled_refresh(weight)
         if self.dense:

@@ -6,47 +6,18 @@ import math
 import torch
 from torch import nn
 
-from . import checkpoint, epilogues, lean, ops
+from .. import calls, checkpoint, epilogues, lean
+from ..errors import expect, fraction, positive_int
+from ..layer import SparseLinearForward, dense_linear
+from . import format as bsr
+from . import ops
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
-from .errors import expect, fraction, positive_int
-from .layouts import bsr
-
-
-def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:
-    """An nn.Linear holding copies of a dense weight [out, in] and bias (for to_linear)."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                       dtype=weight.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-        if bias is not None:
-            linear.bias.copy_(bias)
-    return linear
-
-
-def autocast_inputs(x: torch.Tensor, values: torch.Tensor, bias):
-    """Under torch.autocast, as nn.Linear does: input, values and bias in the autocast
-    dtype (float32 parameters get float32 gradients back through the cast)."""
-    # One cheap global test first: this runs on every forward call.
-    if not lean.any_autocast():
-        return x, values, bias
-    on = (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
-          and torch.is_autocast_enabled(x.device.type))
-    if not on:
-        return x, values, bias
-    dtype = torch.get_autocast_dtype(x.device.type)
-    return x.to(dtype), values.to(dtype), None if bias is None else bias.to(dtype)
-
-
-def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
-    """Whether autograd must record this call (under torch.compile: decided when tracing)."""
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad))
 
 
 SAVED_INDEX = ("row_offsets", "col_indices")  # saved with the layout (the rest is derived)
 
 
-class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+class BlockSparseLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """y = x W^T + b with W [out, in] stored as block-CSR blocks of shape `block`.
 
     `layout` (a bool tensor [out/bm, in/bk]) fixes which blocks exist; otherwise a random
@@ -115,21 +86,15 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoa
     def _index(self) -> tuple:
         return tuple(getattr(self, name) for name in INDEX_NAMES)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._lean_forward(x)
-        if y is not None:
-            return y
-        x, values, bias = autocast_inputs(x, self.values, self.bias)
-        ops.check_inputs(x, values, bias, self.in_features)
-        if needs_grad(x, values, bias):
-            y = block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
-            return epilogues.reference(y, self.epilogue)
-        # Inference: the product alone, no autograd on the host path.
+    def _differentiable_product(self, x, values, bias) -> torch.Tensor:
+        return block_sparse_linear(x, values, bias, self._index(), self.block, self.out_features)
+
+    def _product(self, x, values, bias) -> torch.Tensor:
         return forward_product(x, values, bias, self.row_offsets, self.col_indices, self.flat_index, self.block,
                                self.out_features, self.epilogue)
 
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
-        ops.check_inputs(x, values, bias, self.in_features)
+        calls.check_inputs(x, values, bias, self.in_features)
         plan = ops.bsr_lean_plan(x, values, self.row_offsets, self.col_indices, self.block, self.out_features,
                                  self.epilogue)
         return None if plan is None else lean.LeanCall(plan, x, values, bias)
@@ -177,24 +142,6 @@ class BlockSparseLinear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoa
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block={self.block}, density={self.density:.3f} ({nnz}/{total} blocks), "
                 f"bias={self.bias is not None}{self._epilogue_repr()}")
-
-
-def linear(in_features: int, out_features: int, block=(32, 32), density: float = 0.5,
-           bias: bool = True, device=None, dtype=None, layout=None, sparsity: str = "block", **recipe):
-    """Drop-in for nn.Linear(in_features, out_features): a BlockSparseLinear, or with
-    sparsity="2:4" a Sparse24Linear (2:4 semi-structured; block, density and layout unused),
-    or with 2:4 and 2by4-pretrain options (method, mask_interval, dw_sparse,
-    soft_threshold) a Sparse24TrainingLinear."""
-    expect(sparsity in ("block", "2:4"), "sparsity 'block' or '2:4'", repr(sparsity))
-    expect(sparsity == "2:4" or not recipe, "no 2:4 training options for block sparsity", sorted(recipe))
-    if sparsity == "2:4":
-        from .nn24 import Sparse24Linear, Sparse24TrainingLinear
-
-        expect(layout is None, "no block layout for sparsity='2:4'", "a layout")
-        if recipe:
-            return Sparse24TrainingLinear(in_features, out_features, bias, device, dtype, **recipe)
-        return Sparse24Linear(in_features, out_features, bias, device, dtype)
-    return BlockSparseLinear(in_features, out_features, block, density, bias, device, dtype, layout)
 
 
 def _moved(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@
 // (ncu on an H200, 8192x8192 fp16 at M 16384: without it this kernel took fewer cycles
 // than cuSPARSELt's but ran at 1.36 GHz against 1.65 - the L2 traffic costs clock.)
 #pragma once
-#include "bsr_dds_wgmma.cuh"
+#include "sg_wgmma.cuh"
 #include "sg_split_k.cuh"
 #include "sg_store_t.cuh"
 #include "sg_tma.cuh"

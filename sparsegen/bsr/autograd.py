@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import format as bsr
 from . import ops
-from .layouts import bsr
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from . import env, ops
-from .autograd24 import sp24_any_device
-from .errors import expect
-from .layouts import semi24
+from .. import calls, env
+from ..errors import expect
+from . import format as semi24
+from . import ops
+from .autograd import sp24_any_device
 
 
 class Sparse24Tensor:
@@ -54,7 +55,7 @@ class Sparse24Tensor:
             if ops.runs_byte_kernels(x):
                 return ops.sp24_dds(x, self.values, self.metadata, bias, self.shape[0])
             return byte_reference(x, self.values, self.metadata, bias, self.shape[0])
-        ops.check_inputs(x, self.values, bias, self.shape[1])
+        calls.check_inputs(x, self.values, bias, self.shape[1])
         return sp24_any_device(x, self.values, self.metadata, bias, self.shape[0])
 
     @classmethod

@@ -9,7 +9,7 @@
 // next one's products run - the epilogue hides behind the tensor cores. A stage is 64 elements of K; it holds SUBS sub-tiles of SUB_K
 // elements (one block's width when BK < 64), each in the swizzle that matches its width.
 #pragma once
-#include "bsr_dds_wgmma.cuh"
+#include "sg_wgmma.cuh"
 #include "sg_tma.cuh"
 
 namespace sg {

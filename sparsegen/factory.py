@@ -1,0 +1,23 @@
+"""sparsegen.linear: the drop-in for nn.Linear, over every layout's layers."""
+from __future__ import annotations
+
+from .bsr.nn import BlockSparseLinear
+from .errors import expect
+from .semi24.nn import Sparse24Linear
+from .semi24.train import Sparse24TrainingLinear
+
+
+def linear(in_features: int, out_features: int, block=(32, 32), density: float = 0.5,
+           bias: bool = True, device=None, dtype=None, layout=None, sparsity: str = "block", **recipe):
+    """Drop-in for nn.Linear(in_features, out_features): a BlockSparseLinear, or with
+    sparsity="2:4" a Sparse24Linear (2:4 semi-structured; block, density and layout unused),
+    or with 2:4 and 2by4-pretrain options (method, mask_interval, dw_sparse,
+    soft_threshold) a Sparse24TrainingLinear."""
+    expect(sparsity in ("block", "2:4"), "sparsity 'block' or '2:4'", repr(sparsity))
+    expect(sparsity == "2:4" or not recipe, "no 2:4 training options for block sparsity", sorted(recipe))
+    if sparsity == "2:4":
+        expect(layout is None, "no block layout for sparsity='2:4'", "a layout")
+        if recipe:
+            return Sparse24TrainingLinear(in_features, out_features, bias, device, dtype, **recipe)
+        return Sparse24Linear(in_features, out_features, bias, device, dtype)
+    return BlockSparseLinear(in_features, out_features, block, density, bias, device, dtype, layout)

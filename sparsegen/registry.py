@@ -1,0 +1,82 @@
+"""Where sparsity layouts plug into the core. A layout registers, from its `specs` module:
+per op, how a KernelSpec of it is checked, how much shared memory it takes, which template
+renders it and what that template's context adds; and the kernels `sparsegen precompile`
+builds. The core (spec, codegen, cache, runtime, cli) asks here and names no op itself.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from .errors import SpecError, expect
+
+if TYPE_CHECKING:
+    from .spec import KernelSpec
+
+# The registry line: the layouts sparsegen ships. A new layout is a package with a specs
+# module that calls register(); add its name here.
+LAYOUTS = ("bsr", "semi24")
+
+
+def _no_context(spec: "KernelSpec") -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class OpRules:
+    """One op of a layout: what its KernelSpecs may hold and how they render."""
+
+    op: str
+    template: str                                   # under templates/, e.g. "bsr/bsr_dds.cu.j2"
+    validate: Callable[["KernelSpec"], None]        # raises SpecError ("Expected X. Got Y.")
+    smem_bytes: Callable[["KernelSpec"], int]       # dynamic shared memory per block
+    trans: tuple[str, ...] = ("nt",)                # operand layouts it accepts
+    context: Callable[["KernelSpec"], dict] = _no_context  # what its template uses beyond the spec's fields
+    epilogues: bool = False                         # whether it fuses an epilogue into its store
+    tensor_cores: bool = True                       # False: copies and pruning (no SASS MMA check)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str                                       # the package: sparsegen.<name>, templates/<name>/
+    ops: tuple[OpRules, ...]
+    default_specs: Callable[[int, tuple, list | None], list]  # (arch, dtypes, blocks) -> what precompile builds
+    package_dir: Path                               # its Python, hashed with the templates (cache aliases)
+
+
+_REGISTERED: dict[str, Layout] = {}
+_OPS: dict[str, OpRules] = {}
+
+
+def register(layout: Layout) -> None:
+    for rules in layout.ops:
+        expect(_OPS.get(rules.op, rules) is rules, f"op {rules.op!r} registered once",
+               f"a second registration by layout {layout.name!r}", SpecError)
+        _OPS[rules.op] = rules
+    _REGISTERED[layout.name] = layout
+
+
+def layouts() -> tuple[Layout, ...]:
+    _load()
+    return tuple(_REGISTERED[name] for name in LAYOUTS)
+
+
+def op_rules(op: str) -> OpRules:
+    _load()
+    rules = _OPS.get(op)
+    expect(rules is not None, f"op one of {tuple(_OPS)}", repr(op), SpecError)
+    return rules
+
+
+def ops() -> tuple[str, ...]:
+    _load()
+    return tuple(_OPS)
+
+
+def _load() -> None:
+    """Import each layout's specs module once (they register themselves as they load)."""
+    for name in LAYOUTS:
+        if name not in _REGISTERED:
+            importlib.import_module(f"sparsegen.{name}.specs")

@@ -1,0 +1,89 @@
+"""Which 2:4 kernel serves a call: the forward's tiles per batch-size bucket, K splits for
+small batches (decode), and the pruning kernels; the rules come from H100 and H200 sweeps.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import calls, runtime
+from .specs import sp24_compress_spec, sp24_spec, w_rows
+
+
+# One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
+BYTE_DTYPE_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "e4m3"}
+DTYPE_NAMES = {**calls.DTYPE_NAMES, **BYTE_DTYPE_NAMES}
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
+                 narrow: bool = False, epilogue: str = "none"):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    spec = sp24_spec(calls.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow,
+                     epilogue=epilogue)
+    return runtime.kernel(spec, device_index)
+
+
+def rows_bucket(m: int) -> int | None:
+    """The batch sizes sp24_spec tells apart (a few cached kernels, not one per M)."""
+    return 32 if m <= 32 else 128 if m <= 128 else None
+
+
+SP24_STAGE_K = 128  # dense K per pipeline stage of the sp24 kernel: K splits come in these
+
+
+def k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2, min_stages: int = 1) -> int:
+    """Small batches give too few output tiles to fill the GPU: split K until about
+    `per_sm` blocks per SM run (each split adds its partial sum in float32), each split
+    `min_stages` stages of K at least."""
+    stages = -(-k // SP24_STAGE_K)
+    return max(1, min(stages // min_stages, (per_sm * runtime.sm_count(device_index)) // max(blocks, 1)))
+
+
+def narrow_tiles(m: int, n: int, device_index: int) -> bool:
+    """33-128 tokens on Hopper: blocks of 64 W rows x 64 tokens, except 65-128 tokens on a
+    weight whose 128-row tiles fill half the SMs or more: 128 W rows x 128 tokens. From a
+    decode sweep on an H100 (tools/bench24.py --tune-decode, weights read from HBM): at M 128
+    11008x4096 ran 1.45x dense that way against 1.17x narrow and 1.00x on 128 x 64 tiles,
+    14336x4096 1.54x against 1.25x; 8192x8192 (64 tiles) 1.34x narrow against 1.23x; at M 64
+    narrow was as fast or faster everywhere (4096x4096 0.95x against 0.80x)."""
+    if rows_bucket(m) != 128:
+        return False
+    return m <= 64 or 2 * -(-n // 128) < runtime.sm_count(device_index)
+
+
+# K splits of wgmma.sp decode launches (the same sweep): one block per SM (a second split per SM
+# only added atomics), and for 33-128 tokens at least 24 stages (3072 of K) a split - 4096x4096
+# at M 64 ran 0.95x dense unsplit and 0.75x in two.
+_DECODE_MIN_STAGES = {32: 1, 128: 24}
+
+
+def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, resident: int | None = None):
+    """(grid, dense K per split): output tiles (mma.sp: in x and y; wgmma.sp: x, no more blocks
+    than `resident` (default: one per SM), each walking tiles x, x + grid x, ...), K splits
+    (whole stages) in z."""
+    tiles_n, tiles_m = -(-n // w_rows(spec)), -(-m // spec.tile.tile_m)
+    decode = spec.instr == "tma" and rows_bucket(m) is not None
+    per_sm, min_stages = (1, _DECODE_MIN_STAGES[rows_bucket(m)]) if decode else (2, 1)
+    wanted = splits or (k_splits(tiles_n * tiles_m, k, device_index, per_sm, min_stages) if m <= 256 else 1)
+    k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
+    splits_k = -(-k // k_split)
+    if spec.instr != "tma":
+        return (tiles_n, tiles_m, splits_k), k_split
+    cluster = spec.tile.cluster  # a cluster's blocks take neighbouring W tiles: work items of `cluster` tiles
+    items, slots = -(-tiles_n // cluster) * tiles_m, (resident or runtime.sm_count(device_index)) // cluster
+    return (cluster * (items if splits_k > 1 else min(items, slots)), 1, splits_k), k_split
+
+
+def tile_counts(spec, m: int, n: int) -> int:
+    """Arrival counters a split-K launch needs: at most one per token tile, W tile (its
+    column count padded to whole clusters) and 64 features of it."""
+    tiles_w = -(-(-(-n // w_rows(spec))) // spec.tile.cluster) * spec.tile.cluster
+    return -(-m // spec.tile.tile_m) * tiles_w * (w_rows(spec) // 64)
+
+
+@functools.lru_cache(maxsize=None)
+def prune_kernel(op: str, dtype: torch.dtype, device_index: int):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(sp24_compress_spec(calls.DTYPE_NAMES[dtype], arch, op), device_index)

@@ -1,0 +1,279 @@
+"""Ops over 2:4 weights: input checks, the GPU launches (the product, pruning and
+compression, expanding and gathering, the transposable mask) and their plans."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .. import calls, dense_path, epilogues, outside_graphs, plans, runtime, workspace
+from ..errors import expect
+from ..spec import ARCHS, MIN_ARCH
+from . import dispatch, specs
+from . import format as semi24
+from .dispatch import BYTE_DTYPE_NAMES
+
+_PLANS = plans.PlanCache()
+
+# The dtype each one-byte product writes Y in.
+_SP24_OUTPUT_DTYPES = {torch.int8: torch.int32, torch.float8_e4m3fn: torch.bfloat16}
+
+
+def sp24_output_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _SP24_OUTPUT_DTYPES.get(dtype, dtype)
+
+
+def check_byte_inputs(x, values: torch.Tensor, bias, shape: tuple[int, int]) -> None:
+    """A one-byte 2:4 product's inputs: x of the weight's dtype and device, bias (if any)
+    of the output's dtype (int32 for int8, bfloat16 for float8_e4m3fn)."""
+    expect(isinstance(x, torch.Tensor), "input to be a torch.Tensor", type(x).__name__)
+    expect(x.dim() >= 1 and x.shape[-1] == shape[1], f"input of shape (..., {shape[1]})", tuple(x.shape))
+    expect(x.dtype == values.dtype, f"input dtype {values.dtype} (the weight's dtype)", x.dtype)
+    expect(x.device == values.device, f"input on {values.device} (the weight's device)", x.device)
+    if bias is not None:
+        out = sp24_output_dtype(values.dtype)
+        expect(isinstance(bias, torch.Tensor) and bias.dtype == out and bias.device == values.device
+               and tuple(bias.shape) == (shape[0],), f"bias of shape ({shape[0]},), {out} on {values.device}",
+               f"{tuple(bias.shape)}, {bias.dtype} on {bias.device}" if isinstance(bias, torch.Tensor) else bias)
+
+
+def runs_byte_kernels(t: torch.Tensor) -> bool:
+    """A one-byte CUDA tensor: True on GPUs with the instruction (int8 sm_80, e4m3 sm_89),
+    a clear error on others; False off the GPU (the caller's reference then runs)."""
+    if not (t.is_cuda and t.dtype in BYTE_DTYPE_NAMES):
+        return False
+    _check_byte_arch(t.dtype, t.device.index or 0)
+    return True
+
+
+@functools.lru_cache(maxsize=None)  # once per device: the forward calls it every time
+def _check_byte_arch(dtype: torch.dtype, device_index: int) -> None:
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    least = MIN_ARCH.get(BYTE_DTYPE_NAMES[dtype], 80)
+    expect(arch >= least and arch in ARCHS, f"a GPU of sm_{least} or later with sparsegen kernels for "
+           f"{dtype} 2:4 products (or the tensors on the CPU)", f"sm_{arch}")
+
+
+def runs_prune_kernels(t: torch.Tensor) -> bool:
+    """A 16-bit or one-byte CUDA tensor on a GPU the templates cover (the 2:4 pruning kernels,
+    which need no tensor cores: e4m3 prunes on the GPU whatever its arch)."""
+    return calls._on_covered_gpu(t, calls.SIXTEEN_BIT + tuple(BYTE_DTYPE_NAMES))
+
+
+def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, out_features: int):
+    """(The packed launch of a 2:4 product, the tensors it points into). X is bound per call
+    (a TMA map or the first pointer); W's values and metadata are bound here, the same call
+    after call: per stage, 32 kept values and 2 k32 tiles of metadata words per row (twice as
+    many of each for one-byte dtypes). Then bias, Y and the split-K sums and counts."""
+    spec, (m, k), ints = kern.spec, x2.shape, (x2.shape[0], x2.shape[1], out_features, k_split)
+    if spec.instr != "tma":
+        pointers = (0, values.data_ptr(), metadata.data_ptr(), 0, 0, 0, 0)
+        return runtime.PackedLaunch(kern, grid, (), pointers, ints), ()
+    given = (values, metadata)
+    values, metadata = calls.aligned(values), calls.aligned(metadata)  # TMA reads from 16-byte aligned rows
+    (n, half_k), w_rows, per_byte = values.shape, specs.w_rows(spec), 2 // values.element_size()
+    maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte),
+            (values.dtype, n, half_k, w_rows, 32 * per_byte),
+            (torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False))
+    launch = runtime.PackedLaunch(kern, grid, maps, (0, 0, 0, 0), ints)
+    launch.bind_map(1, values.data_ptr())
+    launch.bind_map(2, metadata.data_ptr())
+    # Only copies are kept: the caller's tensors live as long as the call, or (a kept plan) as
+    # its key, the metadata, which a plan must not hold (plans.PlanCache) - a training step's
+    # fresh compression would never be freed.
+    return launch, tuple(t for t, g in zip((values, metadata), given) if t is not g)
+
+
+def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
+             out=None, tile=None, splits: int | None = None, instr: str | None = None,
+             epilogue: str = "none") -> torch.Tensor:
+    """Y = X W^T (+ bias) with W 2:4 ([N, K/2] values and mma.sp metadata) on the GPU;
+    x may have leading batch dims. The kernel writes Y in its own layout; small batches
+    split K across blocks (`splits` overrides how many; `tile` the TileConfig), which add
+    their sums in a workspace and the last split of each tile writes Y: one launch.
+    `epilogue` as in bsr.ops.bsr_dds."""
+    x2 = calls.rows_2d(x)
+    m, k = x2.shape
+    if m == 0 or out_features == 0 or k == 0:  # (no tensor map describes an empty tensor)
+        return calls.product_without_weight(x, x2, bias, out, out_features, epilogue, sp24_output_dtype(x.dtype))
+    if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
+        splits = 1
+    if tile is None and instr is None and calls.tma_ready(values) and calls.tma_ready(metadata):
+        plan = _kept_sp24_plan(x2, values, metadata, out_features, splits, epilogue)
+    else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
+        plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
+    if plan.dense:
+        weight = _sp24_dense_weight(values, metadata, out_features, k)
+        if weight is not None and calls.dense_now(plan):
+            return calls.dense_result(x, x2, weight, bias, out, epilogue)
+    y, shaped = calls.output_for(x, x2, out, plan.width, sp24_output_dtype(x.dtype))
+    plan.run(x2, values, bias, y)
+    return shaped
+
+
+def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none"):
+    """As bsr.ops.bsr_lean_plan, for 2:4 products (16-bit; W's values as the plan found them)."""
+    if not (calls.runs_16bit_kernels(x) and x.numel() and out_features and calls.tma_ready(values) and calls.tma_ready(metadata)):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    x2 = calls.rows_2d(x)
+    plan = _kept_sp24_plan(x2, values, metadata, out_features, None, epilogue)
+    if plan.dense_eager:
+        return None
+    if plan.dense:  # the copy a CUDA graph capture takes, built now (sp24_dds builds it on every call)
+        _sp24_dense_weight(values, metadata, out_features, x2.shape[1])
+    return plan
+
+
+def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str):
+    """The plan for these operands with default kernels, made once per weight and signature."""
+    return _PLANS.get(metadata, (*x2.shape, x2.dtype, out_features, splits, values.data_ptr(), epilogue),
+                      lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue))
+
+
+def _sp24_dense_weight(values, metadata, out_features: int, k: int):
+    return dense_path.copy_of(metadata, values, semi24.decompress, values, metadata, (out_features, k))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sp24Plan:
+    kern: runtime.Kernel
+    launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, bias, Y, sums, counts
+    keep: tuple[torch.Tensor, ...]    # copies W's pointers or maps point into (aligned ones made for it)
+    workspace: int                    # float32 words of split-K sums and tile counts (0: no split)
+    counts_at: int                    # bytes from the sums (M x N float32) to the tile counts
+    width: int                        # Y's columns (half of W's rows for a gated epilogue)
+    dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
+    dense_eager: bool = False         # and outside them (not host-bound: calls.dense_outside_graphs)
+
+    def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor) -> None:
+        """Launch on these operands (of the plan's signature, W as the plan bound it; Y
+        contiguous, 16-byte aligned)."""
+        sums = _split_sums(self, x2.device) if self.workspace else None
+        launch, pointers = self.launch, self.launch.pointers
+        with launch.lock:
+            launch.bind(0, x2.data_ptr())
+            pointers[-4], pointers[-3] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
+            if sums is not None:  # the tile counts follow the sums
+                pointers[-2], pointers[-1] = sums.data_ptr(), sums.data_ptr() + self.counts_at
+            launch.run()
+
+
+def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,
+               epilogue="none") -> _Sp24Plan:
+    """What sp24_dds launches for these operands."""
+    (m, k), device_index = x2.shape, x2.device.index or 0
+    kern = dispatch.forward_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
+                        dispatch.narrow_tiles(m, out_features, device_index), epilogue)
+    grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
+    workspace = m * out_features + dispatch.tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
+    dense = (tile is None and instr is None and x2.dtype in calls.SIXTEEN_BIT
+             and dense_path.wanted("sp24", device_index, out_features, k, m))
+    return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), workspace,
+                     4 * m * out_features, epilogues.output_features(epilogue, out_features), dense,
+                     dense and calls.dense_outside_graphs(m, k, out_features))
+
+
+def _split_sums(plan: _Sp24Plan, device: torch.device) -> torch.Tensor | None:
+    """The zeroed workspace a split-K launch adds into (None: no split). During CUDA graph
+    capture with none big enough, one zeroed inside the graph, used by this call only."""
+    if not plan.workspace:
+        return None
+    stream = runtime.current_stream(device.index or 0)
+    if torch.cuda.is_current_stream_capturing():
+        held = workspace.current(device, stream)
+        return held if held is not None and held.numel() >= plan.workspace else _zeros(plan.workspace, device)
+    return workspace.zeroed(device, stream, plan.workspace, _zeros_outside_graph_pools)
+
+
+def _zeros(floats: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(floats, dtype=torch.float32, device=device)
+
+
+def _zeros_outside_graph_pools(floats: int, device: torch.device) -> torch.Tensor:
+    return outside_graphs.run(_zeros, (floats, device), device)
+
+
+_MAGNITUDE, _MASKED, _MVUE = 0, 1, 2  # sp24_compress's modes
+
+
+def _rows_or_columns(w: torch.Tensor, mask: torch.Tensor | None):
+    """(w, mask, row step, column step) for the compress kernel: a row-major weight, or the
+    transposed view of one (dX's W^T: compressed without a transpose copy). The mask is
+    brought to w's strides; anything else is made contiguous."""
+    transposed = w.dim() == 2 and w.stride() == (1, w.shape[0]) and w.shape[0] > 1
+    if not transposed:
+        w = calls.aligned(w)
+        return w, None if mask is None else calls.aligned(mask.to(w.device)), w.shape[1], 1
+    if mask is not None:
+        mask = mask.to(w.device)
+        mask = mask if mask.stride() == w.stride() else mask.t().contiguous().t()
+    return w, mask, 1, w.shape[0]
+
+
+def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
+                  mvue_seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K/2], metadata [N/16, K/32, 16] int32) of a 16-bit CUDA weight pruned
+    to 2:4 on the GPU: the 2 largest |w| of every 4, `mask`'s positions, or (given a seed)
+    an MVUE sample. w may be a transposed view."""
+    n, k = w.shape
+    w, mask, row_step, col_step = _rows_or_columns(w, mask)
+    values = torch.empty(n, k // 2, dtype=w.dtype, device=w.device)
+    metadata = torch.empty(n // 16, k // 32, 16, dtype=torch.int32, device=w.device)
+    if values.numel() == 0:  # nothing to launch over
+        return values, metadata
+    kern = dispatch.prune_kernel("sp24_compress", w.dtype, w.device.index or 0)
+    mask_ptr = 0 if mask is None else mask.view(torch.uint8).data_ptr()
+    mode = _MVUE if mvue_seed is not None else _MAGNITUDE if mask is None else _MASKED
+    seed = (mvue_seed or 0) % 2**64
+    kern.launch((-(-metadata.numel() // kern.threads), 1, 1), (),
+                (w.data_ptr(), mask_ptr, values.data_ptr(), metadata.data_ptr(), seed, row_step, col_step),
+                (n, k, mode))
+    return values, metadata
+
+
+_EXPAND, _GATHER = 0, 1  # sp24_expand's modes
+
+
+def sp24_expand(values: torch.Tensor, metadata: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The dense [N, K] W of a 16-bit CUDA 2:4 one (zeros where nothing is stored), in one pass."""
+    n, k = out_features, 2 * values.shape[1]
+    dense = torch.empty(n, k, dtype=values.dtype, device=values.device)
+    _launch_expand(dense, calls.aligned(values), metadata, _EXPAND)
+    return dense
+
+
+def sp24_gather(dense: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
+    """[N, K/2]: a 16-bit CUDA [N, K] tensor's elements at the positions `metadata` stores
+    (the values' gradient from a dense dW), in one pass."""
+    dense = calls.aligned(dense)
+    values = torch.empty(dense.shape[0], dense.shape[1] // 2, dtype=dense.dtype, device=dense.device)
+    _launch_expand(dense, values, metadata, _GATHER)
+    return values
+
+
+def _launch_expand(dense: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, mode: int) -> None:
+    if values.numel() == 0:
+        return
+    kern = dispatch.prune_kernel("sp24_expand", values.dtype, values.device.index or 0)
+    kern.launch((-(-metadata.numel() // kern.threads), 1, 1), (),
+                (dense.data_ptr(), values.data_ptr(), metadata.data_ptr()), (*dense.shape, mode))
+
+
+def sp24_transposable_mask(w: torch.Tensor, out: torch.Tensor | None = None, step: torch.Tensor | None = None,
+                           interval: int = 1) -> torch.Tensor:
+    """The transposable 2:4 mask (bool, w's shape) of a 16-bit CUDA weight, on the GPU: what
+    format.transposable_mask computes. With `step` (an int64 scalar on w's device)
+    the kernel writes `out` only when the step is a positive multiple of `interval`, decided
+    on the device (no host sync, and a CUDA graph keeps the schedule)."""
+    w, (n, k) = calls.aligned(w), w.shape
+    mask = torch.empty(n, k, dtype=torch.bool, device=w.device) if out is None else out
+    tiles = (n // 4) * (k // 4)
+    if tiles == 0:
+        return mask
+    kern = dispatch.prune_kernel("sp24_mask", w.dtype, w.device.index or 0)
+    kern.launch((-(-tiles // kern.threads), 1, 1), (),
+                (w.data_ptr(), mask.data_ptr(), 0 if step is None else step.data_ptr()), (n, k, interval))
+    return mask

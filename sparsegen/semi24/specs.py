@@ -1,0 +1,176 @@
+"""2:4 semi-structured kernels: their specs' rules, tile defaults, template context and the
+set precompile builds.
+
+sp24_dds: Y = X W^T with W 2:4 semi-structured (mma.sp); its "block" is the instruction's
+16 x 32 tile of W, the granule its shapes come in. sp24_compress: prune a dense W to 2:4
+and pack values and metadata (one thread per metadata word; tile gives the block size).
+sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
+sp24_expand: a 2:4 W to dense, or a dense gradient's elements at W's stored positions
+(16-bit; one thread per metadata word) - Sparse24Linear's backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .. import registry
+from ..codegen import ELEM_TYPES, MMA_TYPES
+from ..errors import SpecError, expect
+from ..spec import (BYTE_DTYPES, ELEMENT_BYTES, MIN_ARCH, SMEM_LIMIT, THREADS_256, KernelSpec, TileConfig,
+                    check_trans)
+from .format import ROW_PAIRS, TRANSPOSABLE_PATTERNS
+
+SP24_BLOCK = (16, 32)
+PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
+
+
+def w_rows(spec: KernelSpec) -> int:
+    """sp24_dds: weight rows per block - 64 per consumer warpgroup (tma), per warp (mma)."""
+    return (16 if spec.instr == "tma" else 64) * spec.tile.warps_m
+
+
+def _dds_smem(spec: KernelSpec) -> int:
+    t = spec.tile
+    if spec.instr == "tma":  # 128 bytes per X row, 64 + 8 (e4m3: 16) per W row
+        staging = w_rows(spec) * 2 * (64 if t.tile_m >= 128 else 32)  # the store's token chunks
+        ring = t.stages * (t.tile_m * 128 + w_rows(spec) * (64 + 16 // ELEMENT_BYTES[spec.dtype]))
+        return ring + staging + 1024 + 16 * t.stages
+    # per stage: 256 bytes per X row; 128 of values + 16 (8-bit: 32) of metadata per W row
+    return t.stages * (t.tile_m * 256 + w_rows(spec) * (128 + 32 // ELEMENT_BYTES[spec.dtype]))
+
+
+def _no_smem(spec: KernelSpec) -> int:
+    return 0
+
+
+def _byte_instrs(spec: KernelSpec) -> tuple[str, ...]:
+    """Pruning runs mma-family kernels; the forward mma.sp, and on sm_90 wgmma.sp too - only
+    wgmma.sp for e4m3: sm_90 has no fp8 mma.sync (ptxas emulates it through the stack,
+    320-360x slower than cuBLAS fp8 on an H100: tools/bench24.py --bytes)."""
+    if spec.op != "sp24_dds" or spec.arch != 90:
+        return ("mma",)
+    return ("tma",) if spec.dtype == "e4m3" else ("mma", "tma")
+
+
+def _validate_byte_dtype(spec: KernelSpec) -> None:
+    instrs = _byte_instrs(spec)
+    expect(spec.instr in instrs, f"a 2:4 op on instr {' or '.join(map(repr, instrs))} "
+           f"for {spec.dtype} on sm_{spec.arch} (one-byte types have the 2:4 forward and pruning kernels only)",
+           f"{spec.op!r} on {spec.instr!r}", SpecError)
+    if spec.op != "sp24_dds":  # pruning needs no tensor cores
+        return
+    least = MIN_ARCH.get(spec.dtype, 80)
+    expect(spec.arch >= least, f"sm_{least} or later for {spec.dtype} tensor cores", f"sm_{spec.arch}", SpecError)
+
+
+def _validate(spec: KernelSpec) -> None:
+    """What every 2:4 op needs: trans nt, the mma.sp block, 16-bit or one-byte values."""
+    check_trans(spec, "nt")
+    if spec.dtype in BYTE_DTYPES:
+        _validate_byte_dtype(spec)
+    t = spec.tile
+    hopper = spec.op == "sp24_dds" and spec.arch == 90
+    expect(spec.instr == "mma" or (hopper and spec.instr == "tma"),
+           "instr 'mma' (mma.sp), or 'tma' (wgmma.sp) for sp24_dds on sm_90", repr(spec.instr), SpecError)
+    expect(spec.dtype != "fp32", "a 16-bit or one-byte dtype for 2:4 kernels", spec.dtype, SpecError)
+    expect(spec.block == SP24_BLOCK, f"block {SP24_BLOCK} (the mma.sp tile) for {spec.op}", spec.block, SpecError)
+    tma = spec.op == "sp24_dds" and spec.instr == "tma"
+    expect(t.cluster in (1, 2) or (t.cluster == 4 and spec.op == "sp24_dds"), "a cluster of 1 or 2 (4: sp24_dds)",
+           t.cluster, SpecError)
+    expect(t.cluster == 1 or tma, "cluster 1 (clusters share tiles only in sp24_dds on TMA, and in swap and "
+           "pairs at 64-row blocks)", t.cluster, SpecError)
+    if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
+        expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
+               "warps_n = 1, whole warpgroups (warps_m % 4 == 0) and tile_m <= 256 for tma",
+               t.tag, SpecError)
+        expect(t.tile_m % (8 * t.cluster) == 0, "tile_m a multiple of 8 x cluster (each block's share of X)",
+               t.tag, SpecError)
+        return
+    expect(t.tile_m % (8 * t.warps_n) == 0, f"tile_m a multiple of 8 x warps_n = {8 * t.warps_n}",
+           t.tile_m, SpecError)
+
+
+def _validate_expand(spec: KernelSpec) -> None:
+    expect(spec.dtype in ("bf16", "fp16"), "a 16-bit dtype for sp24_expand (the trained layers')",
+           spec.dtype, SpecError)
+    _validate(spec)
+
+
+def _output_context(spec: KernelSpec) -> dict:
+    """The 2:4 forward's accumulator and Y: int8 sums stay int32 (exact, s32 accumulators);
+    everything else accumulates in f32 and is written in its own type, e4m3 as bf16."""
+    dtype = spec.dtype
+    one_byte, integer = dtype in BYTE_DTYPES, dtype == "int8"  # one-byte values: raw bytes to the pruning kernels
+    out = "bf16" if one_byte else dtype  # Y's type, int8's int32 aside (its out_mma then unused)
+    out_mma = MMA_TYPES[out]
+    # wgmma.sp's trailing immediates: scale-a/b and transposes (16-bit), scales (fp8), none (int8)
+    immediates = ", 1, 1, 0, 0" if not one_byte else "" if integer else ", 1, 1"
+    return dict(out_policy="Int32Out" if integer else f"FloatOut<sg::{out_mma}>",
+                out_elem="int" if integer else ELEM_TYPES[out],
+                acc="int" if integer else "float", acc_ptx="s32" if integer else "f32", acc_reg="r" if integer else "f",
+                sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma=out_mma, wgmma_immediates=immediates)
+
+
+def _mask_context(spec: KernelSpec) -> dict:
+    """The transposable mask's search: the row pairs and the 90 patterns it tries."""
+    return dict(pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS, one_byte=spec.dtype in BYTE_DTYPES)
+
+
+def _prune_context(spec: KernelSpec) -> dict:
+    return dict(one_byte=spec.dtype in BYTE_DTYPES)
+
+
+def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
+              instr: str | None = None, narrow: bool = False, epilogue: str = "none") -> KernelSpec:
+    """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
+    one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
+    256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
+    mma.sp reached 0.6x; the pairs gave 1-5% over single blocks at M = 16384), 64 tokens up
+    to M = 128 (`narrow`: one consumer warpgroup; otherwise 128 tokens, for 65-128 tokens on
+    weights of N/128 >= half the SMs: dispatch.narrow_tiles) and 32 up to 32 (the host splits K
+    across blocks there). Elsewhere mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
+    tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
+    small batches. One-byte types take the same tiles (k64 products: wgmma.sp on sm_90)."""
+    big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
+    if instr is None:  # Hopper: wgmma.sp for every batch size and dtype
+        instr = "tma" if tile is None and arch == 90 else "mma"
+    if tile is None:
+        if instr == "tma":  # two consumer warpgroups of 64 W rows x tile_m tokens, stages of K 64
+            tile = (TileConfig(256, 8, 1, 4, cluster=2) if many_rows else TileConfig(32, 8, 1, 6) if rows <= 32
+                    else TileConfig(64, 4, 1, 8) if narrow else TileConfig(128, 8, 1, 6))
+        elif rows is not None and rows <= 32:
+            tile = TileConfig(32, 2, 1, 4 if big_smem else 3)
+        elif not many_rows or not big_smem:
+            tile = TileConfig(64, 2, 2, 3 if big_smem else 2)
+        else:
+            tile = TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3)
+    return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
+                      instr=instr, epilogue=epilogue)
+
+
+def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> KernelSpec:
+    """256 threads a block, one metadata word (or, for op sp24_mask, one 4 x 4 tile) each."""
+    return KernelSpec(op=op, block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=THREADS_256, instr="mma")
+
+
+def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
+    """The forward per batch-size bucket (with the epilogues sparsegen.patch fuses into
+    16-bit products), and the pruning and expanding kernels. `blocks` is the block-sparse
+    layout's: 2:4 has one shape."""
+    semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
+            for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
+    fused = [dataclasses.replace(s, epilogue=e) for s in semi if s.dtype in ("bf16", "fp16") for e in PATCHED_EPILOGUES]
+    semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
+    semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
+    return semi + fused
+
+
+registry.register(registry.Layout("semi24", (
+    registry.OpRules("sp24_dds", "semi24/sp24_dds.cu.j2", _validate, _dds_smem, context=_output_context,
+                     epilogues=True),
+    registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
+                     tensor_cores=False),
+    registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,
+                     tensor_cores=False),
+    registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_expand, _no_smem, tensor_cores=False),
+), default_specs, Path(__file__).parent))
