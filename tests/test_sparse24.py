@@ -286,3 +286,24 @@ def test_byte_weights_reject_bad_inputs_clearly(dtype):
         F.linear(random_bytes((3, 64), dtype), sparse, torch.zeros(16, dtype=torch.float16))
     with pytest.raises(InputError, match=r"float8_e4m3fn: sparsegen.to_sparse24 for inference"):
         sparsegen.linear(64, 16, sparsity="2:4", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.int8, "int8"), (torch.float8_e4m3fn, "e4m3"), (torch.bfloat16, "bf16")])
+def test_kernels_are_chosen_for_one_byte_and_16_bit_dtypes(dtype, name, monkeypatch):
+    """The forward's and the pruning kernels' specs name the tensor's dtype (no GPU: the
+    kernel is the spec it would load)."""
+    from sparsegen import runtime
+    from sparsegen.semi24 import dispatch as sp24_dispatch
+
+    monkeypatch.setattr(runtime, "device_arch", lambda device: 90)
+    monkeypatch.setattr(runtime, "kernel", lambda spec, index: spec)
+    sp24_dispatch.forward_kernel.cache_clear()
+    sp24_dispatch.prune_kernel.cache_clear()
+    try:
+        forward = sp24_dispatch.forward_kernel(dtype, 0, None)
+        prune = sp24_dispatch.prune_kernel("sp24_compress", dtype, 0)
+    finally:
+        sp24_dispatch.forward_kernel.cache_clear()
+        sp24_dispatch.prune_kernel.cache_clear()
+    assert (forward.op, forward.dtype) == ("sp24_dds", name)
+    assert (prune.op, prune.dtype) == ("sp24_compress", name)

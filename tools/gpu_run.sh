@@ -15,6 +15,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gp
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
 for step in "${steps[@]}"; do
   case $step in
+    compare) # a refactor's check: the same benchmarks on the tree before it (.old/, carried: git archive
+         # REV sparsegen templates tools | tar -x -C .old) and on this one, interleaved tool by tool
+         IFS=';' read -ra tools <<< "${COMPARE_TOOLS:-bench_models.py --host --cases none;bench.py --quick;bench24.py --quick}"
+         for tool in "${tools[@]}"; do
+           for tree in old new; do
+             root=$([ $tree = old ] && echo .old || echo .)
+             echo "== $tree: $tool" | tee -a "$OUT/compare.log"
+             PYTHONPATH=$root:${PYTHONPATH#.:} SPARSEGEN_CACHE_DIR=/tmp/sgcache_$tree timeout ${COMPARE_TIMEOUT:-200} \
+               python3 $root/tools/$tool 2>&1 | grep -v '^{' | grep -E "^\||us|x dense|ms" | tail -40 | tee -a "$OUT/compare.log"
+           done
+         done ;;
     models_tests) timeout 500 python3 -m pytest -q -m gpu tests/test_gpu_models.py -x 2>&1 | tee "$OUT/gpu_models_tests.log" | tail -25 ;;
     host) python3 tools/bench_models.py --host --cases none --json "$OUT/host.json" 2>&1 | tail -12 ;;
     models:*) cases=${step#models:}  # models:CASE[,CASE...]: whole-model benchmark of those cases

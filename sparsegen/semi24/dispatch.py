@@ -20,7 +20,7 @@ DTYPE_NAMES = {**calls.DTYPE_NAMES, **BYTE_DTYPE_NAMES}
 def forward_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
                  narrow: bool = False, epilogue: str = "none"):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    spec = sp24_spec(calls.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow,
+    spec = sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow,
                      epilogue=epilogue)
     return runtime.kernel(spec, device_index)
 
@@ -86,4 +86,4 @@ def tile_counts(spec, m: int, n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def prune_kernel(op: str, dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sp24_compress_spec(calls.DTYPE_NAMES[dtype], arch, op), device_index)
+    return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch, op), device_index)
