@@ -7,14 +7,13 @@ Entries carry a checksum: a damaged one is recompiled with a warning, never load
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import warnings
 from dataclasses import dataclass
 
 from . import bundle, codegen, compiler, env
 from .diskstore import ALIASES, KERNELS, KEY_RE, DiskStore
-from .spec import KernelSpec
+from .spec import KernelSpec, fields_tuple
 
 _MAGIC = b"SGCUBIN1"
 _memory: dict[str, tuple[str, bytes]] = {}
@@ -79,7 +78,7 @@ def alias_key(spec: KernelSpec, generator_texts: list[str]) -> str:
     NVRTC (together ~100 ms in a new process): the spec, the templates and the code that
     renders them (codegen.generator_texts), and the installed versions of jinja2 and the
     compiler packages."""
-    return _digest(repr(dataclasses.astuple(spec)), *generator_texts, *compiler.identity(),
+    return _digest(repr(fields_tuple(spec)), *generator_texts, *compiler.identity(),
                    *compiler.options(spec.target))
 
 

@@ -45,7 +45,8 @@ def template_context(spec: KernelSpec) -> dict:
                 bm=spec.block[0], bk=spec.block[1], mma=MMA_TYPES[spec.dtype], elem=ELEM_TYPES[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype], epilogue=spec.epilogue,
-                epi=epilogues.device_struct(spec.epilogue), **spec.rules.context(spec))
+                epi=epilogues.device_struct(spec.epilogue), params=spec.param_values, **spec.param_values,
+                **spec.rules.context(spec))
 
 
 def environment():

@@ -20,8 +20,26 @@ if TYPE_CHECKING:
 LAYOUTS = ("bsr", "semi24")
 
 
+# What every template's context already holds (codegen.template_context): no parameter may shadow it.
+RESERVED_NAMES = frozenset({"name", "op", "dtype", "arch", "trans", "bm", "bk", "mma", "elem", "tile_m", "warps_m",
+                            "warps_n", "stages", "cluster", "threads", "instr", "ptx_type", "epilogue", "epi",
+                            "params"})
+
+
 def _no_context(spec: "KernelSpec") -> dict:
     return {}
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter of a layout's op beyond the fields every KernelSpec has (V:N:M's V, a
+    fixed blocks-per-row count...): an integer with a default and, optionally, its choices.
+    It appears in the kernel's name as _x<name><value> and in its template as {{ <name> }}."""
+
+    name: str                                       # lowercase letters: the name's grammar
+    default: int
+    choices: tuple[int, ...] | None = None
+    doc: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,13 @@ class OpRules:
     context: Callable[["KernelSpec"], dict] = _no_context  # what its template uses beyond the spec's fields
     epilogues: bool = False                         # whether it fuses an epilogue into its store
     tensor_cores: bool = True                       # False: copies and pruning (no SASS MMA check)
+    params: tuple[Param, ...] = ()                  # the op's own typed parameters
+
+    def __post_init__(self):
+        for param in self.params:
+            expect(param.name.isalpha() and param.name.islower() and param.name not in RESERVED_NAMES,
+                   f"a parameter name of lowercase letters, none of {sorted(RESERVED_NAMES)}", repr(param.name),
+                   SpecError)
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,10 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "e4m3": 1}
 _TAG_PATTERN = r"t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)(?:c(?P<cluster>\d+))?"
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
                       r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)_" + _TAG_PATTERN +
-                      r"(?:_e(?P<epilogue>[a-z]+))?")
-_NAME_FORM = "OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER][_eEPILOGUE]"
+                      r"(?:_e(?P<epilogue>[a-z]+))?(?P<params>(?:_x[a-z]+\d+)*)")
+_PARAM_RE = re.compile(r"_x([a-z]+)(\d+)")
+_NAME_FORM = ("OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER][_eEPILOGUE]"
+              "[_xPARAMVALUE...]")
 CLUSTER_SIZES = (1, 2, 4)
 
 
@@ -94,9 +96,13 @@ class KernelSpec:
     tile: TileConfig = field(default_factory=TileConfig)
     instr: str = "mma"
     epilogue: str = "none"  # epilogues.EPILOGUES: applied to X W^T + b in the forward's store
+    # The op's own parameters (registry.Param), as ((name, value), ...) in the order the op
+    # declares them, defaults filled in; a dict is accepted.
+    params: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+        object.__setattr__(self, "params", _with_defaults(self.op, self.params))
         self.validate()
 
     @property
@@ -105,8 +111,9 @@ class KernelSpec:
         where there is an epilogue)."""
         bm, bk = self.block
         epilogue = "" if self.epilogue == "none" else f"_e{epilogues.name_token(self.epilogue)}"
+        params = "".join(f"_x{name}{value}" for name, value in self.params)
         return (f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_{self.target.replace('_', '')}"
-                f"_{self.instr}_{self.tile.tag}{epilogue}")
+                f"_{self.instr}_{self.tile.tag}{epilogue}{params}")
 
     @property
     def target(self) -> str:
@@ -134,15 +141,20 @@ class KernelSpec:
         epilogue = epilogues.from_name_token(g["epilogue"]) if g["epilogue"] else "none"
         expect(epilogue is not None, f"an epilogue in {epilogues.EPILOGUES} (letters only in the name)",
                repr(g["epilogue"]), SpecError)
-        spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"],
-                   trans=g["trans"], arch=int(g["arch"]), tile=tile, instr=g["instr"], epilogue=epilogue)
+        params = tuple((name, int(value)) for name, value in _PARAM_RE.findall(g["params"]))
+        spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"], trans=g["trans"],
+                   arch=int(g["arch"]), tile=tile, instr=g["instr"], epilogue=epilogue, params=params)
         expect(spec.name == name, f"the name {spec.name} for these fields", repr(name), SpecError)
         return spec
 
     @property
     def key(self) -> str:
         """Short hash of every field (the disk cache adds source and compiler version)."""
-        return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr(fields_tuple(self)).encode()).hexdigest()[:16]
+
+    @property
+    def param_values(self) -> dict[str, int]:
+        return dict(self.params)
 
     @property
     def stage_k(self) -> int:
@@ -166,8 +178,38 @@ class KernelSpec:
                    f"{self.op}, trans {self.trans!r}, {self.dtype}", SpecError)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
+        _validate_params(self, rules)
         rules.validate(self)
         _validate_tile(self)
+
+
+def fields_tuple(spec: KernelSpec) -> tuple:
+    """Every field's value; the op's parameters only where it has some (so the keys of ops
+    without parameters are what they were before parameters existed)."""
+    values = dataclasses.astuple(spec)
+    return values if spec.params else values[:-1]
+
+
+def _with_defaults(op: str, given) -> tuple[tuple[str, int], ...]:
+    """The op's parameters in declared order, defaults filled in; unknown names are kept
+    (at the end) for validate to name. An unknown op keeps what was given (validate says so)."""
+    given = dict(given.items() if isinstance(given, dict) else given)
+    if op not in registry.ops():
+        return tuple(given.items())
+    declared = registry.op_rules(op).params
+    filled = [(p.name, given.pop(p.name, p.default)) for p in declared]
+    return tuple(filled) + tuple(given.items())
+
+
+def _validate_params(spec: KernelSpec, rules: registry.OpRules) -> None:
+    declared = {p.name: p for p in rules.params}
+    for name, value in spec.params:
+        expect(name in declared, f"parameters of {spec.op} among {tuple(declared)}", repr(name), SpecError)
+        param = declared[name]
+        expect(isinstance(value, int) and not isinstance(value, bool), f"an integer for parameter {name!r}",
+               repr(value), SpecError)
+        if param.choices is not None:
+            check_choice(name, value, param.choices)
 
 
 def check_choice(what: str, value, choices) -> None:

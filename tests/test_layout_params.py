@@ -1,0 +1,87 @@
+"""A layout's own typed parameters (registry.Param): defaults, the name's grammar, checks,
+the template context - with a toy op registered the way a new layout registers its ops,
+rendered and compiled by NVRTC."""
+import shutil
+
+import pytest
+
+from sparsegen import cache, codegen, registry
+from sparsegen.errors import SpecError
+from sparsegen.spec import THREADS_256, KernelSpec
+
+TOY_TEMPLATE = """// {{ name }}: every {{ v }}th of {{ m }} elements
+extern "C" __global__ void {{ name }}(const float* x, float* y, int n) {
+  const int i = blockIdx.x * {{ threads }} + threadIdx.x;
+  if (i < n) y[i] = (i % {{ m }}) < {{ v }} ? x[i] : 0.f;
+}
+"""
+
+
+def _no_smem(spec):
+    return 0
+
+
+def _any(spec):
+    return None
+
+
+TOY = registry.OpRules("toy_keep", "toy/toy_keep.cu.j2", _any, _no_smem, tensor_cores=False,
+                       params=(registry.Param("v", 2, (1, 2, 4)), registry.Param("m", 8)))
+
+
+@pytest.fixture
+def toy_op(monkeypatch, tmp_path):
+    """The toy op registered, its template in a copy of the templates folder."""
+    registry.ops()  # the real layouts first
+    monkeypatch.setitem(registry._OPS, TOY.op, TOY)
+    copy = tmp_path / "templates"
+    shutil.copytree(codegen.templates_dir(), copy)
+    (copy / "toy").mkdir()
+    (copy / TOY.template).write_text(TOY_TEMPLATE)
+    monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
+    codegen._environment.cache_clear()
+    yield
+    codegen._environment.cache_clear()
+
+
+def toy_spec(**params) -> KernelSpec:
+    return KernelSpec(op="toy_keep", dtype="fp32", arch=80, tile=THREADS_256, params=params)
+
+
+def test_defaults_fill_in_and_the_name_round_trips(toy_op):
+    spec = toy_spec(m=16)
+    assert spec.params == (("v", 2), ("m", 16))
+    assert spec.name.endswith("_xv2_xm16")
+    assert KernelSpec.from_name(spec.name) == spec
+    other = toy_spec(v=4, m=16)
+    assert other.key != spec.key and other.name != spec.name
+
+
+def test_unknown_or_bad_parameters_are_clear_errors(toy_op):
+    with pytest.raises(SpecError, match=r"parameters of toy_keep among \('v', 'm'\)"):
+        toy_spec(w=3)
+    with pytest.raises(SpecError, match=r"v one of \(1, 2, 4\)"):
+        toy_spec(v=3)
+    with pytest.raises(SpecError, match="an integer for parameter 'm'"):
+        toy_spec(m="8")
+    with pytest.raises(SpecError, match="parameters of bsr_dds among"):
+        KernelSpec(op="bsr_dds", params={"v": 2})
+
+
+def test_parameters_reach_the_template_and_the_kernel_compiles(toy_op):
+    spec = toy_spec(v=4)
+    source = codegen.render(spec)
+    assert "every 4th of 8" in source and "(i % 8) < 4" in source
+    built = cache.build(spec)
+    assert built.cubin[:4] == b"\x7fELF"
+
+
+def test_a_parameter_may_not_shadow_the_core_context():
+    with pytest.raises(SpecError, match="lowercase letters"):
+        registry.OpRules("toy_bad", "toy/x.cu.j2", _any, _no_smem, params=(registry.Param("tile_m", 1),))
+
+
+def test_ops_without_parameters_keep_their_names_and_keys():
+    spec = KernelSpec(op="bsr_dds", block=(64, 64), dtype="bf16", arch=80)
+    assert spec.params == () and "_x" not in spec.name
+    assert spec.key == KernelSpec(op="bsr_dds", block=(64, 64), dtype="bf16", arch=80, params={}).key
