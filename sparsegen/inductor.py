@@ -19,6 +19,7 @@ from . import calls, epilogues, lean, library, plans
 from .bsr import ops as bsr_ops
 from .semi24 import ops as sp24_ops
 
+
 def register() -> None:
     """Register the lowerings (library.on_first_trace calls this once per process)."""
     try:
