@@ -164,6 +164,11 @@ def per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool = 
     return entries[what][1]
 
 
+def fits_in_place(out: torch.Tensor) -> bool:
+    """A buffer the kernels write in place: contiguous, 16-byte aligned."""
+    return out.is_contiguous() and out.data_ptr() % 16 == 0
+
+
 def tma_ready(t: torch.Tensor) -> bool:
     """Contiguous at a 16-byte aligned address: what aligned returns as it is."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0

@@ -64,11 +64,25 @@ class OpRules:
 
 
 @dataclass(frozen=True)
+class Lowering:
+    """A forward op a compiled graph calls straight (inductor.py): `launcher(*the op's
+    arguments, out=buffer)` writes Y into Inductor's buffer; bias, the `bias_at`-th of its
+    `tensors` leading tensor arguments, may be None."""
+
+    op: str                                         # its name under torch.ops.sparsegen
+    launcher: Callable
+    tensors: int
+    bias_at: int
+    output_dtype: Callable = lambda dtype: dtype     # Y's dtype for X's
+
+
+@dataclass(frozen=True)
 class Layout:
     name: str                                       # the package: sparsegen.<name>, templates/<name>/
     ops: tuple[OpRules, ...]
     default_specs: Callable[[int, tuple, list | None], list]  # (arch, dtypes, blocks) -> what precompile builds
     package_dir: Path                               # its Python, hashed with the templates (cache aliases)
+    lowerings_module: str | None = None             # a module of it with LOWERINGS (Lowering, ...): compiled graphs
 
 
 _REGISTERED: dict[str, Layout] = {}
@@ -98,6 +112,13 @@ def op_rules(op: str) -> OpRules:
 def ops() -> tuple[str, ...]:
     _load()
     return tuple(_OPS)
+
+
+def lowerings() -> tuple[Lowering, ...]:
+    """Every layout's compiled-graph lowerings (importing their modules: the layers and ops)."""
+    modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.lowerings_module}")
+               for layout in layouts() if layout.lowerings_module]
+    return tuple(lowering for module in modules for lowering in module.LOWERINGS)
 
 
 def _load() -> None:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import sparsegen
-from sparsegen import inductor, runtime
+from sparsegen import runtime
+from sparsegen.bsr import compiled as bsr_compiled
 from sparsegen.bsr import ops as bsr_ops
 
 CALLS, ROUNDS = 300, 15  # few enough calls a round that launches never wait for the GPU
@@ -59,7 +60,7 @@ def pieces(x: torch.Tensor, layer: nn.Module) -> dict:
         "plan.launch.run() (bound parameters)": plan.launch.run,
         "lean call (layer._lean_forward(x))": lambda: layer._lean_forward(x),
         "bsr_ops.bsr_dds(...)": lambda: bsr_ops.bsr_dds(x, layer.values, layer.row_offsets, layer.col_indices, layer.bias, layer.block, 1024),
-        "inductor._bsr_dds(..., out=y)": lambda: inductor._bsr_dds(x, layer.values, layer.bias, layer.row_offsets, layer.col_indices, layer.flat_index, 64, 64, 1024, "none", out=y),
+        "bsr.compiled.bsr_dds_into(..., out=y)": lambda: bsr_compiled.bsr_dds_into(x, layer.values, layer.bias, layer.row_offsets, layer.col_indices, layer.flat_index, 64, 64, 1024, "none", out=y),
         "layer(x) BlockSparseLinear": lambda: layer(x),
         "empty module call": _empty_module(),
     }

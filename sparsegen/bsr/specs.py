@@ -266,4 +266,4 @@ registry.register(registry.Layout("bsr", (
     registry.OpRules("bsr_dds", "bsr/bsr_dds.cu.j2", _validate_dds, _dds_smem, trans=("nt", "nn"), epilogues=True),
     registry.OpRules("bsr_sdd", "bsr/bsr_sdd.cu.j2", _validate_sdd, _sdd_smem, trans=("tn",)),
     registry.OpRules("bsr_scatter", "bsr/bsr_scatter.cu.j2", _validate_scatter, _no_smem, tensor_cores=False),
-), default_specs, Path(__file__).parent))
+), default_specs, Path(__file__).parent, lowerings_module="compiled"))

@@ -173,4 +173,4 @@ registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,
                      tensor_cores=False),
     registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_expand, _no_smem, tensor_cores=False),
-), default_specs, Path(__file__).parent))
+), default_specs, Path(__file__).parent, lowerings_module="compiled"))

@@ -1,0 +1,28 @@
+"""The block-sparse forward as a compiled graph calls it (registry.Lowering, inductor.py):
+into Inductor's own output buffer, by the lean plan where there is one."""
+from __future__ import annotations
+
+import torch
+
+from .. import calls, lean, plans, registry
+from . import ops
+
+# The launcher's plans, per layout and call signature (the graph's checks ran when it was traced).
+_PLANS = plans.PlanCache()
+
+
+def bsr_dds_into(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features,
+                 epilogue, *, out):
+    plan = _PLANS.get(row_offsets, (x.shape, x.dtype, x.get_device(), epilogue), lambda: ops.bsr_lean_plan(
+        x, values, row_offsets, col_indices, (block_rows, block_cols), out_features, epilogue))
+    if plan is not None and lean.runs(plan, x) and calls.fits_in_place(out):
+        plan.run(x, values, bias, out)
+    elif x.is_cuda and calls.has_kernels(x.device.index or 0) and calls.fits_in_place(out):
+        ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out,
+                    epilogue=epilogue)
+    else:
+        out.copy_(torch.ops.sparsegen.bsr_dds.default(x, values, bias, row_offsets, col_indices, flat_index,
+                                                      block_rows, block_cols, out_features, epilogue))
+
+
+LOWERINGS = (registry.Lowering("bsr_dds", bsr_dds_into, tensors=6, bias_at=2),)

@@ -1,0 +1,26 @@
+"""The 2:4 forward as a compiled graph calls it (registry.Lowering, inductor.py): into
+Inductor's own output buffer, by the lean plan where there is one."""
+from __future__ import annotations
+
+import torch
+
+from .. import calls, lean, plans, registry
+from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
+from . import ops
+
+# The launcher's plans, per weight and call signature (the graph's checks ran when it was traced).
+_PLANS = plans.PlanCache()
+
+
+def sp24_dds_into(x, values, metadata, bias, out_features, epilogue, *, out):
+    plan = _PLANS.get(metadata, (x.shape, x.dtype, x.get_device(), values.data_ptr(), epilogue),
+                      lambda: ops.sp24_lean_plan(x, values, metadata, out_features, epilogue))
+    if plan is not None and lean.runs(plan, x) and calls.fits_in_place(out):
+        plan.run(x, values, bias, out)
+    elif calls.runs_16bit_kernels(x) and calls.fits_in_place(out):
+        ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
+    else:
+        out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))
+
+
+LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into, tensors=4, bias_at=3, output_dtype=ops.sp24_output_dtype),)
