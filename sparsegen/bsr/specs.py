@@ -11,9 +11,8 @@ from pathlib import Path
 
 from .. import registry
 from ..errors import SpecError, expect
-from ..spec import (BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
+from ..spec import (BLOCK_SIDES, BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
                     SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_trans, clustered)
-from ..spec import BLOCK_SIDES  # noqa: F401 (re-exported: the block sides a layer may take)
 
 BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
