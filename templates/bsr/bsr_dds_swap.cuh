@@ -5,7 +5,7 @@
 // bandwidth is what bounds these kernels. The store transposes through shared memory
 // (sg_store_t.cuh), so Y is written in its own layout.
 //
-// Warpgroup 0 produces (TMA, as bsr_dds_tma.cuh: the block row's nonzero blocks in turn,
+// Warpgroup 0 produces (TMA, as sg_gathered_dds_tma.cuh: the block row's nonzero blocks in turn,
 // X's matching columns and W's block, 64 of K a stage); two consumers split the tile: the
 // block's rows for 128-row blocks, the tokens for 64-row ones. Persistent: a block walks
 // tiles blockIdx.x, + gridDim.x, ... and the producer fills the next tile's stages while

@@ -1,8 +1,8 @@
 // Block-sparse Y = X W^T (+ bias) on Hopper's warpgroup tensor cores (wgmma, sm_90a),
-// fed by cp.async: the stage gather of bsr_tile.cuh, whose swizzled rows wgmma reads as
+// fed by cp.async: the stage gather of sg_gather_tile.cuh, whose swizzled rows wgmma reads as
 // they are. Each warpgroup owns TILE_M / WARPGROUPS rows and all BM columns.
 #pragma once
-#include "bsr_tile.cuh"
+#include "sg_gather_tile.cuh"
 #include "sg_wgmma.cuh"
 
 namespace sg {
@@ -11,7 +11,7 @@ template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int WA
           class Epi = NoEpilogue>
 struct BsrDdsWgmma {
   static constexpr int THREADS = 128 * WARPGROUPS;
-  using Loader = BsrStageLoader<Elem, TILE_M, BM, BK, THREADS>;
+  using Loader = GatherStageLoader<Elem, TILE_M, BM, BK, THREADS>;
   static constexpr int WG_M = TILE_M / WARPGROUPS, SUB = WG_M / 64, ACC = BM / 2;
   static constexpr int AHEAD = STAGES - 2;  // stages loading while one computes, one drains
   static_assert(WG_M % 64 == 0 && STAGES >= 3, "warpgroups own whole m64 tiles");

@@ -6,7 +6,7 @@
 // read with ldmatrix.trans. Shared-memory rows hold up to 64 columns (128 bytes); wider
 // operands are split into column panels of 64, each swizzled chunk ^ (row % 8).
 #pragma once
-#include "bsr_tile.cuh"
+#include "sg_gather_tile.cuh"
 
 namespace sg {
 

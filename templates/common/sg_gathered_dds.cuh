@@ -1,17 +1,18 @@
-// Block-sparse Y = X W^T (+ bias) on mma.sync tensor cores (sm_80 and later).
-// Y dense [M, N]; X dense [M, K] row-major; W block-CSR with blocks [BM, BK] stored
-// row-major per block. The stage gather is in bsr_tile.cuh; warps split the
+// Block-sparse Y = X W^T (+ bias) on mma.sync tensor cores (sm_80 and later), for any
+// layout of block rows (Rows: the row policy, sg_rows.cuh). Y dense [M, N]; X dense
+// [M, K] row-major; W's blocks [BM, BK] row-major per block, a block row's stored blocks
+// consecutive. The stage gather is in sg_gather_tile.cuh; warps split the
 // TILE_M x BM output tile WARPS_M x WARPS_N ways and read operands with ldmatrix.
 #pragma once
-#include "bsr_tile.cuh"
+#include "sg_gather_tile.cuh"
 
 namespace sg {
 
 template <class Mma, class Elem, int TILE_M, int BM, int BK, int WARPS_M, int WARPS_N, int STAGES,
-          class Epi = NoEpilogue>
-struct BsrDds {
+          class Rows, class Epi = NoEpilogue>
+struct GatheredDds {
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
-  using Loader = BsrStageLoader<Elem, TILE_M, BM, BK, THREADS>;
+  using Loader = GatherStageLoader<Elem, TILE_M, BM, BK, THREADS>;
   static constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = BM / WARPS_N;
   static constexpr int MT = WARP_M / 16, NT = WARP_N / 8;   // mma tiles per warp
   static_assert(WARP_N % 16 == 0 && WARP_M % 16 == 0, "warp tile must hold whole mma pairs");
@@ -38,12 +39,12 @@ struct BsrDds {
     }
   }
 
-  __device__ static void run(const Elem* x, const Elem* values, const int* row_offsets,
-                             const int* cols, const Elem* bias, Elem* y, int M, int K, int N) {
+  __device__ static void run(const Elem* x, const Elem* values, Rows rows, const int* cols,
+                             const Elem* bias, Elem* y, int M, int K, int N) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem = smem_ptr(smem_raw);
     const int block_row = blockIdx.x, m0 = blockIdx.y * TILE_M;
-    const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
+    const int first = rows.first(block_row), nnz = rows.count(block_row);
     const int stages = Loader::num_stages(nnz);
     const int warp = threadIdx.x >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
     float acc[MT][NT][4] = {};

@@ -1,6 +1,7 @@
-// Block-sparse Y = X W^T (+ bias) on Hopper: TMA copies feed wgmma, warp-specialized.
+// Block-sparse Y = X W^T (+ bias) on Hopper: TMA copies feed wgmma, warp-specialized; for any
+// layout of block rows (Rows: the row policy, sg_rows.cuh).
 //
-// Warpgroup 0 is the producer: one thread walks the block row's nonzero blocks and issues
+// Warpgroup 0 is the producer: one thread walks the block row's stored blocks and issues
 // TMA tile copies of X's matching columns and of W's blocks into a ring of STAGES buffers,
 // each guarded by a "full" mbarrier (bytes landed) and an "empty" one (consumers done).
 // The other CONSUMERS warpgroups only wait, multiply (wgmma straight from shared memory)
@@ -9,14 +10,15 @@
 // next one's products run - the epilogue hides behind the tensor cores. A stage is 64 elements of K; it holds SUBS sub-tiles of SUB_K
 // elements (one block's width when BK < 64), each in the swizzle that matches its width.
 #pragma once
+#include "sg_rows.cuh"
 #include "sg_wgmma.cuh"
 #include "sg_tma.cuh"
 
 namespace sg {
 
 template <class Wgmma, class Mma, class Elem, int TILE_M, int BM, int BK, int CONSUMERS, int STAGES,
-          bool PINGPONG, class Epi = NoEpilogue>
-struct BsrDdsTma {
+          bool PINGPONG, class Rows, class Epi = NoEpilogue>
+struct GatheredDdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int STAGE_K = 64, SUB_K = BK < 64 ? BK : 64, SUBS = STAGE_K / SUB_K;
   static constexpr int SUB_BYTES = SUB_K * 2;                   // 32, 64 or 128: the swizzle
@@ -100,8 +102,8 @@ struct BsrDdsTma {
   // Persistent: each block walks tiles blockIdx.x, +gridDim.x, ... (block rows fastest, so
   // blocks running together share X's rows in L2). While the consumers store one tile, the
   // producer is already filling the ring with the next.
-  __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const int* row_offsets,
-                             const int* cols, const Elem* bias, Elem* y, int M, int K, int N, int w_rows) {
+  __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, Rows rows, const int* cols,
+                             const Elem* bias, Elem* y, int M, int K, int N, int w_rows) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_ptr(smem_raw) + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
     // full[STAGES], empty[STAGES], then (ping-pong) the barrier that orders mainloops
@@ -117,7 +119,7 @@ struct BsrDdsTma {
     float acc[MSUB][ACC] = {};
     for (int t = blockIdx.x, g = 0, i = 0; t < tiles; t += gridDim.x, ++i) {
       const int block_row = t % block_rows, m0 = (t / block_rows) * TILE_M;
-      const int first = row_offsets[block_row], nnz = row_offsets[block_row + 1] - first;
+      const int first = rows.first(block_row), nnz = rows.count(block_row);
       const int stages = (nnz * BK + STAGE_K - 1) / STAGE_K;
       if (wg == 0) {
         produce(x_map, w_map, smem, bars, cols, first, nnz, g, stages, m0, K, w_rows);

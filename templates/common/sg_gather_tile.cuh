@@ -1,17 +1,20 @@
-// Gathering one pipeline stage of a block-sparse product into shared memory.
+// Gathering one pipeline stage of a block-sparse product into shared memory, for any
+// layout that stores W as block rows of BM x BK blocks, each block's column in `cols`.
 //
 // A threadblock owns TILE_M rows of X and one block row of W (BM rows of W, BM columns of Y).
-// It walks only that block row's nonzero blocks, viewed as one "compressed K" axis of length
+// It walks only that block row's stored blocks - where they start and how many there are is
+// the layout's row policy (sg_rows.cuh) - viewed as one "compressed K" axis of length
 // nnz * BK, in stages of 128 bytes per row: each stage gathers the matching columns of X and
 // the slices of the W blocks into shared memory (rows of 128 bytes, 16-byte chunks swizzled
 // as chunk ^ (row % 8) - the same layout wgmma calls 128-byte swizzle).
 #pragma once
+#include "sg_rows.cuh"
 #include "sg_store.cuh"
 
 namespace sg {
 
 template <class Elem, int TILE_M, int BM, int BK, int THREADS>
-struct BsrStageLoader {
+struct GatherStageLoader {
   static constexpr int CHUNK = 16 / sizeof(Elem);   // elements per 16-byte copy
   static constexpr int STAGE_K = 8 * CHUNK;          // elements of K per stage (128 bytes)
   static constexpr int X_BYTES = TILE_M * 128, STAGE_BYTES = (TILE_M + BM) * 128;
