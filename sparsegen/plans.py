@@ -33,3 +33,14 @@ class PlanCache:
         if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._plans[key] = (weakref.ref(owner, lambda _, key=key: self._plans.pop(key, None)), plan)
         return plan
+
+
+def run_product(launch, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
+    """Launch a planned product (runtime.PackedLaunch) on these operands: X and W bound as its
+    first two parameters (pointers or TMA maps), bias and Y as its last two pointers."""
+    pointers = launch.pointers
+    with launch.lock:
+        launch.bind(0, x2.data_ptr())
+        launch.bind(1, values.data_ptr())
+        pointers[-2], pointers[-1] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
+        launch.run()

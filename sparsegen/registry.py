@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # The registry line: the layouts sparsegen ships. A new layout is a package with a specs
 # module that calls register(); add its name here.
-LAYOUTS = ("bsr", "semi24")
+LAYOUTS = ("bsr", "semi24", "bell")
 
 
 # What every template's context already holds (codegen.template_context): no parameter may shadow it.

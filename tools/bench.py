@@ -328,7 +328,11 @@ def main(argv=None) -> None:
     parser.add_argument("--overheads", action="store_true", help="only host overheads and memory")
     parser.add_argument("--compile", action="store_true", help="cold compile times (no GPU needed)")
     parser.add_argument("--train", action="store_true", help="forward+backward timings only")
+    parser.add_argument("--bell", action="store_true", help="the block-ELL layout against block-CSR and dense")
     args = parser.parse_args(argv)
+    if args.bell:
+        rows = bench_bell()
+        return args.json.write_text(json.dumps(dict(bell=rows), indent=1)) if args.json else None
     if args.compile:
         return compile_times()
     if args.train:
@@ -351,6 +355,37 @@ def main(argv=None) -> None:
         plot(rows, args.plot)
     if args.json:
         args.json.write_text(json.dumps(dict(rows=rows, extras=extras), indent=1))
+
+
+def bench_bell(shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008)), blocks=(32, 64),
+               densities=(0.125, 0.25, 0.5)) -> list[dict]:
+    """The block-ELL layout (sparsegen.bell) against block-CSR holding the very same blocks,
+    and dense cuBLAS, bf16, in one process: what a fixed count of blocks per row buys."""
+    from sparsegen.bell.nn import BlockEllLinear
+
+    print("| M, K, N | block | density | dense ms | block-CSR ms | block-ELL ms | CSR x | ELL x | ELL max diff |\n|"
+          + "---|" * 9)
+    rows = []
+    for (m, k, n), block, density in itertools.product(shapes, blocks, densities):
+        ell = BlockEllLinear(k, n, (block, block), density=density, bias=False, device="cuda", dtype=torch.bfloat16)
+        csr = sparsegen.BlockSparseLinear.from_dense(ell.to_linear(), (block, block), layout=ell_mask(ell))
+        x, w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), ell.to_dense_weight().detach()
+        with torch.no_grad():
+            diff = (ell(x).float() - csr(x).float()).abs().max().item()
+            dense_ms, csr_ms, ell_ms = interleaved(*(lambda f=f: median_ms(f) for f in (
+                lambda: F.linear(x, w), lambda: csr(x), lambda: ell(x))))
+        rows.append(dict(m=m, k=k, n=n, block=block, density=ell.density, dense_ms=dense_ms, bsr_ms=csr_ms,
+                         bell_ms=ell_ms, max_diff=diff))
+        print(f"| {m}, {k}, {n} | {block} | {ell.density:.3f} | {dense_ms:.3f} | {csr_ms:.3f} | {ell_ms:.3f} | "
+              f"{dense_ms / csr_ms:.2f} | {dense_ms / ell_ms:.2f} | {diff:.3g} |", flush=True)
+    return rows
+
+
+def ell_mask(layer) -> torch.Tensor:
+    """A block-ELL layer's blocks as a block-CSR layout mask."""
+    mask = torch.zeros(layer.out_features // layer.block[0], layer.in_features // layer.block[1], dtype=torch.bool)
+    mask[torch.arange(mask.shape[0])[:, None], layer.cols.cpu().long()] = True
+    return mask
 
 
 def run_tuning() -> None:

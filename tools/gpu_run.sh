@@ -32,6 +32,8 @@ for step in "${steps[@]}"; do
          tag=${cases//,/_}${MODEL_TAG:-}
          timeout ${MODEL_TIMEOUT:-590} python3 -X faulthandler tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} \
            --json "$OUT/models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
+    bell) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_bell.py -x 2>&1 | tee "$OUT/bell_tests.log" | tail -15
+         timeout 300 python3 tools/bench.py --bell --json "$OUT/bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     epi_tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu_epilogues.py tests/test_inductor.py --maxfail=8 2>&1 | tee "$OUT/epi_tests.log" | tail -15 ;;
     dense_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_dense_path.py -x 2>&1 | tee "$OUT/dense_tests.log" | tail -5 ;;

@@ -121,12 +121,7 @@ class _BsrPlan:
 
     def run(self, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
         """Launch on these operands (of the plan's signature; Y contiguous, 16-byte aligned)."""
-        launch, pointers = self.launch, self.launch.pointers
-        with launch.lock:
-            launch.bind(0, x2.data_ptr())
-            launch.bind(1, values.data_ptr())
-            pointers[-2], pointers[-1] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
-            launch.run()
+        plans.run_product(self.launch, x2, values, bias, y)
 
 
 _PLANS = plans.PlanCache()

@@ -1,0 +1,83 @@
+"""Block-ELL layout: W [N, K] in blocks [bm, bk], each of the N / bm block rows keeping the
+same number of blocks, `per_row`. The values are [N / bm, per_row, bm, bk] and the index is
+cols [N / bm, per_row] (int32, each row's block columns in increasing order). No row
+offsets: where a row starts is arithmetic, and every row is the same amount of work.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import expect, positive_int
+
+INDEX_DTYPE = torch.int32
+
+
+def check_block(block) -> tuple[int, int]:
+    """(rows, cols) of positive ints; the kernels' own limits are checked by their specs."""
+    expect(isinstance(block, (tuple, list)) and len(block) == 2, "block as (rows, cols)", repr(block))
+    return tuple(positive_int(side, "a block side") for side in block)
+
+
+def grid_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
+    """(block rows, block columns); the features must be whole blocks."""
+    for features, side, what in ((out_features, block[0], "out_features"), (in_features, block[1], "in_features")):
+        expect(features % side == 0, f"{what} a multiple of the block's side {side}", features)
+    return out_features // block[0], in_features // block[1]
+
+
+def check_per_row(per_row, grid: tuple[int, int]) -> int:
+    per_row = positive_int(per_row, "per_row (blocks in each block row)")
+    expect(per_row <= grid[1], f"per_row at most the {grid[1]} block columns", per_row)
+    return per_row
+
+
+def random_cols(grid: tuple[int, int], per_row: int, generator=None) -> torch.Tensor:
+    """per_row distinct block columns in each block row, drawn at random, sorted."""
+    scores = torch.rand(grid, generator=generator)
+    return scores.topk(per_row, dim=1).indices.sort(dim=1).values.to(INDEX_DTYPE)
+
+
+def top_norm_cols(weight: torch.Tensor, block: tuple[int, int], per_row: int) -> torch.Tensor:
+    """In each block row, the per_row blocks of `weight` with the largest Frobenius norm."""
+    norms = _blocks(weight.detach().float(), block).norm(dim=(2, 3))
+    return norms.topk(per_row, dim=1).indices.sort(dim=1).values.cpu().to(INDEX_DTYPE)
+
+
+def check_cols(cols, grid: tuple[int, int], per_row: int) -> torch.Tensor:
+    """An index from anywhere (a caller, a checkpoint) before any kernel reads it: an integer
+    tensor [rows, per_row], every entry a block column, increasing along each row (so no
+    block is stored twice). Returns it as contiguous int32 on the CPU."""
+    expect(isinstance(cols, torch.Tensor) and not cols.is_floating_point() and not cols.is_complex()
+           and cols.dtype != torch.bool, "cols as an integer tensor", getattr(cols, "dtype", type(cols).__name__))
+    expect(tuple(cols.shape) == (grid[0], per_row), f"cols of shape {(grid[0], per_row)} (block rows, per_row)",
+           tuple(cols.shape))
+    cols = cols.detach().cpu().long()
+    expect(cols.numel() == 0 or (int(cols.min()) >= 0 and int(cols.max()) < grid[1]),
+           f"block columns in [0, {grid[1]})", f"[{int(cols.min())}, {int(cols.max())}]" if cols.numel() else "none")
+    expect(bool((cols[:, 1:] > cols[:, :-1]).all()), "each row's block columns increasing (no repeats)",
+           "a row out of order or repeating a column")
+    return cols.to(INDEX_DTYPE).contiguous()
+
+
+def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [N, K] as [N / bm, K / bk, bm, bk]."""
+    (n, k), (bm, bk) = weight.shape, block
+    return weight.reshape(n // bm, bm, k // bk, bk).transpose(1, 2)
+
+
+def gather_values(weight: torch.Tensor, cols: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The stored blocks of a dense weight: [rows, per_row, bm, bk] (differentiable)."""
+    blocks = _blocks(weight, block)
+    rows = torch.arange(blocks.shape[0], device=weight.device)[:, None]
+    return blocks[rows, cols.to(weight.device).long()]
+
+
+def to_dense(values: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The dense W [N, K] of stored blocks `values` (zeros elsewhere): the CPU reference,
+    differentiable and traceable (static shapes)."""
+    rows, per_row, bm, bk = values.shape
+    grid = (shape[0] // bm, shape[1] // bk)
+    dense = values.new_zeros(grid[0], grid[1], bm, bk)
+    index = cols.to(values.device).long()[:, :, None, None].expand(rows, per_row, bm, bk)
+    dense = dense.scatter(1, index, values)
+    return dense.transpose(1, 2).reshape(shape)

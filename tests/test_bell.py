@@ -1,0 +1,144 @@
+"""The block-ELL layout on the CPU: format, index checks, specs, rendering, the layer's
+numerics and gradients against float64, checkpoints. (GPU numerics: test_gpu_bell.py.)"""
+import pytest
+import torch
+
+from sparsegen import codegen, spec as specmod
+from sparsegen.bell import format as ell
+from sparsegen.bell import specs as bell_specs
+from sparsegen.bell.autograd import block_ell_linear
+from sparsegen.bell.nn import BlockEllLinear
+from sparsegen.errors import InputError, SpecError
+
+
+def dense_reference(layer, x):
+    weight = layer.to_dense_weight().double()
+    return torch.nn.functional.linear(x.double(), weight, None if layer.bias is None else layer.bias.double())
+
+
+@pytest.mark.parametrize("block,per_row", [((16, 16), 1), ((32, 16), 3), ((16, 64), 2)])
+def test_dense_round_trip_keeps_exactly_the_stored_blocks(block, per_row):
+    grid = (5, 4)
+    cols = ell.random_cols(grid, per_row, torch.Generator().manual_seed(per_row))
+    values = torch.randn(grid[0], per_row, *block, dtype=torch.float64)
+    dense = ell.to_dense(values, cols, (grid[0] * block[0], grid[1] * block[1]))
+    blocks = dense.reshape(grid[0], block[0], grid[1], block[1]).transpose(1, 2)
+    stored = torch.zeros(grid, dtype=torch.bool)
+    stored[torch.arange(grid[0])[:, None], cols.long()] = True
+    assert (blocks[~stored] == 0).all()
+    assert torch.equal(ell.gather_values(dense, cols, block), values)
+    assert (stored.sum(1) == per_row).all()
+
+
+def test_top_norm_cols_keeps_the_largest_blocks_of_each_row():
+    weight = torch.randn(64, 128) * 0.01
+    weight[0:32, 96:128] = 5.0  # block (0, 3)
+    weight[32:64, 0:32] = 5.0   # block (1, 0)
+    cols = ell.top_norm_cols(weight, (32, 32), 1)
+    assert cols.tolist() == [[3], [0]]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (torch.tensor([[0, 4]]), r"block columns in \[0, 4\)"),
+    (torch.tensor([[-1, 2]]), r"block columns in \[0, 4\)"),
+    (torch.tensor([[2, 2]]), "increasing"),
+    (torch.tensor([[3, 1]]), "increasing"),
+    (torch.tensor([[0.0, 1.0]]), "integer tensor"),
+    (torch.tensor([[0, 1, 2]]), r"shape \(1, 2\)"),
+    ([[0, 1]], "integer tensor"),
+])
+def test_bad_indices_are_refused_before_any_kernel(bad, message):
+    with pytest.raises(InputError, match=message):
+        ell.check_cols(bad, (1, 4), 2)
+
+
+def test_layer_matches_float64_and_its_gradients_do_too():
+    torch.manual_seed(0)
+    layer = BlockEllLinear(96, 64, block=(16, 32), per_row=2).double()
+    x = torch.randn(2, 7, 96, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    assert torch.allclose(y, dense_reference(layer, x))
+    inputs = (x.detach()[:, :3].requires_grad_(), layer.values.detach().clone().requires_grad_(),
+              layer.bias.detach().clone().requires_grad_())
+    assert torch.autograd.gradcheck(lambda x, v, b: block_ell_linear(x, v, b, layer.cols, 64), inputs)
+
+
+def test_gradients_reach_only_the_stored_blocks():
+    layer = BlockEllLinear(64, 32, block=(16, 16), density=0.5, bias=False).double()
+    x = torch.randn(9, 64, dtype=torch.float64)
+    layer(x).square().sum().backward()
+    weight = layer.to_dense_weight().detach().requires_grad_()
+    torch.nn.functional.linear(x, weight).square().sum().backward()
+    assert torch.allclose(layer.values.grad, ell.gather_values(weight.grad, layer.cols, (16, 16)))
+
+
+def test_from_dense_and_to_linear_agree():
+    linear = torch.nn.Linear(128, 64).double()
+    layer = BlockEllLinear.from_dense(linear, block=(32, 32), per_row=2)
+    x = torch.randn(5, 128, dtype=torch.float64)
+    assert torch.allclose(layer(x), layer.to_linear()(x))
+    assert layer.per_row == 2 and layer.cols.dtype == torch.int32
+
+
+def test_density_rounds_to_whole_blocks_per_row():
+    assert BlockEllLinear(320, 64, block=(32, 32), density=0.25).per_row == 2  # 10 columns x 0.25 = 2.5 -> 2
+    assert BlockEllLinear(320, 64, block=(32, 32), density=0.01).per_row == 1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(in_features=100), "in_features a multiple of the block's side 32"),
+    (dict(per_row=9), "per_row at most the 8 block columns"),
+    (dict(per_row=0), "positive int"),
+    (dict(block=(32,)), r"block as \(rows, cols\)"),
+    (dict(density=0.0), r"density in \(0, 1\]"),
+])
+def test_bad_layer_arguments_say_what_was_expected(kwargs, message):
+    args = dict(in_features=256, out_features=64, block=(32, 32)) | kwargs
+    with pytest.raises(InputError, match=message):
+        BlockEllLinear(**args)
+
+
+def test_checkpoint_round_trip_and_a_bad_index_is_refused_whole():
+    layer = BlockEllLinear(128, 64, block=(32, 32), per_row=2)
+    other = BlockEllLinear(128, 64, block=(32, 32), per_row=2)
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other.cols, layer.cols) and torch.equal(other.values, layer.values)
+    state = layer.state_dict()
+    state["cols"] = state["cols"].clone()
+    state["cols"][1, 1] = 4  # past the last block column
+    before = other.values.detach().clone()
+    with pytest.raises(InputError, match="block columns"):
+        other.load_state_dict(state)
+    assert torch.equal(other.values, before)  # nothing was copied
+
+
+def test_rowblocks_is_a_spec_parameter_in_name_key_and_source():
+    spec = bell_specs.forward_spec((32, 32), "bf16", 80, rowblocks=8)
+    assert spec.name.endswith("_xrowblocks8")
+    assert specmod.KernelSpec.from_name(spec.name) == spec
+    other = bell_specs.forward_spec((32, 32), "bf16", 80, rowblocks=9)
+    assert other.key != spec.key
+    source = codegen.render(spec)
+    assert "return r * 8;" in source and "count(int) { return 8; }" in source
+    assert "EllRows" in source and "sg::GatheredDds<" in source
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(params={"rowblocks": 0}), r"rowblocks in \[1, 4096\]"),
+    (dict(instr="tma", arch=80), "sm_90"),
+    (dict(instr="swap"), "instr one of"),
+    (dict(dtype="int8"), "dtype one of"),
+    (dict(trans="nn"), "trans 'nt'"),
+])
+def test_bad_specs_are_spec_errors(change, message):
+    base = dict(op="bell_dds", block=(32, 32), dtype="bf16", arch=90, instr="mma",
+                tile=specmod.TileConfig(128, 4, 1, 3), params={"rowblocks": 4})
+    with pytest.raises(SpecError, match=message):
+        specmod.KernelSpec(**(base | change))
+
+
+def test_precompile_builds_bell_kernels_for_hopper_and_ampere():
+    for arch, instrs in ((90, {"pingpong"}), (80, {"mma"})):
+        built = [s for s in specmod.default_specs(arch) if s.op == "bell_dds"]
+        assert built and {s.instr for s in built} == instrs
+        assert {s.param_values["rowblocks"] for s in built} == set(bell_specs.PRECOMPILED_ROWBLOCKS)
