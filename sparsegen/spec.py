@@ -233,6 +233,18 @@ def _validate_tile(spec: KernelSpec) -> None:
            f"{spec.smem_bytes()} bytes for {spec.tile.tag}", SpecError)
 
 
+def tma_ring_bytes(stages: int, rows: int) -> int:
+    """Shared memory of a TMA-fed ring (the common gathered-K kernels and their kin): `stages`
+    of `rows` 128-byte rows, 1024 bytes to align the swizzle atoms, a full and an empty
+    mbarrier per stage and the one that orders ping-pong mainloops."""
+    return stages * rows * STAGE_BYTES_PER_ROW + 1024 + 16 * stages + 8
+
+
+def stages_that_fit(rows: int, arch: int, most: int) -> int:
+    """The deepest TMA ring (<= most) of stages of `rows` rows that fits sm_<arch>'s shared memory."""
+    return max((s for s in range(2, most + 1) if tma_ring_bytes(s, rows) <= SMEM_LIMIT.get(arch, 0)), default=2)
+
+
 def clustered(spec: KernelSpec) -> KernelSpec:
     return dataclasses.replace(spec, tile=dataclasses.replace(spec.tile, cluster=2))
 

@@ -3,6 +3,7 @@ training, torch.compile and CUDA graphs (pytest -m gpu)."""
 import pytest
 import torch
 
+from sparsegen import epilogues
 from sparsegen.bell import ops as bell_ops
 from sparsegen.bell.nn import BlockEllLinear
 
@@ -16,7 +17,6 @@ def relative_error(out, ref) -> float:
 
 
 def reference(layer, x, epilogue="none"):
-    from sparsegen import epilogues
     y = torch.nn.functional.linear(x.double(), layer.to_dense_weight().double(),
                                    None if layer.bias is None else layer.bias.double())
     return epilogues.reference(y, epilogue)
@@ -79,8 +79,7 @@ def test_training_gradients_match_float64():
     x64 = x.detach().double().requires_grad_()
     values64 = layer.values.detach().double().requires_grad_()
     bias64 = layer.bias.detach().double().requires_grad_()
-    from sparsegen.bell import ops
-    ops.reference(x64, values64, layer.cols, bias64, 256).backward(dy.double())
+    bell_ops.reference(x64, values64, layer.cols, bias64, 256).backward(dy.double())
     for got, want in ((x.grad, x64.grad), (layer.values.grad, values64.grad), (layer.bias.grad, bias64.grad)):
         assert relative_error(got, want) < 2e-2
 

@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import expect, positive_int
+from ..blocks import check_block, grid_shape  # noqa: F401 (this format's API)
+from ..errors import expect, fraction, positive_int
 
 INDEX_DTYPE = torch.int32
 
 
-def check_block(block) -> tuple[int, int]:
-    """(rows, cols) of positive ints; the kernels' own limits are checked by their specs."""
-    expect(isinstance(block, (tuple, list)) and len(block) == 2, "block as (rows, cols)", repr(block))
-    return tuple(positive_int(side, "a block side") for side in block)
-
-
-def grid_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
-    """(block rows, block columns); the features must be whole blocks."""
-    for features, side, what in ((out_features, block[0], "out_features"), (in_features, block[1], "in_features")):
-        expect(features % side == 0, f"{what} a multiple of the block's side {side}", features)
-    return out_features // block[0], in_features // block[1]
-
-
-def check_per_row(per_row, grid: tuple[int, int]) -> int:
+def check_per_row(per_row, grid: tuple[int, int], density: float = 0.5) -> int:
+    """per_row, or (None) round(density x block columns), at least one."""
+    if per_row is None:
+        per_row = max(1, round(fraction(density, "density", zero=False) * grid[1]))
     per_row = positive_int(per_row, "per_row (blocks in each block row)")
     expect(per_row <= grid[1], f"per_row at most the {grid[1]} block columns", per_row)
     return per_row

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .. import calls, checkpoint, epilogues, lean
-from ..errors import expect, fraction, positive_int
+from ..errors import expect, positive_int
 from ..layer import SparseLinearForward, dense_linear
 from . import format as ell
 from . import ops
@@ -30,9 +30,7 @@ class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         self.out_features = positive_int(out_features, "out_features")
         self.block = ell.check_block(block)
         grid = ell.grid_shape(out_features, in_features, self.block)
-        if per_row is None:
-            per_row = max(1, round(fraction(density, "density", zero=False) * grid[1]))
-        self.per_row = ell.check_per_row(per_row, grid)
+        self.per_row = ell.check_per_row(per_row, grid, density)
         cols = ell.random_cols(grid, self.per_row) if cols is None else ell.check_cols(cols, grid, self.per_row)
         factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("cols", cols.to(device))
@@ -80,7 +78,7 @@ class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
         weight, block = linear.weight.detach(), ell.check_block(block)
         grid = ell.grid_shape(linear.out_features, linear.in_features, block)
-        per_row = ell.check_per_row(per_row or max(1, round(fraction(density, "density", zero=False) * grid[1])), grid)
+        per_row = ell.check_per_row(per_row, grid, density)
         layer = cls(linear.in_features, linear.out_features, block, per_row=per_row, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, cols=ell.top_norm_cols(weight, block, per_row))
         with torch.no_grad():

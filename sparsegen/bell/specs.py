@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .. import registry
 from ..errors import SpecError, expect
-from ..spec import SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_choice, check_trans
+from ..spec import (SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_choice, check_trans,
+                    stages_that_fit, tma_ring_bytes)
 
 DTYPES = ("bf16", "fp16", "fp32")
 INSTRS = ("mma", "tma", "pingpong")  # mma.sync anywhere; wgmma fed by TMA on sm_90a (16-bit)
@@ -22,10 +23,8 @@ PRECOMPILED_BLOCKS = ((32, 32), (64, 64))
 
 
 def _smem(spec: KernelSpec) -> int:
-    stage = (spec.tile.tile_m + spec.block[0]) * STAGE_BYTES_PER_ROW
-    if spec.instr == "mma":
-        return spec.tile.stages * stage
-    return spec.tile.stages * stage + 1024 + 16 * spec.tile.stages + 8  # alignment, full/empty/order barriers
+    rows = spec.tile.tile_m + spec.block[0]
+    return spec.tile.stages * rows * STAGE_BYTES_PER_ROW if spec.instr == "mma" else tma_ring_bytes(spec.tile.stages, rows)
 
 
 def _validate(spec: KernelSpec) -> None:
@@ -67,9 +66,7 @@ def default_tile(block, arch: int, instr: str, small: bool) -> TileConfig:
         if small:
             return TileConfig(64, 4, 1, 4)
         tile_m = 128 if bm >= 128 and instr == "pingpong" else 256
-        stage = (tile_m + bm) * STAGE_BYTES_PER_ROW
-        stages = max(s for s in range(2, 7) if s * stage + 16 * s + 8 + 1024 <= SMEM_LIMIT[arch])
-        return TileConfig(tile_m, 8, 1, min(stages, 4 if instr == "tma" else 6))
+        return TileConfig(tile_m, 8, 1, stages_that_fit(tile_m + bm, arch, most=4 if instr == "tma" else 6))
     stages = 3 if bm >= 128 or SMEM_LIMIT[arch] <= 128 * 1024 else 4
     warps = (2, 2) if bm >= 64 else (4, 1)
     return TileConfig(64 if small else 128, *((4, 1) if small else warps), stages)

@@ -12,7 +12,8 @@ from pathlib import Path
 from .. import registry
 from ..errors import SpecError, expect
 from ..spec import (BLOCK_SIDES, BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
-                    SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_trans, clustered)
+                    SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_trans, clustered,
+                    stages_that_fit, tma_ring_bytes)
 
 BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
@@ -27,11 +28,11 @@ def sdd_gather(spec: KernelSpec) -> int:
 
 def _dds_smem(spec: KernelSpec) -> int:
     rows = spec.tile.tile_m + (128 if spec.instr == "pairs" else spec.block[0])  # pairs: two blocks a stage
-    align = 1024 if spec.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
-    # full + empty mbarriers per stage, and one that orders ping-pong mainloops
-    barriers = 16 * spec.tile.stages + 8 if spec.instr in TMA_INSTRS else 0
     staging = 2 * 64 * STAGE_BYTES_PER_ROW if spec.instr in SWAP_INSTRS else 0  # the transposing store's chunks
-    return spec.tile.stages * rows * STAGE_BYTES_PER_ROW + align + barriers + staging
+    if spec.instr in TMA_INSTRS:
+        return tma_ring_bytes(spec.tile.stages, rows) + staging
+    align = 1024 if spec.instr in HOPPER_INSTRS else 0  # swizzle atoms are 1024-aligned
+    return spec.tile.stages * rows * STAGE_BYTES_PER_ROW + align
 
 
 def _sdd_smem(spec: KernelSpec) -> int:
@@ -151,7 +152,7 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
         if instr == "pingpong":  # one warpgroup holds a whole tile: at most 128 accumulators each
             tile_m = 128 if bm >= 128 else 256
             return TileConfig(tile_m=tile_m, warps_m=8, warps_n=1,
-                              stages=_stages_that_fit(block, tile_m, arch, most=6))
+                              stages=stages_that_fit(tile_m + bm, arch, most=6))
         if instr in ("tma", "swap", "pairs"):  # swap at block 64: 4 stages beat 5 in 7 of 12 cells, tied 3, lost 2
             return TileConfig(tile_m=256, warps_m=8, warps_n=1, stages=4)
         return TileConfig(tile_m=256 if bm >= 64 else 128, warps_m=8, warps_n=1, stages=4)
@@ -163,13 +164,6 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
     if bm == 64:
         return TileConfig(tile_m=128, warps_m=2, warps_n=2, stages=stages)
     return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
-
-
-def _stages_that_fit(block, tile_m: int, arch: int, most: int) -> int:
-    """The deepest TMA ring (<= most) whose stages, barriers and alignment fit shared memory."""
-    stage = (tile_m + block[0]) * STAGE_BYTES_PER_ROW
-    fits = [s for s in range(2, most + 1) if s * stage + 16 * s + 8 + 1024 <= SMEM_LIMIT.get(arch, 0)]
-    return max(fits, default=2)
 
 
 def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
