@@ -42,11 +42,16 @@ def template_context(spec: KernelSpec) -> dict:
     what the op's layout adds (registry.OpRules.context)."""
     t = spec.tile
     return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch, trans=spec.trans,
-                bm=spec.block[0], bk=spec.block[1], mma=MMA_TYPES[spec.dtype], elem=ELEM_TYPES[spec.dtype],
+                bm=spec.block[0], bk=spec.block[1], mma=mma_type(spec), acc=spec.acc, elem=ELEM_TYPES[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype], epilogue=spec.epilogue,
                 epi=epilogues.device_struct(spec.epilogue), params=spec.param_values, **spec.param_values,
                 **spec.rules.context(spec))
+
+
+def mma_type(spec: KernelSpec) -> str:
+    """The sg_mma.cuh struct of the spec's operands and accumulator (Fp16, Fp16AccF16...)."""
+    return MMA_TYPES[spec.dtype] + ("" if spec.acc == "f32" else f"Acc{spec.acc.upper()}")
 
 
 def environment():

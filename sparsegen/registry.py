@@ -23,7 +23,7 @@ LAYOUTS = ("bsr", "semi24", "bell")
 # What every template's context already holds (codegen.template_context): no parameter may shadow it.
 RESERVED_NAMES = frozenset({"name", "op", "dtype", "arch", "trans", "bm", "bk", "mma", "elem", "tile_m", "warps_m",
                             "warps_n", "stages", "cluster", "threads", "instr", "ptx_type", "epilogue", "epi",
-                            "params"})
+                            "params", "acc"})
 
 
 def _no_context(spec: "KernelSpec") -> dict:
@@ -55,6 +55,7 @@ class OpRules:
     epilogues: bool = False                         # whether it fuses an epilogue into its store
     tensor_cores: bool = True                       # False: copies and pruning (no SASS MMA check)
     params: tuple[Param, ...] = ()                  # the op's own typed parameters
+    accs: tuple[str, ...] = ("f32",)                # accumulator types its templates implement (spec.ACCS)
 
     def __post_init__(self):
         for param in self.params:

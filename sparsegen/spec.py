@@ -41,11 +41,15 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "e4m3": 1}
 _TAG_PATTERN = r"t(?P<tile_m>\d+)w(?P<warps_m>\d+)x(?P<warps_n>\d+)s(?P<stages>\d+)(?:c(?P<cluster>\d+))?"
 _NAME_RE = re.compile(r"(?P<op>[a-z][a-z0-9_]*?)_b(?P<bm>\d+)x(?P<bk>\d+)_(?P<dtype>[a-z0-9]+)"
                       r"_(?P<trans>[a-z]+)_sm(?P<arch>\d+)a?_(?P<instr>[a-z]+)_" + _TAG_PATTERN +
-                      r"(?:_e(?P<epilogue>[a-z]+))?(?P<params>(?:_x[a-z]+\d+)*)")
+                      r"(?:_e(?P<epilogue>[a-z]+))?(?:_a(?P<acc>f\d+))?(?P<params>(?:_x[a-z]+\d+)*)")
 _PARAM_RE = re.compile(r"_x([a-z]+)(\d+)")
 _NAME_FORM = ("OP_bROWSxCOLS_DTYPE_TRANS_smARCH[a]_INSTR_tTILEMwWARPSMxWARPSNsSTAGES[cCLUSTER][_eEPILOGUE]"
-              "[_xPARAMVALUE...]")
+              "[_aACC][_xPARAMVALUE...]")
 CLUSTER_SIZES = (1, 2, 4)
+# Accumulator types: "f32" everywhere; "f16" (mma's f16 accumulator) for fp16 operands, in
+# the kernels whose op lists it (registry.OpRules.accs). Named only where not the default.
+ACCS = ("f32", "f16")
+ACC_DTYPES = {"f32": DTYPES, "f16": ("fp16",)}
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class KernelSpec:
     # The op's own parameters (registry.Param), as ((name, value), ...) in the order the op
     # declares them, defaults filled in; a dict is accepted.
     params: tuple[tuple[str, int], ...] = ()
+    acc: str = "f32"  # ACCS: what the tensor cores accumulate in
 
     def __post_init__(self):
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
@@ -111,9 +116,10 @@ class KernelSpec:
         where there is an epilogue)."""
         bm, bk = self.block
         epilogue = "" if self.epilogue == "none" else f"_e{epilogues.name_token(self.epilogue)}"
+        acc = "" if self.acc == "f32" else f"_a{self.acc}"
         params = "".join(f"_x{name}{value}" for name, value in self.params)
         return (f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_{self.target.replace('_', '')}"
-                f"_{self.instr}_{self.tile.tag}{epilogue}{params}")
+                f"_{self.instr}_{self.tile.tag}{epilogue}{acc}{params}")
 
     @property
     def target(self) -> str:
@@ -143,7 +149,8 @@ class KernelSpec:
                repr(g["epilogue"]), SpecError)
         params = tuple((name, int(value)) for name, value in _PARAM_RE.findall(g["params"]))
         spec = cls(op=g["op"], block=(int(g["bm"]), int(g["bk"])), dtype=g["dtype"], trans=g["trans"],
-                   arch=int(g["arch"]), tile=tile, instr=g["instr"], epilogue=epilogue, params=params)
+                   arch=int(g["arch"]), tile=tile, instr=g["instr"], epilogue=epilogue, params=params,
+                   acc=g["acc"] or "f32")
         expect(spec.name == name, f"the name {spec.name} for these fields", repr(name), SpecError)
         return spec
 
@@ -178,16 +185,29 @@ class KernelSpec:
                    f"{self.op}, trans {self.trans!r}, {self.dtype}", SpecError)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
                f"block sides each one of {BLOCK_SIDES}", self.block, SpecError)
+        _validate_acc(self, rules)
         _validate_params(self, rules)
         rules.validate(self)
         _validate_tile(self)
 
 
 def fields_tuple(spec: KernelSpec) -> tuple:
-    """Every field's value; the op's parameters only where it has some (so the keys of ops
-    without parameters are what they were before parameters existed)."""
-    values = dataclasses.astuple(spec)
-    return values if spec.params else values[:-1]
+    """Every field's value; the op's parameters only where it has some and the accumulator
+    only where it is not f32 (so kernels that have neither keep the keys they had before
+    either field existed)."""
+    *values, params, acc = dataclasses.astuple(spec)
+    return tuple(values) + ((params,) if params else ()) + ((acc,) if acc != "f32" else ())
+
+
+def _validate_acc(spec: KernelSpec, rules: registry.OpRules) -> None:
+    check_choice("acc", spec.acc, ACCS)
+    if spec.acc == "f32":
+        return
+    with_it = tuple(op for op in registry.ops() if spec.acc in registry.op_rules(op).accs)
+    expect(spec.acc in rules.accs, f"an op with {spec.acc} accumulators {with_it} for acc {spec.acc!r}",
+           repr(spec.op), SpecError)
+    expect(spec.dtype in ACC_DTYPES[spec.acc], f"dtype one of {ACC_DTYPES[spec.acc]} for acc {spec.acc!r} (the "
+           "tensor cores accumulate in f16 only from f16 operands)", repr(spec.dtype), SpecError)
 
 
 def _with_defaults(op: str, given) -> tuple[tuple[str, int], ...]:
@@ -218,6 +238,12 @@ def check_choice(what: str, value, choices) -> None:
 
 def check_trans(spec: KernelSpec, allowed: str, note: str = "") -> None:
     expect(spec.trans == allowed, f"trans {allowed!r} for {spec.op}{note}", repr(spec.trans), SpecError)
+
+
+def check_acc_on_mma(spec: KernelSpec) -> None:
+    """For ops whose mma.sync kernel alone implements the other accumulators (wgmma keeps f32)."""
+    expect(spec.acc == "f32" or spec.instr == "mma", f"instr 'mma' for acc {spec.acc!r} (its mma.sync kernel; "
+           "the wgmma kernels accumulate in f32)", repr(spec.instr), SpecError)
 
 
 def _validate_tile(spec: KernelSpec) -> None:

@@ -11,6 +11,7 @@ import sparsegen
 from sparsegen import cache, compiler
 from sparsegen.spec import DTYPES, KernelSpec, TileConfig, default_specs
 from sparsegen.bsr.specs import forward_spec
+from sparsegen.bell.specs import forward_spec as ell_forward_spec
 
 DEFAULT_SPECS = default_specs(80) + default_specs(90) + default_specs(89, ["e4m3"])  # sm_89: native fp8 mma.sp
 # Non-default tiles exercise other warp grids and pipeline depths of the same template.
@@ -23,6 +24,9 @@ EXTRA_SPECS = [
                instr="wgmma"),
     KernelSpec(block=(32, 128), dtype="fp16", arch=90, tile=TileConfig(128, 4, 1, 2), instr="tma"),
 ]
+# fp16 accumulators (spec.ACCS): both layouts' mma.sync kernels, plain and gated stores.
+ACC_SPECS = [forward_spec(b, "fp16", arch, acc="f16", epilogue=e) for arch in (80, 90) for b in ((64, 64), (128, 128))
+             for e in ("none", "swiglu")] + [ell_forward_spec((32, 32), "fp16", 90, 8, acc="f16")]
 
 
 def find_tool(name: str) -> str | None:
@@ -41,7 +45,7 @@ needs_tools = pytest.mark.skipif(not (CUOBJDUMP and NVDISASM),
                                  reason="cuobjdump and nvdisasm not found")
 
 
-@pytest.mark.parametrize("spec", DEFAULT_SPECS + EXTRA_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", DEFAULT_SPECS + EXTRA_SPECS + ACC_SPECS, ids=lambda s: s.name)
 def test_compiles_to_cubin(spec):
     built = cache.build(spec)
     assert built.compiled
@@ -54,8 +58,10 @@ def tensor_core_ops(sass: str) -> list[str]:
 
 
 def expected_mma(spec: KernelSpec) -> str:
-    """The SASS mnemonic: fp32 accumulate; wgmma -> HGMMA 64xBMx16; mma.sync k16 (16-bit
-    inputs, fp16 has no type suffix) or k8 (tf32)."""
+    """The SASS mnemonic: fp32 accumulate (fp16 where acc says); wgmma -> HGMMA 64xBMx16;
+    mma.sync k16 (16-bit inputs, fp16 has no type suffix) or k8 (tf32)."""
+    if spec.acc == "f16":  # mma.sync's f16 C/D on fp16 operands
+        return "HMMA.16816.F16"
     if spec.dtype == "int8":  # 2:4 on one-byte types: mma.sp m16n8k64, or wgmma.sp k64 on sm_90
         return f"IGMMA.SP.64x{spec.tile.tile_m}x64.S8.S8" if spec.instr == "tma" else "IMMA.SP.16864.S8.S8"
     if spec.dtype == "e4m3":  # sm_89: mma.sp m16n8k64; sm_90: wgmma.sp m64 x tokens x k64
@@ -110,7 +116,7 @@ def largest_per_kind(specs):
     return [s for _, s in largest.values()]
 
 
-SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.rules.tensor_cores])
+SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.rules.tensor_cores]) + ACC_SPECS
 # How each instruction family moves a stage into shared memory, as SASS spells it.
 STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG",
               "pairs": "UTMALDG"}

@@ -59,7 +59,7 @@ def test_each_field_changes_name_and_key(variant):
 def test_every_field_has_a_variant():
     # A field added to KernelSpec or TileConfig must get a variant above (or a rejection test).
     # cluster: below; params: tests/test_layout_params.py (no shipped op declares any yet)
-    covered = {key.split("=")[0] for key in VARIANTS} | {"op", "trans", "cluster", "params"}
+    covered = {key.split("=")[0] for key in VARIANTS} | {"op", "trans", "cluster", "params", "acc"}
     fields = {f.name for f in dataclasses.fields(KernelSpec)} - {"tile"}
     fields |= {f.name for f in dataclasses.fields(TileConfig)}
     assert fields <= covered, f"no variant for {sorted(fields - covered)}"
@@ -71,6 +71,35 @@ def test_cluster_changes_sp24_name_and_key_and_round_trips():
     paired = sparsegen.semi24.specs.sp24_spec("bf16", 90, tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma")
     assert paired.name == single.name + "c2" and paired.key != single.key
     assert KernelSpec.from_name(paired.name) == paired and KernelSpec.from_name(single.name) == single
+
+
+FP16 = dataclasses.replace(BASE, dtype="fp16")
+
+
+def test_accumulator_changes_name_and_key_and_round_trips():
+    # acc needs fp16 operands, so its variant is of an fp16 BASE
+    f16 = dataclasses.replace(FP16, acc="f16")
+    assert f16.name == FP16.name + "_af16" and f16.key != FP16.key
+    assert KernelSpec.from_name(f16.name) == f16
+    fused = dataclasses.replace(f16, epilogue="gelu_tanh")
+    assert fused.name.endswith("_egelutanh_af16") and KernelSpec.from_name(fused.name) == fused
+
+
+def test_default_accumulator_is_not_in_the_key():
+    # kernels built before acc existed keep their cache keys: f32 is left out of the hash
+    assert specmod.fields_tuple(FP16) == dataclasses.astuple(FP16)[:-2]  # neither params nor acc
+    assert specmod.fields_tuple(dataclasses.replace(FP16, acc="f16"))[-1] == "f16"
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(acc="f64"), "acc one of"),
+    (dict(acc="f16", dtype="bf16"), "dtype one of \\('fp16',\\) for acc 'f16'"),
+    (dict(acc="f16", instr="wgmma"), "instr 'mma' for acc 'f16'"),
+    (dict(acc="f16", op="bsr_sdd", trans="tn"), "an op with f16 accumulators"),
+])
+def test_accumulator_combinations_without_a_kernel_are_refused(changes, message):
+    with pytest.raises(SpecError, match=message):
+        dataclasses.replace(FP16, **changes)
 
 
 def test_names_and_keys_are_pairwise_distinct():

@@ -29,15 +29,18 @@ bell_dds_op = library.define(
     bell_dds_any_device, calls.fake_product)
 
 
-def bell_dds(x, values, cols, bias, out_features: int, epilogue: str = "none", out=None, tile=None, instr=None):
+def bell_dds(x, values, cols, bias, out_features: int, epilogue: str = "none", out=None, tile=None, instr=None,
+             acc="f32"):
     """epilogue(X W^T + b) on the GPU; x may have leading batch dims. `out` (contiguous,
-    16-byte aligned) receives Y when given; `tile` and `instr` override the default kernel."""
+    16-byte aligned) receives Y when given; `tile`, `instr` and `acc` (spec.ACCS: "f16" for
+    fp16 inputs, on the mma.sync kernel) override the default kernel."""
     x2 = calls.rows_2d(x)
     if x2.shape[0] == 0:
         return calls.product_without_weight(x, x2, bias, out, out_features, epilogue)
     plan = (_PLANS.get(cols, (x2.shape[0], x2.dtype, out_features, epilogue),
                        lambda: _plan(x2, values, cols, out_features, epilogue))
-            if tile is None and instr is None else _plan(x2, values, cols, out_features, epilogue, tile, instr))
+            if tile is None and instr is None and acc == "f32"
+            else _plan(x2, values, cols, out_features, epilogue, tile, instr, acc))
     y, shaped = calls.output_for(x, x2, out, plan.width)
     plan.run(x2, calls.aligned(values), bias, y)
     return shaped
@@ -68,10 +71,10 @@ class _EllPlan:
 _PLANS = plans.PlanCache()
 
 
-def _plan(x2, values, cols, out_features: int, epilogue: str, tile=None, instr=None) -> _EllPlan:
+def _plan(x2, values, cols, out_features: int, epilogue: str, tile=None, instr=None, acc="f32") -> _EllPlan:
     (m, k), (rows, per_row, bm, bk) = x2.shape, values.shape
     kern = dispatch.forward_kernel((bm, bk), x2.dtype, x2.device.index or 0, per_row, m <= dispatch.SMALL_ROWS,
-                                   epilogue, tile, instr)
+                                   epilogue, tile, instr, acc)
     spec, stored_rows = kern.spec, rows * per_row * bm  # W's stored blocks as rows of a [*, bk] matrix
     maps = () if spec.instr == "mma" else (
         (x2.dtype, m, k, spec.tile.tile_m, min(bk, 64)), (values.dtype, stored_rows, bk, bm, min(bk, 64)))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from .. import registry
 from ..errors import SpecError, expect
-from ..spec import (SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_choice, check_trans,
-                    stages_that_fit, tma_ring_bytes)
+from ..spec import (SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_acc_on_mma, check_choice,
+                    check_trans, stages_that_fit, tma_ring_bytes)
 
 DTYPES = ("bf16", "fp16", "fp32")
 INSTRS = ("mma", "tma", "pingpong")  # mma.sync anywhere; wgmma fed by TMA on sm_90a (16-bit)
@@ -32,6 +32,7 @@ def _validate(spec: KernelSpec) -> None:
     check_choice("dtype", spec.dtype, DTYPES)
     check_choice("instr", spec.instr, INSTRS)
     check_choice("cluster", spec.tile.cluster, (1,))
+    check_acc_on_mma(spec)
     rowblocks = spec.param_values["rowblocks"]
     expect(1 <= rowblocks <= MAX_ROWBLOCKS, f"rowblocks in [1, {MAX_ROWBLOCKS}]", rowblocks, SpecError)
     t, bm = spec.tile, spec.block[0]
@@ -49,14 +50,15 @@ def _validate(spec: KernelSpec) -> None:
 
 
 def forward_spec(block, dtype: str, arch: int, rowblocks: int, rows: int | None = None, epilogue: str = "none",
-                 tile: TileConfig | None = None, instr: str | None = None) -> KernelSpec:
-    """The forward kernel; `rows` (M) up to 64 takes a 64-row tile."""
+                 tile: TileConfig | None = None, instr: str | None = None, acc: str = "f32") -> KernelSpec:
+    """The forward kernel; `rows` (M) up to 64 takes a 64-row tile, another accumulator
+    than f32 the mma.sync kernel (unless told)."""
     block, small = tuple(block), rows is not None and rows <= 64
-    instr = instr or ("mma" if arch != 90 or dtype == "fp32" else "tma" if block[0] >= 128 and not small
-                      else "pingpong")
+    instr = instr or ("mma" if arch != 90 or dtype == "fp32" or acc != "f32" else
+                      "tma" if block[0] >= 128 and not small else "pingpong")
     return KernelSpec(op="bell_dds", block=block, dtype=dtype, trans="nt", arch=arch, instr=instr,
                       tile=tile or default_tile(block, arch, instr, small), epilogue=epilogue,
-                      params={"rowblocks": rowblocks})
+                      params={"rowblocks": rowblocks}, acc=acc)
 
 
 def default_tile(block, arch: int, instr: str, small: bool) -> TileConfig:
@@ -79,5 +81,6 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 
 
 registry.register(registry.Layout("bell", (
-    registry.OpRules("bell_dds", "bell/bell_dds.cu.j2", _validate, _smem, epilogues=True, params=(ROWBLOCKS,)),
+    registry.OpRules("bell_dds", "bell/bell_dds.cu.j2", _validate, _smem, epilogues=True, params=(ROWBLOCKS,),
+                     accs=("f32", "f16")),
 ), default_specs, Path(__file__).parent, lowerings_module="compiled"))

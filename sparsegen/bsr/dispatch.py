@@ -31,10 +31,11 @@ def transposed_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: 
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(block: tuple[int, int], dtype: torch.dtype, device_index: int, small: bool,
-                    tile=None, instr=None, epilogue: str = "none"):
+                    tile=None, instr=None, epilogue: str = "none", acc: str = "f32"):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     # The CUBIN is built for the device's own compute capability: sm_80 code won't load on sm_90.
-    spec = forward_spec(block, calls.DTYPE_NAMES[dtype], arch, tile, instr, rows=1 if small else None, epilogue=epilogue)
+    spec = forward_spec(block, calls.DTYPE_NAMES[dtype], arch, tile, instr, rows=1 if small else None,
+                        epilogue=epilogue, acc=acc)
     return runtime.kernel(spec, device_index)
 
 

@@ -61,20 +61,22 @@ bsr_dds_op = library.define(
 
 
 def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,
-            instr=None, perm=None, epilogue="none"):
+            instr=None, perm=None, epilogue="none", acc="f32"):
     """Y = X W^T (+ bias) on the GPU with a generated kernel; x may have leading batch dims.
     `out` (contiguous, [..., width]) receives Y when given; `tile` overrides the default
-    TileConfig and `instr` the kernel family (spec.INSTRS). With `perm`, W^T's block b is
-    values[perm[b]] transposed (input_grad). `epilogue` (epilogues.EPILOGUES) is applied in
-    the kernel's store; a gated one makes Y out_features / 2 wide."""
+    TileConfig, `instr` the kernel family (spec.INSTRS) and `acc` the accumulator (spec.ACCS:
+    "f16" for fp16 inputs, on the mma.sync kernel) - each runs that kernel, never the dense
+    path. With `perm`, W^T's block b is values[perm[b]] transposed (input_grad). `epilogue`
+    (epilogues.EPILOGUES) is applied in the kernel's store; a gated one makes Y out_features / 2 wide."""
     x2 = calls.rows_2d(x)
     m, k = x2.shape
     if m == 0 or values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         return calls.product_without_weight(x, x2, bias, out, out_features, epilogue)
-    if tile is None and instr is None:
+    if tile is None and instr is None and acc == "f32":
         plan = _kept_bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, epilogue)
     else:
-        plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr, epilogue)
+        plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr, epilogue,
+                         acc)
     if plan.dense:
         weight = _dense_forward_weight(x2, values, row_offsets, col_indices, block, out_features,
                                        plan.scatter_when_trained)
@@ -128,17 +130,18 @@ _PLANS = plans.PlanCache()
 
 
 def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile=None, instr=None,
-              epilogue="none"):
+              epilogue="none", acc="f32"):
     """What bsr_dds launches for these operands: the kernel, its grid and index, and whether
     cuBLAS on a dense weight comes first (forward calls with default kernels only)."""
     (m, k), device_index = x2.shape, x2.device.index or 0
     if perm is None:
-        kern = dispatch.forward_kernel(tuple(block), x2.dtype, device_index, m <= 64, tile, instr, epilogue)
+        kern = dispatch.forward_kernel(tuple(block), x2.dtype, device_index, m <= 64, tile, instr, epilogue, acc)
     else:
-        expect(epilogue == "none", "no epilogue for the product with W^T", repr(epilogue))
+        expect(epilogue == "none" and acc == "f32", "no epilogue and acc 'f32' for the product with W^T",
+               f"{epilogue!r}, {acc!r}")
         kern = dispatch.transposed_kernel(tuple(block), x2.dtype, device_index, m <= 64, tile, instr)
     dense = scatter = False
-    if tile is None and instr is None:
+    if tile is None and instr is None and acc == "f32":
         kern = dispatch.swap_variant(kern, x2.dtype, m, row_offsets, col_indices, perm)
         if perm is None:
             grid_blocks = (out_features // block[0]) * (k // block[1])

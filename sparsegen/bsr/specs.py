@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import registry
 from ..errors import SpecError, expect
 from ..spec import (BLOCK_SIDES, BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
-                    SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_trans, clustered,
+                    SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_acc_on_mma, check_trans, clustered,
                     stages_that_fit, tma_ring_bytes)
 
 BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
@@ -56,6 +56,7 @@ def _validate_dds(spec: KernelSpec) -> None:
     expect(spec.trans == "nt" or (spec.trans == "nn" and spec.instr in SWAP_INSTRS),
            "trans 'nt' for bsr_dds ('nn' only for bsr_dds on swap or pairs)", repr(spec.trans), SpecError)
     _validate_block_dtype(spec)
+    check_acc_on_mma(spec)
     _validate_cluster(spec, shares=has_call_variants(spec))
     t, bm = spec.tile, spec.block[0]
     if spec.instr not in SWAP_INSTRS:  # warps split tile_m rows of X and the block's rows of W
@@ -166,12 +167,13 @@ def default_tile(block: tuple[int, int], arch: int = 90, instr: str = "mma",
     return TileConfig(tile_m=128, warps_m=4, warps_n=1, stages=stages)
 
 
-def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None,
-                 instr: str | None = None, rows: int | None = None, epilogue: str = "none") -> KernelSpec:
+def forward_spec(block, dtype: str, arch: int, tile: TileConfig | None = None, instr: str | None = None,
+                 rows: int | None = None, epilogue: str = "none", acc: str = "f32") -> KernelSpec:
+    """The forward kernel; another accumulator than f32 takes the mma.sync kernel unless told."""
     block = tuple(block)
-    instr = instr or default_instr(dtype, arch, block, rows)
+    instr = instr or ("mma" if acc != "f32" else default_instr(dtype, arch, block, rows))
     return KernelSpec(op="bsr_dds", block=block, dtype=dtype, trans="nt", arch=arch,
-                      tile=tile or default_tile(block, arch, instr, rows), instr=instr, epilogue=epilogue)
+                      tile=tile or default_tile(block, arch, instr, rows), instr=instr, epilogue=epilogue, acc=acc)
 
 
 def input_grad_spec(block, dtype: str, arch: int, rows: int | None = None, tile: TileConfig | None = None,
@@ -256,7 +258,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 
 
 registry.register(registry.Layout("bsr", (
-    registry.OpRules("bsr_dds", "bsr/bsr_dds.cu.j2", _validate_dds, _dds_smem, trans=("nt", "nn"), epilogues=True),
+    registry.OpRules("bsr_dds", "bsr/bsr_dds.cu.j2", _validate_dds, _dds_smem, trans=("nt", "nn"), epilogues=True,
+                     accs=("f32", "f16")),
     registry.OpRules("bsr_sdd", "bsr/bsr_sdd.cu.j2", _validate_sdd, _sdd_smem, trans=("tn",)),
     registry.OpRules("bsr_scatter", "bsr/bsr_scatter.cu.j2", _validate_scatter, _no_smem, tensor_cores=False),
 ), default_specs, Path(__file__).parent, lowerings_module="compiled"))

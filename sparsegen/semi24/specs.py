@@ -107,7 +107,7 @@ def _output_context(spec: KernelSpec) -> dict:
     immediates = ", 1, 1, 0, 0" if not one_byte else "" if integer else ", 1, 1"
     return dict(out_policy="Int32Out" if integer else f"FloatOut<sg::{out_mma}>",
                 out_elem="int" if integer else ELEM_TYPES[out],
-                acc="int" if integer else "float", acc_ptx="s32" if integer else "f32", acc_reg="r" if integer else "f",
+                acc_type="int" if integer else "float", acc_ptx="s32" if integer else "f32", acc_reg="r" if integer else "f",
                 sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma=out_mma, wgmma_immediates=immediates)
 
 

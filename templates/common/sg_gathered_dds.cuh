@@ -17,7 +17,9 @@ struct GatheredDds {
   static constexpr int MT = WARP_M / 16, NT = WARP_N / 8;   // mma tiles per warp
   static_assert(WARP_N % 16 == 0 && WARP_M % 16 == 0, "warp tile must hold whole mma pairs");
 
-  __device__ static void compute_stage(u32 smem, float (&acc)[MT][NT][4], int wm, int wn) {
+  using Frag = typename Mma::Frag;  // float[4], or an f16 accumulator's u32[2]
+
+  __device__ static void compute_stage(u32 smem, Frag (&acc)[MT][NT], int wm, int wn) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int kc = 0; kc < 8; kc += 2) {  // 32 bytes of K per mma step
@@ -47,7 +49,7 @@ struct GatheredDds {
     const int first = rows.first(block_row), nnz = rows.count(block_row);
     const int stages = Loader::num_stages(nnz);
     const int warp = threadIdx.x >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
-    float acc[MT][NT][4] = {};
+    Frag acc[MT][NT] = {};
 
     int col = Loader::lookup_col(0, cols, first, nnz);
 #pragma unroll
@@ -75,10 +77,12 @@ struct GatheredDds {
 #pragma unroll
       for (int nt = 0; nt < NT; nt += Epi::kGated ? 2 : 1) {
         const int m = m0 + wm * WARP_M + mt * 16 + (lane >> 2), n = block_row * BM + wn * WARP_N + nt * 8 + 2 * (lane & 3);
+        float room[2][4];
         if constexpr (Epi::kGated)
-          Store::m16n8_gated(acc[mt][nt], acc[mt][nt + 1], bias, y, m, n, M, N);
+          Store::m16n8_gated(frag_floats(acc[mt][nt], room[0]), frag_floats(acc[mt][nt + 1], room[1]), bias, y,
+                             m, n, M, N);
         else
-          Store::m16n8(acc[mt][nt], bias, y, m, n, M, N);
+          Store::m16n8(frag_floats(acc[mt][nt], room[0]), bias, y, m, n, M, N);
       }
   }
 };

@@ -56,7 +56,9 @@ __device__ __forceinline__ u32 to_tf32(u32 x) {
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                          \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 
+// Frag: one m16n8 accumulator tile as a lane holds it (rows m, m + 8; columns n, n + 1).
 struct Bf16 {
+  using Frag = float[4];
   __device__ static void mma(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     SG_MMA("m16n8k16", "bf16.bf16");
   }
@@ -70,6 +72,7 @@ struct Bf16 {
 };
 
 struct Fp16 {
+  using Frag = float[4];
   __device__ static void mma(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     SG_MMA("m16n8k16", "f16.f16");
   }
@@ -87,6 +90,7 @@ struct Fp16 {
 };
 
 struct Tf32 {
+  using Frag = float[4];
   __device__ static void mma(float (&c)[4], const u32 (&a_raw)[4], const u32 (&b_raw)[2]) {
     const u32 a[4] = {to_tf32(a_raw[0]), to_tf32(a_raw[1]), to_tf32(a_raw[2]), to_tf32(a_raw[3])};
     const u32 b[2] = {to_tf32(b_raw[0]), to_tf32(b_raw[1])};
@@ -96,6 +100,27 @@ struct Tf32 {
 };
 
 #undef SG_MMA
+
+// fp16 operands accumulating in fp16 (KernelSpec acc "f16"): mma's f16 C/D, two f16x2
+// registers holding the same rows and columns as Fp16's four floats. Every k16 step rounds
+// the running sum to fp16 - the accumulator such an experiment means to measure.
+struct Fp16AccF16 : Fp16 {
+  using Frag = u32[2];
+  __device__ static void mma(u32 (&c)[2], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};\n"
+                 : "+r"(c[0]), "+r"(c[1])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// An accumulator tile as 4 floats for the store: a float one is read in place, an f16 one
+// widened into `room`.
+__device__ __forceinline__ const float* frag_floats(const float (&c)[4], float (&)[4]) { return c; }
+__device__ __forceinline__ const float* frag_floats(const u32 (&c)[2], float (&room)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) room[i] = Fp16::to_float(static_cast<u16>(c[i >> 1] >> (16 * (i & 1))));
+  return room;
+}
 
 // The metadata word a lane passes to a sparse product (selector 0), read from a 16-row
 // group's k32 tiles as layouts/semi24.py stores them (16 words each, 64 bytes apart;
