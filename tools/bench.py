@@ -1,14 +1,13 @@
 """Side-by-side benchmark: sparsegen block-sparse forward vs dense cuBLAS vs PyTorch BSR.
 
-Run on a GPU:  PYTHONPATH=. python tools/bench.py [--quick] [--markdown BENCHMARKS.md]
-Every ratio is dense_time / method_time measured in the same process (above 1 = faster).
+Run on a GPU:  PYTHONPATH=. python tools/bench.py [--quick] [--json out/bench.json]
+Every ratio is dense_time / method_time measured in the same process (above 1 = faster);
+tools/benchmarks_md.py renders the recorded tables into BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import statistics
 import subprocess
 import sys
@@ -18,8 +17,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import sparsegen
-from sparsegen.bsr import ops as bsr_ops
+sys.path.insert(0, str(Path(__file__).parent))
+import sparsegen  # noqa: E402
+from bench_record import Table, write  # noqa: E402
+from sparsegen.bsr import ops as bsr_ops  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (16384, 1024, 4096),
           (2048, 8192, 8192)]
@@ -71,7 +72,12 @@ def bench_case(m, k, n, block, density, dtype, x):
                 useful_tflops=2 * m * n * k * layer.density / sg_ms / 1e9)
 
 
-def bench_forward(dtype_names, shapes, blocks, densities) -> list[dict]:
+FORWARD_COLUMNS = [("dtype", ""), ("M, K, N", ""), ("block", ""), ("density", ".3f"), ("dense ms", ".3f"),
+                   ("sparsegen ms", ".3f"), ("sparsegen", "x"), ("torch BSR", "x"), ("target", "x"), ("met", ""),
+                   ("useful TFLOP/s", ".0f")]
+
+
+def bench_forward(table: Table, dtype_names, shapes, blocks, densities) -> list[dict]:
     """Dense is re-timed before every sparse case and each shape's rows use the median of
     those timings: the GPU's clock drifts by several percent over a run."""
     rows = []
@@ -87,7 +93,8 @@ def bench_forward(dtype_names, shapes, blocks, densities) -> list[dict]:
                     dense_times.append(dense())
                     shape_rows.append(bench_case(m, k, n, block, density, dtype, x))
             rows += [finish_row(name, row, statistics.median(dense_times)) for row in shape_rows]
-            print("\n".join(format_row(r) for r in rows[-len(shape_rows):]), flush=True)
+            for r in rows[-len(shape_rows):]:
+                table.add(*forward_cells(r))
     return rows
 
 
@@ -97,17 +104,18 @@ def finish_row(dtype_name: str, row: dict, dense_ms: float) -> dict:
                 bsr_speedup=dense_ms / peer if peer else None)
 
 
-def format_row(r: dict) -> str:
-    bsr_txt = f"{r['bsr_speedup']:.2f}" if r["bsr_speedup"] else "fail"
-    target = f"{r['target']:.2f}" if r["target"] else "-"
-    ok = "-" if r["target"] is None else ("yes" if r["speedup"] >= r["target"] else "NO")
-    return (f"| {r['dtype']} | {r['m']}, {r['k']}, {r['n']} | {r['block']} | {r['density']} | "
-            f"{r['dense_ms']:.3f} | {r['sparsegen_ms']:.3f} | {r['speedup']:.2f} | {bsr_txt} | "
-            f"{target} | {ok} | {r['useful_tflops']:.0f} |")
+def forward_cells(r: dict) -> list:
+    ok = None if r["target"] is None else ("yes" if r["speedup"] >= r["target"] else "NO")
+    return [r["dtype"], f"{r['m']}, {r['k']}, {r['n']}", r["block"], r["density"], r["dense_ms"], r["sparsegen_ms"],
+            r["speedup"], r["bsr_speedup"], r["target"], ok, r["useful_tflops"]]
 
 
-HEADER = ("| dtype | M, K, N | block | density | dense ms | sparsegen ms | sparsegen x | "
-          "torch BSR x | target x | met | useful TFLOP/s |\n|" + "---|" * 11)
+def forward_notes(rows: list[dict]) -> list[str]:
+    met = [r for r in rows if r["target"] is not None]
+    peer = [r for r in rows if r["bsr_speedup"]]
+    return [f"targets (issue #2, M >= 4096) met: {sum(r['speedup'] >= r['target'] for r in met)}/{len(met)}",
+            f"faster than torch BSR: {sum(r['speedup'] > r['bsr_speedup'] for r in peer)}/{len(peer)} "
+            f"(torch BSR failed on {len(rows) - len(peer)})"]
 
 
 def tiny_layer_and_input():
@@ -184,23 +192,6 @@ def tune(dtype_name: str, shape, block: int, density: float, tiles, instr) -> No
               f"speedup {dense_ms / ms:.2f} (target {target_speedup(block, density):.2f})", flush=True)
 
 
-def write_markdown(path: Path, rows, extras: dict, command: str) -> None:
-    lines = ["# Benchmarks\n", f"GPU: {torch.cuda.get_device_name()} - date: "
-             f"{datetime.date.today()} - torch {torch.__version__} - command: `{command}`\n",
-             "Speedups are dense `F.linear` (cuBLAS) time over the method's time, measured side by "
-             "side in one process (median of triton.testing.do_bench). Targets (issue #2) apply "
-             "to M >= 4096.\n", "## Block-sparse forward\n", HEADER]
-    lines += [format_row(r) for r in rows]
-    met = [r for r in rows if r["target"] is not None]
-    lines.append(f"\nTargets met: {sum(r['speedup'] >= r['target'] for r in met)}/{len(met)}; "
-                 f"faster than torch BSR: {sum(1 for r in rows if r['bsr_speedup'] and r['speedup'] > r['bsr_speedup'])}"
-                 f"/{sum(1 for r in rows if r['bsr_speedup'])} (torch BSR failed on "
-                 f"{sum(1 for r in rows if not r['bsr_speedup'])})\n")
-    lines.append("## Overheads and memory\n")
-    lines += [f"- {key}: {value}" for key, value in extras.items()]
-    path.write_text("\n".join(lines) + "\n")
-
-
 def plot(rows, path: Path) -> None:
     import matplotlib
 
@@ -224,15 +215,19 @@ def plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def bench_training(shape=(8192, 4096, 11008), blocks=(64, 128), densities=(0.25, 0.5)) -> list[str]:
+def bench_training(shape=(8192, 4096, 11008), blocks=(64, 128), densities=(0.25, 0.5)) -> Table:
     """Forward+backward of one linear, and its two backward products alone (issue #3). Each
     row times dense and ours in alternation (interleaved): dense alone drifted by 15%
-    between runs, more than the margins measured."""
+    between runs, more than the margins measured. Per-useful-FLOP ratios: cuBLAS's own
+    product time times the density, over ours (issue #3's 60% bar)."""
     m, k, n = shape
+    table = Table("Training", f"One block-sparse linear, forward + backward, {shape}, bf16", [
+        ("layer", ""), ("density", ""), ("dense fwd+bwd ms", ".3f"), ("fwd+bwd ms", ".3f"), ("fwd+bwd", "x"),
+        ("dX ms", ".3f"), ("dW ms", ".3f"), ("dX vs cuBLAS per useful FLOP", "%"),
+        ("dW vs cuBLAS per useful FLOP", "%")])
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    lines = []
     for block in blocks:
         for density in densities:
             layer = sparsegen.linear(k, n, block=(block, block), density=density, bias=False,
@@ -242,17 +237,10 @@ def bench_training(shape=(8192, 4096, 11008), blocks=(64, 128), densities=(0.25,
                                 lambda: median_ms(lambda: layer(x).backward(dy)),
                                 lambda: median_ms(lambda: dy @ dense.weight), lambda: median_ms(dx),
                                 lambda: median_ms(lambda: dy.t() @ x), lambda: median_ms(dw))
-            lines.append(training_row(block, density, layer.density, *times))
-    return ["| layer | density | dense fwd+bwd ms | fwd+bwd ms | x dense | dX ms | dW ms "
-            "| dX vs cuBLAS per useful FLOP | dW vs cuBLAS per useful FLOP |",
-            "|---|---|---|---|---|---|---|---|---|"] + lines
-
-
-def training_row(block, density, d, dense, both, dense_dx, dx, dense_dw, dw) -> str:
-    """Per-useful-FLOP ratios (issue #3's 60% bar; one decimal, as runs land near it):
-    cuBLAS's own product time times the density, over ours."""
-    return (f"| b{block} | {density} | {dense:.3f} | {both:.3f} | {dense / both:.2f} | {dx:.3f} | {dw:.3f} "
-            f"| {dense_dx * d / dx:.1%} | {dense_dw * d / dw:.1%} |")
+            dense, both, dense_dx, dx, dense_dw, dw = times
+            d = layer.density
+            table.add(f"b{block}", density, dense, both, dense / both, dx, dw, dense_dx * d / dx, dense_dw * d / dw)
+    return table
 
 
 def backward_parts(layer, x, dy):
@@ -293,79 +281,81 @@ def tune_sdd(shape=(8192, 4096, 11008), densities=(0.25, 0.5)) -> None:
                   f"per useful FLOP (dense dW {dense:.3f} ms)", flush=True)
 
 
-def compile_times() -> None:
-    """Cold NVRTC compile of every default kernel (no GPU needed): run on a 2-core machine."""
+def compile_times() -> Table:
+    """Cold NVRTC compile of every default kernel, one at a time (no GPU needed)."""
     import os
     import tempfile
 
     from sparsegen import cache, spec
 
     os.environ["SPARSEGEN_CACHE_DIR"] = tempfile.mkdtemp()
+    table = Table("Compile and overheads", "Cold NVRTC compile of the default kernels, one at a time",
+                  [("arch", ""), ("kernels", ""), ("CPU cores", ""), ("median s", ".2f"), ("max s", ".2f"),
+                   ("total s", ".0f")])
     for arch in (80, 90):
         seconds = []
         for s in spec.default_specs(arch):
             start = time.perf_counter()
             assert cache.build(s).compiled
             seconds.append(time.perf_counter() - start)
-        print(f"- cold compile, sm_{arch}, {len(seconds)} default kernels on {os.cpu_count()} cores: "
-              f"median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s")
+        table.add(f"sm_{arch}", len(seconds), os.cpu_count(), statistics.median(seconds), max(seconds), sum(seconds))
+    return table
 
 
-def overheads() -> dict:
-    return {"host overhead per forward call (us)": f"{host_overhead_us():.1f}",
-            "cached kernel ready in a new process (ms)": cached_kernel_ready_ms(),
-            **{f"weight memory / dense at density {d} (block 64, 11008x4096)":
-               f"{weight_memory_ratio(d):.4f}" for d in DENSITIES}}
+def overheads() -> Table:
+    table = Table("Compile and overheads", "Host overhead, kernel load and weight memory (block-sparse)",
+                  [("what", ""), ("value", "")])
+    table.add("host time per forward call of a 256x256 layer, 8 tokens (us)", f"{host_overhead_us():.1f}")
+    table.add("cached kernel ready in a new process (ms)", cached_kernel_ready_ms())
+    for d in DENSITIES:
+        table.add(f"weight memory / dense at density {d} (block 64, 11008x4096)", f"{weight_memory_ratio(d):.4f}")
+    return table
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, bf16 only")
-    parser.add_argument("--markdown", type=Path, help="write the table to this file")
     parser.add_argument("--plot", type=Path, help="write the speedup plot (PNG) here")
-    parser.add_argument("--json", type=Path, help="write raw rows here")
+    parser.add_argument("--json", type=Path, help="record the tables here (tools/benchmarks_md.py renders them)")
     parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
     parser.add_argument("--overheads", action="store_true", help="only host overheads and memory")
     parser.add_argument("--compile", action="store_true", help="cold compile times (no GPU needed)")
     parser.add_argument("--train", action="store_true", help="forward+backward timings only")
     parser.add_argument("--bell", action="store_true", help="the block-ELL layout against block-CSR and dense")
+    parser.add_argument("--acc", action="store_true", help="fp16 accumulators against f32 on the mma.sync kernel")
     args = parser.parse_args(argv)
-    if args.bell:
-        rows = bench_bell()
-        return args.json.write_text(json.dumps(dict(bell=rows), indent=1)) if args.json else None
-    if args.compile:
-        return compile_times()
-    if args.train:
-        tune_sdd()
-        return print("\n".join(bench_training()))
-    if args.overheads:
-        return print(overheads())
+    argv = sys.argv[1:] if argv is None else argv
     if args.tune:
         return run_tuning()
-    dtypes = ["bf16"] if args.quick else list(DTYPES)
-    shapes = SHAPES[1:2] if args.quick else SHAPES
-    print(HEADER)
-    rows = bench_forward(dtypes, shapes, BLOCKS, DENSITIES)
-    extras = overheads()
-    print(extras)
-    command = "PYTHONPATH=. python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.markdown:
-        write_markdown(args.markdown, rows, extras, command)
+    if args.train:
+        tune_sdd()
+    modes = [(args.bell, bench_bell), (args.acc, bench_acc), (args.compile, compile_times),
+             (args.train, bench_training), (args.overheads, overheads)]
+    tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
+    write(args.json, "bench.py", argv, tables)
+
+
+def forward_tables(args) -> list[Table]:
+    """The block-sparse forward over shapes, blocks and densities, then the overheads."""
+    dtypes, shapes = (["bf16"], SHAPES[1:2]) if args.quick else (list(DTYPES), SHAPES)
+    table = Table("Block-sparse layers", "Block-sparse forward against cuBLAS and PyTorch's BSR (Triton)",
+                  FORWARD_COLUMNS, "Speedup: dense F.linear time over the method's, side by side in one process.")
+    rows = bench_forward(table, dtypes, shapes, BLOCKS, DENSITIES)
+    table.notes = forward_notes(rows)
     if args.plot:
         plot(rows, args.plot)
-    if args.json:
-        args.json.write_text(json.dumps(dict(rows=rows, extras=extras), indent=1))
+    return [table, overheads()]
 
 
 def bench_bell(shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008)), blocks=(32, 64),
-               densities=(0.125, 0.25, 0.5)) -> list[dict]:
+               densities=(0.125, 0.25, 0.5)) -> Table:
     """The block-ELL layout (sparsegen.bell) against block-CSR holding the very same blocks,
     and dense cuBLAS, bf16, in one process: what a fixed count of blocks per row buys."""
     from sparsegen.bell.nn import BlockEllLinear
 
-    print("| M, K, N | block | density | dense ms | block-CSR ms | block-ELL ms | CSR x | ELL x | ELL max diff |\n|"
-          + "---|" * 9)
-    rows = []
+    table = Table("Block-sparse layers", "Block-ELL (the worked layout) against block-CSR holding the same blocks, bf16",
+                  [("M, K, N", ""), ("block", ""), ("density", ".3f"), ("dense ms", ".3f"), ("block-CSR ms", ".3f"),
+                   ("block-ELL ms", ".3f"), ("CSR", "x"), ("ELL", "x"), ("ELL - CSR max diff", ".3g")])
     for (m, k, n), block, density in itertools.product(shapes, blocks, densities):
         ell = BlockEllLinear(k, n, (block, block), density=density, bias=False, device="cuda", dtype=torch.bfloat16)
         csr = sparsegen.BlockSparseLinear.from_dense(ell.to_linear(), (block, block), layout=ell_mask(ell))
@@ -374,11 +364,32 @@ def bench_bell(shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008
             diff = (ell(x).float() - csr(x).float()).abs().max().item()
             dense_ms, csr_ms, ell_ms = interleaved(*(lambda f=f: median_ms(f) for f in (
                 lambda: F.linear(x, w), lambda: csr(x), lambda: ell(x))))
-        rows.append(dict(m=m, k=k, n=n, block=block, density=ell.density, dense_ms=dense_ms, bsr_ms=csr_ms,
-                         bell_ms=ell_ms, max_diff=diff))
-        print(f"| {m}, {k}, {n} | {block} | {ell.density:.3f} | {dense_ms:.3f} | {csr_ms:.3f} | {ell_ms:.3f} | "
-              f"{dense_ms / csr_ms:.2f} | {dense_ms / ell_ms:.2f} | {diff:.3g} |", flush=True)
-    return rows
+        table.add(f"{m}, {k}, {n}", block, ell.density, dense_ms, csr_ms, ell_ms, dense_ms / csr_ms, dense_ms / ell_ms,
+                  diff)
+    return table
+
+
+def bench_acc(shapes=((8192, 4096, 11008), (16, 4096, 11008)), blocks=(32, 64), densities=(0.25, 0.5)) -> Table:
+    """The accumulator as a spec parameter: the mma.sync kernel with f32 and with fp16
+    accumulators (acc="f16"), fp16 operands, beside the default kernel and dense cuBLAS;
+    error: each output's relative error against float64."""
+    table = Table("Block-sparse layers", "Accumulator as a spec parameter: the mma.sync kernel, f32 and fp16 "
+                  "accumulators, fp16 operands", [
+                      ("M, K, N", ""), ("block", ""), ("density", ".2f"), ("dense ms", ".3f"), ("default kernel ms", ".3f"),
+                      ("mma f32 ms", ".3f"), ("mma f16 ms", ".3f"), ("f16 over f32", "x"), ("error f32", ".1e"),
+                      ("error f16", ".1e")], "error: relative to a float64 product of the same operands")
+    for (m, k, n), block, density in itertools.product(shapes, blocks, densities):
+        layer = sparsegen.BlockSparseLinear(k, n, (block, block), density=density, bias=False, device="cuda",
+                                            dtype=torch.float16)
+        x, w = torch.randn(m, k, device="cuda", dtype=torch.float16), layer.to_dense_weight().detach()
+        args = (x, layer.values, layer.row_offsets, layer.col_indices, None, layer.block, n)
+        with torch.no_grad():
+            f32, f16 = (lambda acc=acc: bsr_ops.bsr_dds(*args, instr="mma", acc=acc) for acc in ("f32", "f16"))
+            exact = F.linear(x.double(), w.double())
+            errs = [((f().double() - exact).norm() / exact.norm()).item() for f in (f32, f16)]
+            times = interleaved(*(lambda f=f: median_ms(f) for f in (lambda: F.linear(x, w), lambda: layer(x), f32, f16)))
+        table.add(f"{m}, {k}, {n}", block, layer.density, *times, times[2] / times[3], *errs)
+    return table
 
 
 def ell_mask(layer) -> torch.Tensor:

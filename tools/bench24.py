@@ -1,14 +1,13 @@
 """2:4 semi-structured benchmark: sparsegen's mma.sp kernel vs dense cuBLAS vs PyTorch's
 to_sparse_semi_structured (cuSPARSELt, eager F.linear), side by side in one process.
 
-GPU: PYTHONPATH=. python tools/bench24.py [--quick] [--markdown out.md] [--plot out.png]
-Plot a table again, no GPU: python tools/bench24.py --replot out.md --plot out.png
-Ratios are dense time / method time (above 1 = faster than dense).
+GPU: PYTHONPATH=. python tools/bench24.py [--quick] [--json out/bench24.json] [--plot out.png]
+Ratios are dense time / method time (above 1 = faster than dense); tools/benchmarks_md.py
+renders the recorded tables into BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
 from bench import interleaved, median_ms  # noqa: E402
+from bench_record import Table, write  # noqa: E402
 from sparsegen.semi24 import ops as sp24_ops  # noqa: E402
 
 WEIGHTS = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]  # N x K
@@ -37,8 +37,11 @@ def cusparselt_ms(w: torch.Tensor, x: torch.Tensor) -> float | None:
         return None
 
 
-def forward_rows(dtype_names, weights, tokens) -> list[str]:
-    rows = []
+def forward_table(dtype_names, weights, tokens) -> Table:
+    table = Table("2:4 semi-structured", "16-bit 2:4 forward against cuBLAS and cuSPARSELt (to_sparse_semi_structured)", [
+        ("dtype", ""), ("weight N x K", ""), ("M", ""), ("dense ms", ".4f"), ("sparsegen ms", ".4f"), ("sparsegen", "x"),
+        ("cuSPARSELt", "x"), ("target", "x"), ("met", "")],
+        "target: 1.15x dense from 1024 tokens (and faster than cuSPARSELt), 0.9x below")
     for name in dtype_names:
         dtype = DTYPES[name]
         for n, k in weights:
@@ -53,11 +56,9 @@ def forward_rows(dtype_names, weights, tokens) -> list[str]:
                     lambda: cusparselt_ms(dense_w, x))
                 target = 1.15 if m >= 1024 else 0.9
                 ok = ours <= dense / target and (peer is None or ours < peer or m < 1024)
-                rows.append(f"| {name} | {n}x{k} | {m} | {dense:.4f} | {ours:.4f} | {dense / ours:.2f} | "
-                            f"{'-' if peer is None else f'{dense / peer:.2f}'} | {target} | {'yes' if ok else 'NO'} |")
-                print(rows[-1], flush=True)
-    return ["| dtype | weight N x K | M | dense ms | sparsegen ms | sparsegen x dense | cuSPARSELt x dense "
-            "| target | met |", "|---|---|---|---|---|---|---|---|---|"] + rows
+                table.add(name, f"{n}x{k}", m, dense, ours, dense / ours, None if peer is None else dense / peer,
+                          target, "yes" if ok else "NO")
+    return table
 
 
 def prune_compress_ms(n: int = 4096, k: int = 11008) -> dict:
@@ -110,22 +111,21 @@ def fwd_bwd_ms(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> flo
     return median_ms(graph.replay)
 
 
-def train_rows(widths=GPT2_WIDTHS, tokens: int = TRAIN_TOKENS) -> list[str]:
+def train_table(widths=GPT2_WIDTHS, tokens: int = TRAIN_TOKENS) -> Table:
     """fwd+bwd per FFN block, dense against the 2:4 training variants, and one linear
     (8192, 4096, 11008) the same way, each as a CUDA graph."""
     cases = [(f"GPT-2 FFN d={d}", tokens, d, lambda v, d=d: ffn(d, v)) for d in widths]
     cases.append(("linear (8192, 4096, 11008)", 8192, 4096, lambda v: _linear_case(v)))
-    rows = []
+    table = Table("Training", "2:4 training layers, forward + backward as a CUDA graph, bf16", [
+        ("case", ""), ("tokens", ""), ("dense ms", ".3f")] + [(v, "x") for v in TRAIN_VARIANTS],
+        "each variant: dense time over its time, the same inputs, interleaved")
     for label, m, d, build in cases:
         models = [build(None)] + [build(v) for v in TRAIN_VARIANTS]
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, models[0](x).shape[-1], device="cuda", dtype=torch.bfloat16)
         times = interleaved(*(lambda model=model: fwd_bwd_ms(model, x, dy) for model in models))
-        rows.append(f"| {label} | {m} | {times[0]:.3f} | " + " | ".join(
-            f"{t:.3f} ({times[0] / t:.2f}x)" for t in times[1:]) + " |")
-        print(rows[-1], flush=True)
-    return ["| fwd+bwd, bf16, CUDA graph | tokens | dense ms | " + " | ".join(TRAIN_VARIANTS) + " |",
-            "|---|---|---|" + "---|" * len(TRAIN_VARIANTS)] + rows
+        table.add(label, m, times[0], *(times[0] / t for t in times[1:]))
+    return table
 
 
 def _linear_case(variant: str | None) -> torch.nn.Module:
@@ -163,12 +163,15 @@ def decode_weights(n: int, k: int) -> tuple[list, list]:
     return dense_ws, [sparsegen.to_sparse24(w) for w in dense_ws]
 
 
-def decode_rows(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> list[str]:
+def decode_table(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> Table:
     """1-128 tokens, bf16: eager (do_bench flushes L2 before each call) and CUDA-graph times
     of dense, sparsegen and cuSPARSELt."""
     from torch.sparse import to_sparse_semi_structured
 
-    rows = []
+    table = Table("2:4 semi-structured", "2:4 decode, 1-128 tokens, bf16, weights read from HBM", [
+        ("weight N x K", ""), ("M", ""), ("dense eager ms", ".4f"), ("sparsegen eager", "x"), ("cuSPARSELt eager", "x"),
+        ("dense graph ms", ".4f"), ("sparsegen graph", "x"), ("cuSPARSELt graph", "x"), ("graph: > 1.3x and > cuSPARSELt", "")],
+        "graph: calls replayed from one CUDA graph over weights 3x the L2 cache (no launch cost)")
     for n, k in weights:
         dense_ws, sparse = decode_weights(n, k)
         peers = [_cusparselt_weight(s.to_dense(), to_sparse_semi_structured) for s in sparse]
@@ -179,12 +182,9 @@ def decode_rows(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> list[str]:
                      None if None in peers else [lambda p=p: F.linear(x, p) for p in peers]]
             eager = interleaved(*(lambda c=c: c and median_ms(c[0]) for c in calls))
             graph = interleaved(*(lambda c=c: c and graph_ms(c) for c in calls))
-            rows.append(_decode_row(n, k, m, eager, graph))
-            print(rows[-1], flush=True)
+            table.add(*_decode_cells(n, k, m, eager, graph))
         del dense_ws, sparse, peers
-    return ["| weight N x K | M | dense eager ms | sparsegen eager | cuSPARSELt eager | dense graph ms | "
-            "sparsegen graph | cuSPARSELt graph | graph: sparsegen > 1.3x and > cuSPARSELt |",
-            "|---|---|---|---|---|---|---|---|---|"] + rows
+    return table
 
 
 def _cusparselt_weight(dense_w: torch.Tensor, convert):
@@ -198,12 +198,12 @@ def _cusparselt_weight(dense_w: torch.Tensor, convert):
         return None
 
 
-def _decode_row(n, k, m, eager, graph) -> str:
+def _decode_cells(n, k, m, eager, graph) -> list:
     def ratio(times, i):
-        return "-" if times[i] is None else f"{times[i]:.4f} ({times[0] / times[i]:.2f}x)"
+        return None if times[i] is None else times[0] / times[i]
     met = graph[1] is not None and graph[0] / graph[1] >= 1.3 and (graph[2] is None or graph[1] < graph[2])
-    return (f"| {n}x{k} | {m} | {eager[0]:.4f} | {ratio(eager, 1)} | {ratio(eager, 2)} | {graph[0]:.4f} | "
-            f"{ratio(graph, 1)} | {ratio(graph, 2)} | {'yes' if met else 'NO'} |")
+    return [f"{n}x{k}", m, eager[0], ratio(eager, 1), ratio(eager, 2), graph[0], ratio(graph, 1), ratio(graph, 2),
+            "yes" if met else "NO"]
 
 
 def random_bytes(shape, dtype) -> torch.Tensor:
@@ -220,9 +220,11 @@ def dense_byte_ms(x: torch.Tensor, w: torch.Tensor) -> float:
     return median_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
 
 
-def byte_rows(weights, tokens=(1024, 4096, 16384)) -> list[str]:
+def byte_table(weights, tokens=(1024, 4096, 16384)) -> Table:
     """int8 and e4m3 2:4 (mma.sp m16n8k64) against dense cuBLAS on the same type and bf16."""
-    rows = []
+    table = Table("2:4 semi-structured", "One-byte 2:4 (int8, e4m3) against cuBLAS on the same type and on bf16", [
+        ("dtype", ""), ("weight N x K", ""), ("M", ""), ("dense same-type ms", ".4f"), ("dense bf16 ms", ".4f"),
+        ("sparsegen 2:4 ms", ".4f"), ("x same-type", "x"), ("x bf16", "x")])
     for dtype in (torch.int8, torch.float8_e4m3fn):
         for n, k in weights:
             w, w16 = random_bytes((n, k), dtype), torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -231,11 +233,8 @@ def byte_rows(weights, tokens=(1024, 4096, 16384)) -> list[str]:
                 x, x16 = random_bytes((m, k), dtype), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 same, bf16, ours = interleaved(lambda: dense_byte_ms(x, w), lambda: median_ms(lambda: F.linear(x16, w16)),
                                                lambda: median_ms(lambda: F.linear(x, sparse)))
-                rows.append(f"| {str(dtype)[6:]} | {n}x{k} | {m} | {same:.4f} | {bf16:.4f} | {ours:.4f} | "
-                            f"{same / ours:.2f} | {bf16 / ours:.2f} |")
-                print(rows[-1], flush=True)
-    return ["| dtype | weight N x K | M | dense same-type ms | dense bf16 ms | sparsegen 2:4 ms | x same-type "
-            "| x bf16 |", "|---|---|---|---|---|---|---|---|"] + rows
+                table.add(str(dtype)[6:], f"{n}x{k}", m, same, bf16, ours, same / ours, bf16 / ours)
+    return table
 
 
 def tune() -> None:
@@ -289,15 +288,9 @@ def tune_decode() -> None:
                     print(f"  {tile.tag} splits={splits}: {dense / ms:.2f}x", flush=True)
 
 
-def table_rows(markdown: str) -> list[dict]:
-    """The forward table of a markdown file this script wrote, as dicts."""
-    rows = []
-    for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 9 and cells[0] in DTYPES:
-            rows.append(dict(dtype=cells[0], weight=cells[1], m=int(cells[2]), ours=float(cells[5]),
-                             peer=None if cells[6] == "-" else float(cells[6])))
-    return rows
+def plot_rows(table: Table) -> list[dict]:
+    """The forward table's speedups, as plot() reads them."""
+    return [dict(dtype=r[0], weight=r[1], m=r[2], ours=r[5], peer=r[6]) for r in table.rows]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -325,46 +318,43 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="bf16, two weights")
-    parser.add_argument("--markdown", type=Path, help="write the section here")
+    parser.add_argument("--json", type=Path, help="record the tables here (tools/benchmarks_md.py renders them)")
     parser.add_argument("--tune", action="store_true", help="time tile configurations instead")
-    parser.add_argument("--plot", type=Path, help="write the speedup plot (PNG) here")
-    parser.add_argument("--replot", type=Path, help="only plot the table of this markdown file (no GPU)")
+    parser.add_argument("--plot", type=Path, help="write the forward's speedup plot (PNG) here")
     parser.add_argument("--bytes", action="store_true", help="int8 and e4m3 2:4 against dense cuBLAS instead")
     parser.add_argument("--decode", action="store_true", help="only the 1-128 token table (eager and CUDA graphs)")
     parser.add_argument("--train", action="store_true", help="only the fwd+bwd table (GPT-2 FFNs, one linear)")
     parser.add_argument("--tune-decode", action="store_true", help="time decode tiles and K splits instead")
     args = parser.parse_args(argv)
-    if args.tune_decode:
-        return tune_decode()
-    if args.decode or args.train:
-        head = (f"GPU: {torch.cuda.get_device_name()} - date: {datetime.date.today()} - torch {torch.__version__} "
-                f"- command: `python tools/bench24.py {'--decode' if args.decode else '--train'}`\n")
-        return print("\n".join([head] + (decode_rows() if args.decode else train_rows())))
-    if args.bytes:
-        weights = {str(d)[6:]: random_bytes((4096, 11008), d) for d in (torch.int8, torch.float8_e4m3fn)}
-        prune = {name: median_ms(lambda: sparsegen.to_sparse24(w, "transposable")) for name, w in weights.items()}
-        return print("\n".join([f"GPU: {torch.cuda.get_device_name()} - date: {datetime.date.today()} - "
-                                "command: `python tools/bench24.py --bytes`\n"] + byte_rows(WEIGHTS) +
-                                ["", "- to_sparse24(4096x11008 weight, 'transposable') on the GPU kernels: " + ", ".join(f"{k} {v:.3f} ms" for k, v in prune.items())]))
-    if args.replot:
-        return plot(table_rows(args.replot.read_text()), args.plot or Path("BENCHMARKS-2to4.png"))
-    if args.tune:
-        return tune()
+    argv = sys.argv[1:] if argv is None else argv
+    if args.tune_decode or args.tune:
+        return tune_decode() if args.tune_decode else tune()
+    modes = [(args.decode, decode_table), (args.train, train_table), (args.bytes, bytes_table)]
+    tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
+    write(args.json, "bench24.py", argv, tables)
+
+
+def bytes_table() -> Table:
+    table = byte_table(WEIGHTS)
+    weights = {str(d)[6:]: random_bytes((4096, 11008), d) for d in (torch.int8, torch.float8_e4m3fn)}
+    prune = {name: median_ms(lambda: sparsegen.to_sparse24(w, "transposable")) for name, w in weights.items()}
+    table.notes = ["to_sparse24(4096x11008 weight, 'transposable') on the GPU kernels: "
+                   + ", ".join(f"{k} {v:.3f} ms" for k, v in prune.items())]
+    return table
+
+
+def forward_tables(args) -> list[Table]:
+    """The 16-bit forward (with pruning costs and weight memory as notes), then training."""
     dtypes, weights = (["bf16"], WEIGHTS[1:3]) if args.quick else (list(DTYPES), WEIGHTS)
-    lines = [f"GPU: {torch.cuda.get_device_name()} - date: {datetime.date.today()} - torch {torch.__version__} "
-             f"- command: `python tools/bench24.py{' --quick' if args.quick else ''}`\n"]
-    lines += forward_rows(dtypes, weights, TOKENS)
+    table = forward_table(dtypes, weights, TOKENS)
     times = prune_compress_ms()
-    lines += ["", "- prune + compress a 4096x11008 bf16 weight on the GPU (sp24_mask / sp24_compress kernels): " +
-              ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())]
-    lines += ["", "Training (`--train`):", ""] + train_rows()
     w = torch.randn(11008, 4096, dtype=torch.bfloat16)
-    lines.append(f"- weight memory / dense: {sparsegen.to_sparse24(w).nbytes() / (w.numel() * 2):.4f}")
-    print("\n".join(lines))
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines) + "\n")
+    table.notes = ["prune + compress a 4096x11008 bf16 weight on the GPU (sp24_mask / sp24_compress kernels): "
+                   + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()),
+                   f"weight memory / dense: {sparsegen.to_sparse24(w).nbytes() / (w.numel() * 2):.4f}"]
     if args.plot:
-        plot(table_rows("\n".join(lines)), args.plot)
+        plot(plot_rows(table), args.plot)
+    return [table] if args.quick else [table, train_table()]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ whether sparsegen makes a user's model faster.
 
 GPU:  PYTHONPATH=. python tools/bench_models.py --json out/models.json [--cases bert16,llama_prefill]
       [--modes eager,compile,reduce-overhead] [--variants dense,2:4,b64d0.5] [--host]
-then: python tools/bench_models.py --report out/models.json [...more.json] --markdown M.md --plot P.png
+then: python tools/bench_models.py --report out/models.json [...more.json] (tools/benchmarks_md.py renders
+      recorded runs into BENCHMARKS.md)
 CPU smoke run (tiny configs, eager): python tools/bench_models.py --smoke
 
 Models come from transformers configs (no download) and are patched with sparsegen.patch.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import json
 import statistics
@@ -28,7 +28,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-import sparsegen
+sys.path.insert(0, str(Path(__file__).parent))
+import sparsegen  # noqa: E402
+from bench_record import meta as run_meta  # noqa: E402
 
 # Which linears a variant replaces, per model family: every projection, or the MLP's.
 PATTERNS = {
@@ -489,10 +491,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def meta(argv) -> dict:
     import transformers
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return dict(gpu=gpu, date=str(datetime.date.today()), torch=torch.__version__,
-                transformers=transformers.__version__,
-                command="PYTHONPATH=. python tools/bench_models.py " + " ".join(argv))
+    return dict(run_meta("bench_models.py", argv), transformers=transformers.__version__)
 
 
 ALL_CASES = ["bert16", "bert128", "llama_prefill", "llama_decode1", "llama_decode8", "gpt2_train"]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call of the device tool: GPU tests, then the
-# benchmark. Logs go to $OUT (or ./out). Usage: tools/gpu_run.sh STEP... (steps: the case labels below)
+# benchmarks. Logs go to $OUT (or ./out); benchmark runs are recorded under $OUT/results/
+# (copy them to tools/results/, then python tools/benchmarks_md.py). Pass SPARSEGEN_COMMIT
+# (the device's copy has no .git). Usage: tools/gpu_run.sh STEP... (steps: the case labels below)
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$OUT" "$R"
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, if any are carried
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -27,13 +29,15 @@ for step in "${steps[@]}"; do
            done
          done ;;
     models_tests) timeout 500 python3 -m pytest -q -m gpu tests/test_gpu_models.py -x 2>&1 | tee "$OUT/gpu_models_tests.log" | tail -25 ;;
-    host) python3 tools/bench_models.py --host --cases none --json "$OUT/host.json" 2>&1 | tail -12 ;;
+    host) python3 tools/bench_models.py --host --cases none --json "$R/10_models_host.json" 2>&1 | tail -12 ;;
     models:*) cases=${step#models:}  # models:CASE[,CASE...]: whole-model benchmark of those cases
          tag=${cases//,/_}${MODEL_TAG:-}
          timeout ${MODEL_TIMEOUT:-590} python3 -X faulthandler tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} \
-           --json "$OUT/models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
+           --json "$R/11_models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
     bell) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_bell.py -x 2>&1 | tee "$OUT/bell_tests.log" | tail -15
-         timeout 300 python3 tools/bench.py --bell --json "$OUT/bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
+         timeout 300 python3 tools/bench.py --bell --json "$R/21_layers_bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
+    acc) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_acc.py 2>&1 | tee "$OUT/acc_tests.log" | tail -8
+         timeout 200 python3 tools/bench.py --acc --json "$R/22_layers_acc.json" 2>&1 | tee "$OUT/acc_bench.log" | grep "^|" ;;
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     epi_tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu_epilogues.py tests/test_inductor.py --maxfail=8 2>&1 | tee "$OUT/epi_tests.log" | tail -15 ;;
     dense_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_dense_path.py -x 2>&1 | tee "$OUT/dense_tests.log" | tail -5 ;;
@@ -48,7 +52,7 @@ for step in "${steps[@]}"; do
     crossovers) python3 -m sparsegen tune 2>&1 | tee "$OUT/crossovers.log" | tail -12  # this GPU's table, used by later steps
          cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
-    train) python3 tools/bench.py --train 2>&1 | tee "$OUT/train.log" ;;
+    train) python3 tools/bench.py --train --json "$R/40_train_bsr.json" 2>&1 | tee "$OUT/train.log" ;;
     cputests) timeout 500 python3 -m pytest -q tests/test_patching.py tests/test_autograd.py 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
     distributed) timeout 500 python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
     train_profile) timeout 100 python3 tools/profile_train.py 2>&1 | tee "$OUT/train_profile.log" | grep -E " ms|corpus|batches" ;;
@@ -56,7 +60,7 @@ for step in "${steps[@]}"; do
     train_demo_seeds) for s in 0 1 2; do  # the issue's loss target over seeds; eager launches for seed 0 too
            python3 tools/train_demo.py --out "$OUT/s$s" --models dense,0.5,0.25$([ $s = 0 ] && echo ,2:4) --seed $s 2>&1 | tail -5; done
          python3 tools/train_demo.py --out "$OUT/eager" --models dense,0.5,0.25 --no-graph 2>&1 | tail -5 ;;
-    overheads) python3 tools/bench.py --overheads 2>&1 | tee "$OUT/overheads.log" ;;
+    overheads) python3 tools/bench.py --overheads --json "$R/50_overheads.json" 2>&1 | tee "$OUT/overheads.log" ;;
     profile_model) python3 tools/profile_model.py 2>&1 | tee "$OUT/profile_model.log" | grep -A22 "====" ;;
     profile_compiled) python3 tools/profile_model.py --compile dense 2:4 b64d0.5 2>&1 | tee "$OUT/profile_compiled.log" | grep -A30 "====" ;;
     profile) python3 tools/profile_host.py 2>&1 | tee "$OUT/profile.log" ;;
@@ -70,16 +74,15 @@ for step in "${steps[@]}"; do
     tune24) python3 tools/bench24.py --tune 2>&1 | tee "$OUT/tune24.log" ;;
     tests24) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/tests24.log" | tail -15 ;;
     tests24k) SPARSEGEN_COMPRESS_KERNEL=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24k.log" ;;
-    bench24) python3 tools/bench24.py --markdown "$OUT/bench24.md" --plot "$OUT/bench24.png" 2>&1 | tee "$OUT/bench24.log" ;;
-    bench24_train) python3 tools/bench24.py --train 2>&1 | tee "$OUT/bench24_train.log" ;;
+    bench24) python3 tools/bench24.py --json "$R/30_sp24.json" 2>&1 | tee "$OUT/bench24.log" ;;
+    bench24_train) python3 tools/bench24.py --train --json "$R/41_train_sp24.json" 2>&1 | tee "$OUT/bench24_train.log" ;;
     tune_decode) python3 tools/bench24.py --tune-decode 2>&1 | tee "$OUT/tune_decode.log" ;;
-    bench24_decode) python3 tools/bench24.py --decode 2>&1 | tee "$OUT/bench24_decode.log" ;;
+    bench24_decode) python3 tools/bench24.py --decode --json "$R/31_sp24_decode.json" 2>&1 | tee "$OUT/bench24_decode.log" ;;
     train24_profile) timeout 200 python3 tools/profile_train.py --models dense,2:4-train,2:4 2>&1 | tee "$OUT/train24_profile.log" | grep -E " ms" ;;
     train_demo24) for s in ${SEEDS:-0 1 2}; do  # issue 15's demo: dense, the 2by4 recipe and fixed-mask 2:4, three seeds
            timeout 190 python3 tools/train_demo.py --out "$OUT/s$s" --models dense,2:4-train,2:4 --seed $s 2>&1 | tee "$OUT/train_demo24_s$s.log" | tail -5; done ;;
-    bench24bytes) python3 tools/bench24.py --bytes 2>&1 | tee "$OUT/bench24bytes.log" ;;
+    bench24bytes) python3 tools/bench24.py --bytes --json "$R/32_sp24_bytes.json" 2>&1 | tee "$OUT/bench24bytes.log" ;;
     quick) python3 tools/bench.py --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
-    bench) python3 tools/bench.py --markdown "$OUT/BENCHMARKS.md" --plot "$OUT/speedup.png" \
-             --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+    bench) python3 tools/bench.py --json "$R/20_layers_bsr.json" 2>&1 | tee "$OUT/bench.log" | grep -E "^\||targets" ;;
   esac
 done

@@ -1,0 +1,82 @@
+"""What every benchmark tool records: its tables as raw numbers with a format per column,
+and where they were measured (GPU, date, commit, command), one JSON file per run.
+tools/benchmarks_md.py renders BENCHMARKS.md from those files; nothing is typed in by hand.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+# BENCHMARKS.md's sections, in order: what users judge first comes first.
+SECTIONS = ("Whole models", "Block-sparse layers", "2:4 semi-structured", "Training", "Compile and overheads")
+
+
+def commit() -> str:
+    """The tree measured: SPARSEGEN_COMMIT (tools/gpu_run.sh passes it: the device's copy has
+    no .git), else git's HEAD, else 'unknown'."""
+    if os.environ.get("SPARSEGEN_COMMIT"):
+        return os.environ["SPARSEGEN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def meta(tool: str, argv: list[str]) -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else f"no GPU, {os.cpu_count()} CPU cores"
+    return dict(tool=tool, gpu=gpu, date=str(datetime.date.today()), torch=torch.__version__, commit=commit(),
+                command=" ".join(["PYTHONPATH=. python", f"tools/{tool}", *argv]))
+
+
+def cell_text(value, fmt: str) -> str:
+    """fmt: a format spec for numbers ('.3f'), 'x' (a ratio, 1.23x), '%' (1.2%) or '' (as it is)."""
+    if value is None:
+        return "-"
+    if fmt == "x":
+        return f"{value:.2f}x"
+    if fmt == "%":
+        return f"{value:.1%}"
+    return format(value, fmt) if fmt else str(value)
+
+
+def row_text(columns, cells) -> str:
+    return "| " + " | ".join(cell_text(v, fmt) for v, (_, fmt) in zip(cells, columns)) + " |"
+
+
+def table_lines(table: dict) -> list[str]:
+    """A recorded table as markdown: header, rows, then its notes."""
+    columns = table["columns"]
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += [row_text(columns, cells) for cells in table["rows"]]
+    return lines + ([""] + [f"- {note}" for note in table["notes"]] if table["notes"] else [])
+
+
+class Table:
+    """One table of a run: rows of raw values, printed as they come (a run stopped at its time
+    limit has shown what it measured)."""
+
+    def __init__(self, section: str, title: str, columns: list[tuple[str, str]], about: str = ""):
+        assert section in SECTIONS, section
+        self.section, self.title, self.columns, self.about = section, title, columns, about
+        self.rows: list[list] = []
+        self.notes: list[str] = []
+
+    def add(self, *cells) -> None:
+        assert len(cells) == len(self.columns), (self.title, cells)
+        self.rows.append(list(cells))
+        print(row_text(self.columns, cells), flush=True)
+
+    def as_dict(self) -> dict:
+        return dict(section=self.section, title=self.title, about=self.about, columns=self.columns,
+                    rows=self.rows, notes=self.notes)
+
+
+def write(path: Path | None, tool: str, argv: list[str], tables: list[Table]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(dict(meta=meta(tool, argv), tables=[t.as_dict() for t in tables]), indent=1))
