@@ -67,6 +67,15 @@ def test_block_sparse_points_match_block_then_nearest_density():
     assert crossovers.nearest(points, "bsr", 768, 768, 2048, (32, 32), 0.45) is None
 
 
+def test_a_point_carries_to_other_densities_by_the_blocks_read(user_table):
+    # block 32 measured at d 0.25 only: 0.85x there means about 2.1x at d 0.1 (H100: 1.89x)
+    user_table([point("bsr", n=11008, k=4096, m=8192, block=[32, 32], density=0.25, speedup=0.85)])
+    assert crossovers.dense_wins(H100, "bsr", 11008, 4096, 8192, (32, 32), 0.25)
+    assert crossovers.dense_wins(H100, "bsr", 11008, 4096, 8192, (32, 32), 0.5)
+    assert not crossovers.dense_wins(H100, "bsr", 11008, 4096, 8192, (32, 32), 0.1)
+    assert crossovers.expected_speedup(crossovers.table(H100)[0], 0.1) == pytest.approx(2.125)
+
+
 @pytest.mark.parametrize("text", ["not json", json.dumps({"gpu": H100}), json.dumps({"points": [1]}),
                                   json.dumps({"points": [point(speedup=-1)]}),
                                   json.dumps({"points": [point(speedup="nan")]}),

@@ -237,9 +237,10 @@ def bench_training(shape=(8192, 4096, 11008), blocks=(64, 128), densities=(0.25,
                                 lambda: median_ms(lambda: layer(x).backward(dy)),
                                 lambda: median_ms(lambda: dy @ dense.weight), lambda: median_ms(dx),
                                 lambda: median_ms(lambda: dy.t() @ x), lambda: median_ms(dw))
-            dense, both, dense_dx, dx, dense_dw, dw = times
+            dense_ms, both, dense_dx, dx, dense_dw, dw = times
             d = layer.density
-            table.add(f"b{block}", density, dense, both, dense / both, dx, dw, dense_dx * d / dx, dense_dw * d / dw)
+            table.add(f"b{block}", density, dense_ms, both, dense_ms / both, dx, dw, dense_dx * d / dx,
+                      dense_dw * d / dw)
     return table
 
 
@@ -327,8 +328,6 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if args.tune:
         return run_tuning()
-    if args.train:
-        tune_sdd()
     modes = [(args.bell, bench_bell), (args.acc, bench_acc), (args.compile, compile_times),
              (args.train, bench_training), (args.overheads, overheads)]
     tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
@@ -400,7 +399,8 @@ def ell_mask(layer) -> torch.Tensor:
 
 
 def run_tuning() -> None:
-    """Each family's best tile per block size, on the shapes and densities that miss targets."""
+    """Each family's best tile per block size, on the shapes and densities that miss targets;
+    then the weight-gradient kernel's tiles."""
     from sparsegen.spec import TileConfig as T
 
     variants = {128: [("swap", T(256, 8, 1, 4)), ("tma", T(256, 8, 1, 4)), ("pingpong", T(128, 8, 1, 6))],
@@ -411,6 +411,7 @@ def run_tuning() -> None:
         for block, choices in variants.items():
             for instr, tile in choices:
                 tune("bf16", shape, block, density, [tile], instr)
+    tune_sdd()
 
 if __name__ == "__main__":
     main()
