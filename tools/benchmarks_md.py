@@ -64,7 +64,7 @@ def model_lines(runs: list[dict]) -> list[str]:
         lines += ["", f"### Host time per linear call ({bench_models.HOST_LAYERS} stacked {bench_models.HOST_WIDTH}x"
                   f"{bench_models.HOST_WIDTH} bf16 layers, {bench_models.HOST_TOKENS} tokens)", ""]
         lines += bench_models.host_table(host)
-    return lines
+    return lines + [""]
 
 
 def table_block(meta: dict, table: dict) -> list[str]:

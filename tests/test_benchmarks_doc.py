@@ -1,0 +1,64 @@
+"""BENCHMARKS.md is generated: the recorded runs in tools/results/ render to exactly the
+committed file, and a recorded table renders its raw values with its columns' formats."""
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+import bench_record  # noqa: E402
+import benchmarks_md  # noqa: E402
+
+
+def test_committed_document_is_what_the_recorded_runs_render():
+    runs = benchmarks_md.load()
+    assert runs, "no recorded runs in tools/results"
+    assert benchmarks_md.DOCUMENT.read_text() == benchmarks_md.render(runs), \
+        "BENCHMARKS.md was edited by hand or tools/results changed: run python tools/benchmarks_md.py"
+
+
+def test_every_recorded_run_names_its_gpu_date_commit_and_command():
+    for run in benchmarks_md.load():
+        meta = run["meta"]
+        assert all(meta.get(key) for key in ("gpu", "date", "commit", "command", "torch")), meta
+        assert meta["command"].startswith("PYTHONPATH=. python tools/")
+
+
+def recorded(tmp_path, table, monkeypatch) -> dict:
+    monkeypatch.setenv("SPARSEGEN_COMMIT", "abc1234")
+    path = tmp_path / "20_run.json"
+    bench_record.write(path, "bench.py", ["--acc"], [table])
+    return json.loads(path.read_text())
+
+
+def test_a_recorded_table_renders_its_values_with_its_formats(tmp_path, monkeypatch):
+    ms, ratio, share = random.uniform(0.1, 9), random.uniform(0.5, 3), random.uniform(0, 1)
+    table = bench_record.Table("Block-sparse layers", "A table", [("case", ""), ("ms", ".3f"), ("speed", "x"),
+                                                                  ("share", "%"), ("peer", "x")], "what it shows")
+    table.add("odd case", ms, ratio, share, None)
+    table.notes = ["a note"]
+    text = benchmarks_md.render([recorded(tmp_path, table, monkeypatch)])
+    assert "## Block-sparse layers" in text and "### A table" in text and "what it shows" in text
+    assert f"| odd case | {ms:.3f} | {ratio:.2f}x | {share:.1%} | - |" in text
+    assert "commit abc1234" in text and "`PYTHONPATH=. python tools/bench.py --acc`" in text
+    assert "- a note" in text
+    assert "## 2:4 semi-structured" not in text  # a section without runs is left out
+
+
+def test_sections_come_in_the_documents_order(tmp_path, monkeypatch):
+    tables = [bench_record.Table(section, section, [("v", "")]) for section in reversed(bench_record.SECTIONS[1:])]
+    runs = [recorded(tmp_path, t, monkeypatch) for t in tables]
+    text = benchmarks_md.render(runs)
+    positions = [text.index(f"## {section}") for section in bench_record.SECTIONS[1:]]
+    assert positions == sorted(positions)
+
+
+def test_a_table_refuses_a_row_of_the_wrong_width_and_an_unknown_section():
+    table = bench_record.Table("Training", "t", [("a", ""), ("b", ".1f")])
+    with pytest.raises(AssertionError):
+        table.add(1.0)
+    with pytest.raises(AssertionError):
+        bench_record.Table("Benchmarks I made up", "t", [("a", "")])
