@@ -22,16 +22,17 @@ from . import env, trust
 
 PACKAGED = Path(__file__).parent / "crossover_tables"
 LOSES_BELOW = 1.0  # the sparse kernel's speedup under which the dense path runs
+LAYOUT_NAME = re.compile(r"[a-z][a-z0-9]{0,15}")  # a table names layouts; it knows none of them
 
 
 @dataclass(frozen=True)
 class Point:
-    layout: str            # "sp24", or "bsr" with block and density
+    layout: str            # the caller's name for its kernels ("sp24", "bsr"): a lowercase word
     n: int                 # out_features
     k: int                 # in_features
     m: int                 # tokens
     speedup: float         # dense time / sparse time
-    block: tuple[int, int] = (0, 0)
+    block: tuple[int, int] = (0, 0)  # (0, 0): a layout without blocks
     density: float = 1.0
 
 
@@ -72,15 +73,15 @@ def _point(raw: dict) -> Point:
     sizes = [int(raw[f]) for f in ("n", "k", "m")]
     speedup, density = float(raw["speedup"]), float(raw.get("density", 1.0))
     block = tuple(int(b) for b in raw.get("block", (0, 0)))
-    if (raw["layout"] not in ("sp24", "bsr") or min(sizes) < 1 or not math.isfinite(speedup) or speedup <= 0
-            or not 0 < density <= 1 or len(block) != 2):
-        raise ValueError(f"a point of layout sp24/bsr, positive sizes and speedup, density in (0, 1]: {raw}")
+    if (not LAYOUT_NAME.fullmatch(str(raw["layout"])) or min(sizes) < 1 or not math.isfinite(speedup)
+            or speedup <= 0 or not 0 < density <= 1 or len(block) != 2):
+        raise ValueError(f"a point of a lowercase layout name, positive sizes and speedup, density in (0, 1]: {raw}")
     return Point(raw["layout"], *sizes, speedup, block, density)
 
 
 def as_json(point: Point) -> dict:
     row = dict(layout=point.layout, n=point.n, k=point.k, m=point.m, speedup=round(point.speedup, 4))
-    if point.layout == "bsr":
+    if point.block != (0, 0):
         row.update(block=list(point.block), density=round(point.density, 4))
     return row
 
