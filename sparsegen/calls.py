@@ -41,6 +41,12 @@ def _explain_bad_inputs(x, values, bias, in_features: int) -> None:
                f"bias of dtype {values.dtype} on {values.device}", f"{bias.dtype} on {bias.device}")
 
 
+def kernel_left_to_dispatch(tile=None, instr=None, acc: str = "f32") -> bool:
+    """Whether a call names none of its kernel (tile, family, accumulator): only then is its
+    plan kept per signature and may the dense path or a per-call variant replace the kernel."""
+    return tile is None and instr is None and acc == "f32"
+
+
 @functools.lru_cache(maxsize=None)
 def has_kernels(device_index: int) -> bool:
     """Whether sparsegen's templates cover this GPU (sm_80 and later, as ARCHS lists).

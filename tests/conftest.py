@@ -91,6 +91,24 @@ def dense_reference():
 
 
 @pytest.fixture
+def graph_replay():
+    """layer(x) captured as a CUDA graph after a warm-up call (kernels loaded, plans and
+    dense copies made), then replayed on fresh values of x into a NaN-poisoned output."""
+    def replay(layer, x):
+        with torch.no_grad():
+            layer(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = layer(x)
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        return y
+    return replay
+
+
+@pytest.fixture
 def weight_grad_draws():
     """draws(layer, x, dy, n): layer.weight.grad of n separate backward passes, stacked, in
     float64 (for the statistical checks of randomized gradients)."""

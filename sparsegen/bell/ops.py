@@ -37,10 +37,11 @@ def bell_dds(x, values, cols, bias, out_features: int, epilogue: str = "none", o
     x2 = calls.rows_2d(x)
     if x2.shape[0] == 0:
         return calls.product_without_weight(x, x2, bias, out, out_features, epilogue)
-    plan = (_PLANS.get(cols, (x2.shape[0], x2.dtype, out_features, epilogue),
-                       lambda: _plan(x2, values, cols, out_features, epilogue))
-            if tile is None and instr is None and acc == "f32"
-            else _plan(x2, values, cols, out_features, epilogue, tile, instr, acc))
+    if calls.kernel_left_to_dispatch(tile, instr, acc):
+        plan = _PLANS.get(cols, (x2.shape[0], x2.dtype, out_features, epilogue),
+                          lambda: _plan(x2, values, cols, out_features, epilogue))
+    else:
+        plan = _plan(x2, values, cols, out_features, epilogue, tile, instr, acc)
     y, shaped = calls.output_for(x, x2, out, plan.width)
     plan.run(x2, calls.aligned(values), bias, y)
     return shaped

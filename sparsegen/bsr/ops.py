@@ -72,7 +72,7 @@ def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=
     m, k = x2.shape
     if m == 0 or values.shape[0] == 0:  # no block at all (and TMA cannot describe an empty tensor)
         return calls.product_without_weight(x, x2, bias, out, out_features, epilogue)
-    if tile is None and instr is None and acc == "f32":
+    if calls.kernel_left_to_dispatch(tile, instr, acc):
         plan = _kept_bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, epilogue)
     else:
         plan = _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, tile, instr, epilogue,
@@ -141,7 +141,7 @@ def _bsr_plan(x2, values, row_offsets, col_indices, perm, block, out_features, t
                f"{epilogue!r}, {acc!r}")
         kern = dispatch.transposed_kernel(tuple(block), x2.dtype, device_index, m <= 64, tile, instr)
     dense = scatter = False
-    if tile is None and instr is None and acc == "f32":
+    if calls.kernel_left_to_dispatch(tile, instr, acc):
         kern = dispatch.swap_variant(kern, x2.dtype, m, row_offsets, col_indices, perm)
         if perm is None:
             grid_blocks = (out_features // block[0]) * (k // block[1])

@@ -99,7 +99,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
         return calls.product_without_weight(x, x2, bias, out, out_features, epilogue, sp24_output_dtype(x.dtype))
     if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
         splits = 1
-    if tile is None and instr is None and calls.tma_ready(values) and calls.tma_ready(metadata):
+    if calls.kernel_left_to_dispatch(tile, instr) and calls.tma_ready(values) and calls.tma_ready(metadata):
         plan = _kept_sp24_plan(x2, values, metadata, out_features, splits, epilogue)
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
         plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
@@ -169,7 +169,7 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
                         dispatch.narrow_tiles(m, out_features, device_index), epilogue)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     workspace = m * out_features + dispatch.tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
-    dense = (tile is None and instr is None and x2.dtype in calls.SIXTEEN_BIT
+    dense = (calls.kernel_left_to_dispatch(tile, instr) and x2.dtype in calls.SIXTEEN_BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
     return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), workspace,
                      4 * m * out_features, epilogues.output_features(epilogue, out_features), dense,
