@@ -54,6 +54,61 @@ def reference(y: torch.Tensor, epilogue: str) -> torch.Tensor:
     return (act(gate) * up).movedim(0, -1).to(y.dtype)
 
 
+def differentiable(y: torch.Tensor, epilogue: str) -> torch.Tensor:
+    """The epilogue on a product autograd records (training): what an unfused PyTorch MLP
+    computes, in y's dtype. A gated one runs on views of y's interleaved column groups (no
+    float copy, no transposed copy: reference() would make both, and its backward as many
+    again over the product, which cost a Llama step more than the sparse products saved)."""
+    if not is_gated(epilogue):
+        return ACTIVATIONS[epilogue](y)
+    return _GatedProduct.apply(y, activation(epilogue))
+
+
+def _gate_and_up(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a gated product's gate and up columns, [..., N/G, G] each (G = GATE_GROUP)."""
+    pairs = y.view(*y.shape[:-1], y.shape[-1] // (2 * GATE_GROUP), 2, GATE_GROUP)
+    return pairs.select(-2, 0), pairs.select(-2, 1)
+
+
+_BACKWARD = {"silu": torch.ops.aten.silu_backward, "gelu": torch.ops.aten.gelu_backward}
+# d act(g) / dg times a gradient, written into `out` (a view): aten's activation backwards.
+_BACKWARD_INTO = {
+    "silu": lambda grad, g, out: torch.ops.aten.silu_backward.grad_input(grad, g, grad_input=out),
+    "gelu": lambda grad, g, out: torch.ops.aten.gelu_backward.grad_input(grad, g, grad_input=out),
+}
+
+
+class _GatedProduct(torch.autograd.Function):
+    """act(gate) * up of a gated product [..., 2N] -> [..., N], and its gradient written
+    straight into the product's gate and up columns (torch.compile traces both). act(gate)
+    is kept for the backward, as an unfused MLP keeps it."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, act: str) -> torch.Tensor:
+        expect(y.shape[-1] % (2 * GATE_GROUP) == 0, f"a multiple of {2 * GATE_GROUP} columns for a gated epilogue",
+               y.shape[-1])
+        gate, up = _gate_and_up(y)
+        activated = ACTIVATIONS[act](gate)
+        ctx.save_for_backward(y, activated)
+        ctx.act = act
+        return (activated * up).view(*y.shape[:-1], y.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        y, activated = ctx.saved_tensors
+        gate, up = _gate_and_up(y)
+        if torch.compiler.is_compiling():  # functional: Inductor fuses it into one kernel (writes
+            # into views would stay aten calls of their own there)
+            d_gate = _BACKWARD[ctx.act](dh.reshape(gate.shape) * up, gate)
+            return torch.stack((d_gate, dh.reshape(gate.shape) * activated), dim=-2).view(y.shape), None
+        dy = torch.empty_like(y, memory_format=torch.contiguous_format)
+        d_gate, d_up = _gate_and_up(dy)
+        dh = dh.reshape(gate.shape)
+        torch.mul(dh, activated, out=d_up)
+        _BACKWARD_INTO[ctx.act](dh * up, gate, d_gate)
+        return dy, None
+
+
 # The activations in place, as PyTorch computes them out of place (the same kernels).
 _IN_PLACE = {"relu": torch.relu_, "gelu": lambda y: torch.ops.aten.gelu_(y),
              "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),

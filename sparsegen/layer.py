@@ -51,5 +51,5 @@ class SparseLinearForward:
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         calls.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
-            return epilogues.reference(self._differentiable_product(x, values, bias), self.epilogue)
+            return epilogues.differentiable(self._differentiable_product(x, values, bias), self.epilogue)
         return self._product(x, values, bias)

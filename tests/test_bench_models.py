@@ -33,3 +33,17 @@ def test_smoke_run_measures_checks_and_reports(tmp_path):
         assert row["error"] < 1e-4
     table = (tmp_path / "models.md").read_text()
     assert "| BERT-base, batch 16 x 16 | eager |" in table
+
+
+def test_training_case_checks_the_loss_after_steps_against_the_masked_dense_twin(tmp_path, monkeypatch):
+    tool = load_tool()
+    out = tmp_path / "train.json"
+    tool.main(["--smoke", "--cases", "llama_train8k", "--variants", "b64d0.5,2:4-recipe", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["variant"] for r in rows} == {"b64d0.5", "2:4-recipe"}
+    for row in rows:  # the loss after 3 AdamW steps is the twin's, within a small part of what it moved
+        assert "failed" not in row and row["error"] < 0.05, row
+    # A twin whose pruned weights learn (no masked gradients) takes other steps: the check sees it.
+    monkeypatch.setattr(tool, "mask_gradients", lambda twin, model: None)
+    tool.main(["--smoke", "--cases", "llama_train8k", "--variants", "b64d0.5", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"][0]["error"] > 0.05

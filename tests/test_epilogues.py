@@ -61,6 +61,25 @@ def test_gated_into_is_the_reference_within_a_rounding(epilogue, dtype):
         epilogues.gated_into(y, product, "silu")
 
 
+@pytest.mark.parametrize("epilogue", [e for e in epilogues.EPILOGUES if epilogues.is_gated(e)])
+def test_differentiable_gated_epilogue_is_the_reference_and_its_gradient(epilogue):
+    product = (torch.randn(3, 5, 6 * epilogues.GATE_GROUP, dtype=torch.float64) * 3).requires_grad_()
+    out = epilogues.differentiable(product, epilogue)
+    torch.testing.assert_close(out, epilogues.reference(product, epilogue), rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    got, product.grad = product.grad.clone(), None
+    (epilogues.reference(product, epilogue) * weights).sum().backward()
+    torch.testing.assert_close(got, product.grad, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda p: epilogues.differentiable(p, epilogue), (product[0, :2].detach()
+                                                                                    .clone().requires_grad_(),))
+
+
+def test_differentiable_gated_epilogue_refuses_partial_groups():
+    with pytest.raises(InputError, match=f"multiple of {2 * epilogues.GATE_GROUP} columns"):
+        epilogues.differentiable(torch.randn(2, 3 * epilogues.GATE_GROUP), "swiglu")
+
+
 def test_gated_reference_rounds_once_in_the_input_dtype():
     z = torch.randn(4, 32, dtype=torch.bfloat16)
     expected = formula(z.double(), "swiglu").to(torch.bfloat16)
@@ -216,3 +235,13 @@ def test_compiled_fused_layers_match_eager():
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x))
+
+
+def test_differentiable_gated_epilogue_compiles_to_the_eager_gradient():
+    product = torch.randn(7, 4 * epilogues.GATE_GROUP, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(7, 2 * epilogues.GATE_GROUP, dtype=torch.float64)
+    compiled = torch.compile(lambda p: (epilogues.differentiable(p, "swiglu") * weights).sum(), fullgraph=True)
+    compiled(product).backward()
+    got, product.grad = product.grad.clone(), None
+    (epilogues.reference(product, "swiglu") * weights).sum().backward()
+    torch.testing.assert_close(got, product.grad, rtol=1e-12, atol=1e-12)

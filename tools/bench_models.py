@@ -49,6 +49,8 @@ VARIANTS = {
     "b64d0.5": ("mlp", {"block": (64, 64), "density": 0.5}),
     "b64d0.25": ("mlp", {"block": (64, 64), "density": 0.25}),
     "b128d0.25": ("mlp", {"block": (128, 128), "density": 0.25}),
+    "2:4-mlp": ("mlp", {"sparsity": "2:4"}),
+    "2:4t-mlp": ("mlp", {"sparsity": "2:4", "method": "transposable"}),  # dX on the 2:4 kernel too
     "2:4-recipe": ("mlp", {"sparsity": "2:4", "training": {"mask_interval": 100}}),
     "peer-2:4": ("all", {"sparsity": "2:4"}),
 }
@@ -57,7 +59,8 @@ VARIANTS = {
 VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25")})
 INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
 OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
-TRAINING_VARIANTS = ["dense", "2:4", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
+TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
+TRAINING_STEPS = 4  # warm-up steps of a training case; the last one's loss is checked (after 3 updates)
 MODES = ["eager", "compile", "reduce-overhead"]
 
 
@@ -70,6 +73,7 @@ class Case:
     make_step: Callable[[nn.Module], Callable[[], torch.Tensor]]
     training: bool = False
     variants: tuple = tuple(INFERENCE_VARIANTS)
+    tokens: int = 0  # tokens a step (training: the profile tells dW by it)
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -89,6 +93,16 @@ def llama_config(smoke: bool):
         return LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=512)
     return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=12, num_attention_heads=16,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+
+
+def llama_train_config(smoke: bool):
+    """The issue's 1B-class decoder: hidden 2048, MLP 8192, 16 layers, GQA 16/4."""
+    from transformers import LlamaConfig
+
+    if smoke:
+        return llama_config(smoke)
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
 
 
@@ -173,13 +187,38 @@ def gpt2_train_case(device, smoke: bool) -> Case:
     ids = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
     return Case(f"GPT-2-medium training step, batch {batch} x {tokens}, bf16 autocast, fused AdamW", "gpt2",
                 lambda: built(GPT2LMHeadModel, config, device, torch.float32).train(),
-                lambda model: train_step(model, ids), training=True, variants=tuple(TRAINING_VARIANTS))
+                lambda model: train_step(model, ids), training=True, variants=tuple(TRAINING_VARIANTS),
+                tokens=ids.numel())
+
+
+def llama_train_case(kilotokens: int, checkpointing: bool, device, smoke: bool) -> Case:
+    """A training step of the 1B-class Llama: fp32 weights, bf16 autocast, fused AdamW,
+    sequences of 2048 tokens, `kilotokens` x 1024 tokens a step; activation checkpointing
+    (transformers' own, non-reentrant) where asked."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_train_config(smoke)
+    seq = 32 if smoke else 2048
+    ids = torch.randint(0, config.vocab_size, (max(1, kilotokens * 1024 // seq // (64 if smoke else 1)), seq),
+                        device=device)
+
+    def make_model() -> nn.Module:
+        model = built(LlamaForCausalLM, config, device, torch.float32).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    ckpt = ", activation checkpointing" if checkpointing else ""
+    return Case(f"Llama-1B-shaped training step, {ids.shape[0]} x {seq}{ckpt}, bf16 autocast, fused AdamW",
+                "llama", make_model, lambda model: train_step(model, ids), training=True,
+                variants=tuple(TRAINING_VARIANTS), tokens=ids.numel())
 
 
 def train_step(model: nn.Module, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Forward, backward and a fused AdamW step; returns the loss (of the weights before the step)."""
+    """Forward, backward and a fused AdamW step; returns the loss (of the weights before the step).
+    The learning rate is large enough that a few steps move the loss (the check against the
+    dense twin then sees a wrong gradient)."""
     fused = ids.is_cuda
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=fused)
 
     def step() -> torch.Tensor:
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
@@ -199,6 +238,10 @@ def cases(names: list[str], device, smoke: bool) -> list[Case]:
               "llama_decode1": lambda: llama_decode_case(1, device, bf16, smoke),
               "llama_decode8": lambda: llama_decode_case(8, device, bf16, smoke),
               "gpt2_train": lambda: gpt2_train_case(device, smoke)}
+    for kilotokens in (8, 32):
+        for ckpt in ("", "_ckpt"):
+            makers[f"llama_train{kilotokens}k{ckpt}"] = (
+                lambda k=kilotokens, c=bool(ckpt): llama_train_case(k, c, device, smoke))
     return [makers[name]() for name in names if name != "none"]
 
 
@@ -272,11 +315,37 @@ def measure(case: Case, variant: str, modes: list[str], dense: "DenseSteps", dev
     return [measure_mode(case, variant, model, mode, expected, dense, device, reps) for mode in modes]
 
 
-def expected_output(case: Case, model: nn.Module) -> torch.Tensor:
-    """The case's output on the dense model with the sparse model's (masked) weights, eagerly."""
+def expected_output(case: Case, model: nn.Module) -> list[torch.Tensor]:
+    """The case's outputs over its warm-up steps on the dense model with the sparse model's
+    (masked) weights, eagerly; in training that twin's pruned weights stay zero (their
+    gradients masked), so it takes the steps a sparse model with a fixed mask takes."""
     reference = sparsegen.dense_copy(model)
+    if case.training:
+        mask_gradients(reference, model)
     with torch.set_grad_enabled(case.training):
         return warmed_up(case, case.make_step(reference))[1]
+
+
+def mask_gradients(twin: nn.Module, model: nn.Module) -> None:
+    """Zero, in every step, the gradient of the twin's weights where the sparse model stores
+    none (the twin's dense copies hold exact zeros there)."""
+    sparse = (sparsegen.BlockSparseLinear, sparsegen.Sparse24Linear, sparsegen.Sparse24TrainingLinear)
+    for name, module in model.named_modules():
+        if isinstance(module, sparse):
+            for linear in twin.get_submodule(name).modules():
+                if isinstance(linear, nn.Linear):
+                    kept = linear.weight.detach() != 0
+                    linear.weight.register_hook(lambda grad, kept=kept: grad * kept)
+
+
+def check_error(case: Case, outputs: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    """Inference: the first output's relative error. Training: the last step's loss against
+    the twin's, as a fraction of what the twin's loss moved over the steps (a wrong gradient
+    moves it otherwise)."""
+    if not case.training:
+        return relative_error(outputs[0], expected[0])
+    moved = (expected[0] - expected[-1]).abs().clamp_min(1e-6)
+    return float((outputs[-1] - expected[-1]).abs() / moved)
 
 
 class DenseSteps:
@@ -292,17 +361,17 @@ class DenseSteps:
         return self.steps[mode]
 
 
-def warmed_up(case: Case, step: Callable) -> tuple[Callable, torch.Tensor]:
-    """(step, the output of its first call) after the warm-up calls that compile and record."""
+def warmed_up(case: Case, step: Callable) -> tuple[Callable, list[torch.Tensor]]:
+    """(step, the outputs of the warm-up calls that compile and record: TRAINING_STEPS of a
+    training case, 3 of the others)."""
     reset = getattr(step, "reset", lambda: None)
+    outputs = []
     with torch.set_grad_enabled(case.training):
-        first = None
-        for _ in range(3):
+        for _ in range(TRAINING_STEPS if case.training else 3):
             reset()
             torch.compiler.cudagraph_mark_step_begin()  # as timed_ms: each call a new step
-            out = step()
-            first = out.float().clone() if first is None else first
-    return step, first
+            outputs.append(step().float().clone())
+    return step, outputs
 
 
 def interleaved_ms(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[float]:
@@ -317,10 +386,12 @@ def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected
     row = dict(case=case.name, variant=variant, mode=mode)
     try:
         state = copy.deepcopy(model.state_dict()) if case.training else None
-        step, first = warmed_up(case, case.make_step(in_mode(model, mode)))
+        step, outputs = warmed_up(case, case.make_step(in_mode(model, mode)))
+        row["error"] = check_error(case, outputs, expected)
+        if case.training:
+            row["loss"], row["dense_loss"] = float(outputs[-1]), float(expected[-1])
         with torch.set_grad_enabled(case.training):
             row["dense_ms"], row["ms"] = interleaved_ms([dense(mode), step], device, reps)
-        row["error"] = relative_error(first, expected)
         if state is not None:
             model.load_state_dict(state)
     except Exception as error:  # a cell that fails is recorded, and the run goes on
@@ -429,9 +500,17 @@ def failures(rows: list[dict]) -> list[str]:
 
 
 def errors_line(rows: list[dict]) -> str:
-    errs = [r["error"] for r in rows if r.get("error") is not None]
-    return (f"Output against the dense model with the same (masked) weights: relative error "
-            f"{min(errs):.1e} - {max(errs):.1e} over {len(errs)} cells." if errs else "")
+    lines = []
+    inference = [r["error"] for r in rows if r.get("error") is not None and "loss" not in r]
+    if inference:
+        lines.append(f"Output against the dense model with the same (masked) weights: relative error "
+                     f"{min(inference):.1e} - {max(inference):.1e} over {len(inference)} cells.")
+    training = [r["error"] for r in rows if r.get("error") is not None and "loss" in r]
+    if training:
+        lines.append(f"Training: the loss after {TRAINING_STEPS - 1} optimizer steps against the dense twin's "
+                     f"(masked weights, masked gradients, same data), as a fraction of what the twin's loss "
+                     f"moved: {min(training):.1e} - {max(training):.1e} over {len(training)} cells.")
+    return " ".join(lines)
 
 
 def host_table(rows: list[dict]) -> list[str]:
@@ -494,7 +573,7 @@ def meta(argv) -> dict:
     return dict(run_meta("bench_models.py", argv), transformers=transformers.__version__)
 
 
-ALL_CASES = ["bert16", "bert128", "llama_prefill", "llama_decode1", "llama_decode8", "gpt2_train"]
+ALL_CASES = ["bert16", "bert128", "llama_prefill", "llama_decode1", "llama_decode8", "gpt2_train", "llama_train8k"]
 
 
 def main(argv=None) -> None:
