@@ -32,6 +32,13 @@ site = Path(sysconfig.get_paths()["purelib"]).resolve()
 templates = codegen.templates_dir().resolve()
 assert templates.is_relative_to(site), (templates, site)
 assert Path(sparsegen.__file__).resolve().is_relative_to(site), sparsegen.__file__
+import importlib, pkgutil
+from sparsegen import registry
+for layout in registry.LAYOUTS:  # every registered layout's modules come from the wheel
+    package = importlib.import_module(f"sparsegen.{layout}")
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"sparsegen.{layout}.{info.name}")
+        assert Path(module.__file__).resolve().is_relative_to(site), module.__file__
 built = cache.build(spec.forward_spec((32, 32), "bf16", 80))
 assert built.compiled and built.cubin[:4] == b"\\x7fELF", built.cubin[:4]
 print(json.dumps({"templates": str(templates), "version": sparsegen.__version__}))
@@ -81,6 +88,8 @@ def clean_env(cache_dir: Path) -> dict:
 def test_wheel_ships_templates_and_compiles_outside_the_repo(tmp_path):
     wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
+    for module in sorted((REPO / "sparsegen").rglob("*.py")):  # every package of the checkout
+        assert module.relative_to(REPO).as_posix() in names, module
     for template in sorted((REPO / "templates").rglob("*.*")):
         assert f"sparsegen/templates/{template.relative_to(REPO / 'templates').as_posix()}" in names
     python = make_venv(tmp_path / "venv")
