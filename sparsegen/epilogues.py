@@ -70,12 +70,9 @@ def _gate_and_up(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs.select(-2, 0), pairs.select(-2, 1)
 
 
+# d act(g) / dg times a gradient: aten's activation backwards (their .grad_input overload
+# writes into a given tensor, here a view of dY's gate columns).
 _BACKWARD = {"silu": torch.ops.aten.silu_backward, "gelu": torch.ops.aten.gelu_backward}
-# d act(g) / dg times a gradient, written into `out` (a view): aten's activation backwards.
-_BACKWARD_INTO = {
-    "silu": lambda grad, g, out: torch.ops.aten.silu_backward.grad_input(grad, g, grad_input=out),
-    "gelu": lambda grad, g, out: torch.ops.aten.gelu_backward.grad_input(grad, g, grad_input=out),
-}
 
 
 class _GatedProduct(torch.autograd.Function):
@@ -97,15 +94,14 @@ class _GatedProduct(torch.autograd.Function):
     def backward(ctx, dh: torch.Tensor):
         y, activated = ctx.saved_tensors
         gate, up = _gate_and_up(y)
+        dh, backward = dh.reshape(gate.shape), _BACKWARD[ctx.act]
         if torch.compiler.is_compiling():  # functional: Inductor fuses it into one kernel (writes
             # into views would stay aten calls of their own there)
-            d_gate = _BACKWARD[ctx.act](dh.reshape(gate.shape) * up, gate)
-            return torch.stack((d_gate, dh.reshape(gate.shape) * activated), dim=-2).view(y.shape), None
+            return torch.stack((backward(dh * up, gate), dh * activated), dim=-2).view(y.shape), None
         dy = torch.empty_like(y, memory_format=torch.contiguous_format)
         d_gate, d_up = _gate_and_up(dy)
-        dh = dh.reshape(gate.shape)
         torch.mul(dh, activated, out=d_up)
-        _BACKWARD_INTO[ctx.act](dh * up, gate, d_gate)
+        backward.grad_input(dh * up, gate, grad_input=d_gate)
         return dy, None
 
 

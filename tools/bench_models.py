@@ -97,13 +97,12 @@ def llama_config(smoke: bool):
 
 
 def llama_train_config(smoke: bool):
-    """The issue's 1B-class decoder: hidden 2048, MLP 8192, 16 layers, GQA 16/4."""
-    from transformers import LlamaConfig
-
-    if smoke:
-        return llama_config(smoke)
-    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+    """The issue's 1B-class decoder: llama_config's shape (hidden 2048, MLP 8192, GQA 16/4)
+    with 16 layers."""
+    config = llama_config(smoke)
+    if not smoke:
+        config.num_hidden_layers = 16
+    return config
 
 
 def gpt2_config(smoke: bool):
@@ -198,9 +197,8 @@ def llama_train_case(kilotokens: int, checkpointing: bool, device, smoke: bool) 
     from transformers import LlamaForCausalLM
 
     config = llama_train_config(smoke)
-    seq = 32 if smoke else 2048
-    ids = torch.randint(0, config.vocab_size, (max(1, kilotokens * 1024 // seq // (64 if smoke else 1)), seq),
-                        device=device)
+    seq = 32 if smoke else 2048  # the smoke run keeps the number of sequences
+    ids = torch.randint(0, config.vocab_size, (kilotokens * 1024 // 2048, seq), device=device)
 
     def make_model() -> nn.Module:
         model = built(LlamaForCausalLM, config, device, torch.float32).train()

@@ -5,8 +5,9 @@ sparse linears' speed, it bounds what a variant can gain on that model (Amdahl).
 Inference cases: sparsegen's kernels, cuBLAS GEMMs, attention, Inductor's Triton, the rest.
 Training cases (gpt2_train, llama_train*): forward products, dX, dW, compression and masks,
 optimizer, attention, the rest. A product is a forward one outside autograd's backward; in
-the backward a GEMM whose reduction runs over the step's tokens is dW, any other dX
-(sparsegen's kernels say which by name: bsr_sdd is dW, the dds kernels products).
+a backward node with two matmuls the first is dX and the second dW (autograd's order), a
+lone one is dW where it sums over the step's tokens; sparsegen's kernels say which by
+name (bsr_sdd is dW, the dds kernels products).
 GPU: PYTHONPATH=. python tools/profile_gpu_time.py [--case llama_train8k] [--mode eager]
      [--top 20] [variant ...]"""
 import argparse
@@ -24,7 +25,7 @@ KINDS = (("sparsegen", ("bsr_", "sp24_")), ("GEMM", ("gemm", "nvjet", "cutlass",
          ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")), ("Triton (Inductor)", ("triton",)))
 TRAIN_KINDS = ("forward products", "dX", "dW", "compression/masks", "optimizer", "attention", "other")
 COMPRESSION = ("sp24_compress", "sp24_mask", "sp24_expand", "sp24_gather", "bsr_scatter", "sp24_prune")
-PRODUCTS = ("bsr_dds", "sp24_dds", "bsr_sdd", "mm", "addmm", "matmul", "linear", "bmm")
+MATMULS = ("aten::mm", "aten::addmm", "aten::matmul")
 
 
 def kind_of(kernel: str) -> str:
@@ -40,24 +41,21 @@ def _ancestors(event):
 
 def train_kind(kernel: str, op, tokens: int) -> str:
     """The training kind of a kernel launched under CPU op `op` (None: unknown)."""
-    name, chain = kernel.lower(), list(_ancestors(op))
+    name, kind, chain = kernel.lower(), kind_of(kernel), list(_ancestors(op))
     names = " ".join(e.name.lower() for e in chain)
     if any(mark in name for mark in COMPRESSION):
         return "compression/masks"
     if "optimizer" in names or "adam" in name or "multi_tensor" in name:
         return "optimizer"
-    if kind_of(kernel) == "attention":
+    if kind == "attention":
         return "attention"
     if "bsr_sdd" in name:
         return "dW"
-    if kind_of(kernel) not in ("sparsegen", "GEMM"):
+    if kind not in ("sparsegen", "GEMM"):
         return "other"
     if "backward" not in names:
         return "forward products"
     return "dW" if _is_weight_grad(chain, tokens) else "dX"
-
-
-MATMULS = ("aten::mm", "aten::addmm", "aten::matmul")
 
 
 def _is_weight_grad(chain, tokens: int) -> bool:
@@ -78,7 +76,6 @@ def gpu_ms_by_kind(case, variant: str, mode: str, steps: int = 3, top: int = 0, 
     """GPU ms per step of each kernel kind, for the case's model with `variant` in `mode`."""
     model = bench_models.patched(case.make_model(), case.family, variant)
     step, _ = bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, mode)))
-    tokens = getattr(case, "tokens", 0)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.set_grad_enabled(case.training), torch.profiler.profile(activities=activities,
                                                                         record_shapes=case.training or ops > 0) as prof:
@@ -89,7 +86,7 @@ def gpu_ms_by_kind(case, variant: str, mode: str, steps: int = 3, top: int = 0, 
     for event in prof.events():
         for kernel in event.kernels:
             ms = kernel.duration / 1e3 / steps
-            totals[train_kind(kernel.name, event, tokens) if case.training else kind_of(kernel.name)] += ms
+            totals[train_kind(kernel.name, event, case.tokens) if case.training else kind_of(kernel.name)] += ms
             kernels[kernel.name[:90]] += ms
     if ops:  # which operators launch the time, with their input shapes (3 steps)
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=ops,
