@@ -102,8 +102,7 @@ def test_state_dict_with_another_layout_rebuilds_the_derived_index():
     assert torch.equal(b.t_row_offsets, a.t_row_offsets) and torch.equal(b.flat_index, a.flat_index)
 
 
-def test_demo_gpt_compiles_without_graph_breaks():
-    """The training demo's model with block-sparse FFNs: torch._dynamo.explain sees one graph."""
+def train_demo():
     import importlib.util
     from pathlib import Path
 
@@ -111,11 +110,25 @@ def test_demo_gpt_compiles_without_graph_breaks():
     spec = importlib.util.spec_from_file_location("train_demo", path)
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
+    return demo
+
+
+def test_demo_gpt_compiles_without_graph_breaks():
+    """The training demo's model with block-sparse FFNs: torch._dynamo.explain sees one graph."""
+    demo = train_demo()
     model = demo.GPT(layers=2, d=64, heads=4, context=32)
     sparsegen.patch(model, {r"blocks\.\d+\.ffn\.(0|2)": {"block": (32, 32), "density": 0.5}})
     tokens = torch.randint(0, 256, (2, 32))
     explanation = torch._dynamo.explain(model)(tokens)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_demo_seed_table_compares_each_seed_with_dense_at_that_seed():
+    runs = {0: [dict(label="dense", val_loss=2.0, step_ms=10.0), dict(label="sparse", val_loss=2.02, step_ms=5.0)],
+            1: [dict(label="dense", val_loss=4.0, step_ms=12.0), dict(label="sparse", val_loss=3.96, step_ms=6.0)]}
+    dense, sparse = train_demo().seed_rows(runs)
+    assert dense == "| dense | 2.0000 / 4.0000 | +0.00% | +0.00% | 11.0 | 1.00x |"
+    assert sparse == "| sparse | 2.0200 / 3.9600 | +0.00% | +1.00% | 5.5 | 2.00x |"
 
 
 def test_input_grad_on_cpu_is_dy_times_w():

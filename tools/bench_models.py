@@ -106,11 +106,16 @@ def llama_train_config(smoke: bool):
 
 
 def gpt2_config(smoke: bool):
+    """GPT-2 medium without dropout: the training cases check each sparse model's loss against
+    its dense twin's, which two different dropout draws would move apart (pretraining runs
+    commonly drop none)."""
     from transformers import GPT2Config
 
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     if smoke:
-        return GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=128, vocab_size=512, bos_token_id=0, eos_token_id=0)
-    return GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)  # GPT-2 medium
+        return GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=128, vocab_size=512, bos_token_id=0,
+                          eos_token_id=0, **no_dropout)
+    return GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, **no_dropout)
 
 
 def built(model_class, config, device, dtype) -> nn.Module:

@@ -220,6 +220,30 @@ def report(results: list[dict], args, out: Path) -> None:
     plot(results, out / "train_demo.png")
 
 
+def seed_rows(runs: dict[int, list[dict]]) -> list[str]:
+    """One row a model: its final validation loss at each seed, the mean and the worst of
+    its gaps to dense's at the same seed, and its median step time against dense's."""
+    rows = []
+    for index, label_ in enumerate(r["label"] for r in next(iter(runs.values()))):
+        losses = [results[index]["val_loss"] for results in runs.values()]
+        gaps = [100 * (results[index]["val_loss"] / results[0]["val_loss"] - 1) for results in runs.values()]
+        step = statistics.median(results[index]["step_ms"] for results in runs.values())
+        dense_step = statistics.median(results[0]["step_ms"] for results in runs.values())
+        rows.append(f"| {label_} | {' / '.join(f'{loss:.4f}' for loss in losses)} | {statistics.mean(gaps):+.2f}% | "
+                    f"{max(gaps, key=abs):+.2f}% | {step:.1f} | {dense_step / step:.2f}x |")
+    return rows
+
+
+def report_seeds(runs: dict[int, list[dict]], out: Path) -> None:
+    lines = [f"| model | final val loss, seeds {', '.join(map(str, runs))} | mean vs dense | worst seed vs dense "
+             "| step ms | speed vs dense |", "|---|---|---|---|---|---|"] + seed_rows(runs)
+    print("\n".join(lines))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_demo_seeds.md").write_text("\n".join(lines) + "\n")
+    (out / "train_demo_seeds.json").write_text(json.dumps({str(seed): results for seed, results in runs.items()},
+                                                          indent=1, default=str))
+
+
 MARKS = ("<!-- train_demo.py results: start -->", "<!-- train_demo.py results: end -->")
 
 
@@ -267,6 +291,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--benchmarks", type=Path, help="also write the table into this file (BENCHMARKS.md)")
     p.add_argument("--init", choices=("pruned", "fresh"), default="fresh",
                    help="sparse FFNs start from the dense init pruned, or from their own init")
+    p.add_argument("--seeds", help="comma-separated seeds: train every model at each and report "
+                   "each model's final loss against dense's at the same seed (overrides --seed)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: replay each training step as one CUDA graph (--no-graph: eager launches)")
     return p.parse_args(argv)
@@ -277,8 +303,14 @@ def main() -> None:
     data = corpus(args.corpus_mb << 20)
     split = int(0.95 * data.numel())
     kinds = [MODELS[name] for name in args.models.split(",")]
-    results = [train(args, kind, data[:split], data[split:]) for kind in kinds]
-    report(results, args, args.out)
+    if not args.seeds:
+        report([train(args, kind, data[:split], data[split:]) for kind in kinds], args, args.out)
+        return
+    runs = {}
+    for seed in map(int, args.seeds.split(",")):
+        args.seed = seed
+        runs[seed] = [train(args, kind, data[:split], data[split:]) for kind in kinds]
+    report_seeds(runs, args.out)
 
 
 if __name__ == "__main__":
