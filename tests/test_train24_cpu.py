@@ -172,6 +172,33 @@ def test_compile_fullgraph():
     torch.testing.assert_close(compiled(x), layer(x))
 
 
+def _sgd_steps(layer: nn.Module, module: nn.Module, steps: int) -> list[torch.Tensor]:
+    """`steps` SGD steps of layer (called through module) on fresh inputs; the mask after each."""
+    optimizer, masks = torch.optim.SGD(layer.parameters(), lr=0.5), []
+    for step in range(steps):
+        x = torch.randn(6, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        module(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        masks.append(layer.mask.clone())
+    return masks
+
+
+@pytest.mark.parametrize("options", [{}, {"method": "magnitude"}, {"soft_threshold": True}], ids=str)
+def test_compiled_training_counts_steps_and_refreshes_as_eager(options):
+    """Under torch.compile (Inductor) the scheduled refresh is an op: the compiled layer
+    counts its steps, refreshes its mask (and S-STE's scale) at the same steps as eager
+    mode and trains the same weights."""
+    eager, traced = make(mask_interval=2, **options), make(mask_interval=2, **options)
+    eager_masks = _sgd_steps(eager, eager, 5)
+    traced_masks = _sgd_steps(traced, torch.compile(traced, fullgraph=True), 5)
+    assert int(traced.step) == int(eager.step) == 5
+    assert [torch.equal(a, b) for a, b in zip(eager_masks, traced_masks)] == [True] * 5
+    assert not torch.equal(eager_masks[0], eager_masks[-1])  # (the refreshes did change it)
+    torch.testing.assert_close(traced.weight, eager.weight)
+    torch.testing.assert_close(traced.scale, eager.scale)
+
+
 def test_bad_options():
     with pytest.raises(InputError, match="method"):
         sparsegen.Sparse24TrainingLinear(64, 32, method="mvue")

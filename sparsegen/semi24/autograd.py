@@ -8,7 +8,8 @@ train, so on the GPU (16-bit):
   the expanded W (sp24_expand: one pass, no index tensors);
 - dW: dY^T X on cuBLAS, its stored positions gathered by the same kernel (sp24_gather), so
   the values' gradient has their shape.
-Elsewhere, and in the backward torch.compile traces, PyTorch ops do the same.
+Elsewhere PyTorch ops do the same. The backward torch.compile traces calls both through the
+sparsegen::sp24_input_grad and sp24_weight_grad ops, so a compiled step runs these kernels too.
 """
 from __future__ import annotations
 
@@ -49,30 +50,48 @@ def forward_product(x, values, metadata, bias, out_features: int, epilogue: str 
 
 def _gradients(x, values, metadata, has_bias, need, dy):
     dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    n, k = dy.shape[-1], x.shape[-1]
-    # torch.compile traces this backward: there it stays in PyTorch ops (the kernels' launches
-    # are not traceable), checked first so that nothing else here is traced.
-    on_kernels = (not torch.compiler.is_compiling() and calls.runs_16bit_kernels(dy) and dy.dtype == values.dtype
-                  and env.compress_kernel())
+    traced = torch.compiler.is_compiling()  # a compiled graph calls the ops; eager mode, their implementations
     dx = dvalues = dbias = None
     if need[0]:
-        dx = (_input_grad(dy, values, metadata, n, k) if on_kernels
-              else dy @ semi24.decompress(values, metadata, (n, k)))
+        dx = (sp24_input_grad_op if traced else input_grad)(dy, values, metadata, dy.shape[-1])
     if need[1]:
-        dw = dy2.t() @ x2
-        dvalues = ops.sp24_gather(dw, metadata) if on_kernels else semi24.gather_kept(dw, metadata)
+        dvalues = (sp24_weight_grad_op if traced else weight_grad)(dy2, x2, metadata)
     if has_bias and need[3]:
         dbias = dy2.sum(0)
     return dx, dvalues, None, dbias
 
 
-def _input_grad(dy: Tensor, values: Tensor, metadata: Tensor, n: int, k: int) -> Tensor:
-    """dX = dY W on the GPU: the 2:4 kernel on W^T where W's positions allow it, else cuBLAS."""
+def _on_kernels(dy: Tensor, values: Tensor) -> bool:
+    return calls.runs_16bit_kernels(dy) and dy.dtype == values.dtype and env.compress_kernel()
+
+
+def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) -> Tensor:
+    """dX = dY W, W 2:4 [out_features, K]: on the GPU the 2:4 kernel on W^T where W's
+    positions allow it, else cuBLAS on the expanded W; elsewhere PyTorch."""
+    n, k = out_features, 2 * values.shape[1]
+    if not _on_kernels(dy, values):
+        return dy @ semi24.decompress(values, metadata, (n, k)).to(dy.dtype)
     dense = ops.sp24_expand(values, metadata, n)
     if stored_transposable(metadata, n, k):
         # W^T has at most 2 nonzeros in every group of 4: its magnitude compression is exact.
         return ops.sp24_dds(dy, *ops.sp24_compress(dense.t()), None, k)
     return dy @ dense
+
+
+def weight_grad(dy2: Tensor, x2: Tensor, metadata: Tensor) -> Tensor:
+    """The values' gradient: dY^T X at W's stored positions ([N, K/2]), dY and X 2-D."""
+    dw = dy2.t() @ x2
+    if calls.runs_16bit_kernels(dw) and env.compress_kernel():
+        return ops.sp24_gather(dw, metadata)
+    return semi24.gather_kept(dw, metadata)
+
+
+sp24_input_grad_op = library.define(
+    "sp24_input_grad(Tensor dy, Tensor values, Tensor metadata, int out_features) -> Tensor", input_grad,
+    lambda dy, values, metadata, out_features: library.rows_by(dy, 2 * values.shape[1]))
+sp24_weight_grad_op = library.define(
+    "sp24_weight_grad(Tensor dy, Tensor x, Tensor metadata) -> Tensor", weight_grad,
+    lambda dy, x, metadata: dy.new_empty(dy.shape[1], x.shape[1] // 2))
 
 
 _TRANSPOSABLE = plans.PlanCache()

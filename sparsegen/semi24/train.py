@@ -13,13 +13,14 @@ refreshed from |weight| every `mask_interval` training steps). Each step:
 The schedule lives on the device: `step` (an int64 buffer) counts training forwards (training
 mode with gradients on) and the refresh at each positive multiple of `mask_interval` is
 decided by the mask kernel reading it, so a training step captured as a CUDA graph (or
-torch.compile's reduce-overhead) refreshes on schedule as it replays; see `_scheduled_refresh`.
+torch.compile's reduce-overhead) refreshes on schedule as it replays; see `scheduled_refresh`.
 `soft_threshold=True` is S-STE: each group keeps sign(w) * (|w| - t) for its two largest,
 t its third largest magnitude, times a per-tensor scale fixed at each mask refresh.
 `masked_decay_` adds weight decay to the pruned weights' gradients only, and
 `dense_finetune_` switches layers to plain dense products for the last phase.
-Under torch.compile the layer traces as PyTorch (masked F.linear) and does not count
-steps: call `refresh_mask()` yourself there.
+Under torch.compile the products, the compressions and the scheduled refresh are
+sparsegen ops (sp24_masked_product, sp24_scheduled_refresh): a compiled step runs the same
+kernels and keeps the same schedule; MVUE's dW is traced as PyTorch there.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import calls, checkpoint
+from .. import calls, checkpoint, library
 from ..errors import expect, positive_int
 from ..layer import autocast_inputs, dense_linear
 from . import format as semi24
@@ -51,7 +52,7 @@ class _Sparse24STE(torch.autograd.Function):
     def forward(ctx, x, weight, bias, operand, mask, kernel_dx: bool, dw_sparse: bool, dw_scale):
         ctx.save_for_backward(x, operand, mask)
         ctx.flags, ctx.dw_scale = (kernel_dx, dw_sparse, bias is not None), dw_scale
-        return _sparse_product(x, operand, mask, bias)
+        return masked_product(x, operand, mask, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -62,10 +63,10 @@ class _Sparse24STE(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # (W * mask)^T is 2:4 when the mask is transposable: the same kernel runs dX,
             # compressing the transposed views as they are (no transpose copy).
-            dx = (_sparse_product(dy, operand.t(), mask.t()) if kernel_dx and calls.runs_16bit_kernels(dy)
-                  else dy @ (operand * mask))
+            dx = masked_product(dy, operand.t(), mask.t()) if kernel_dx else dy @ (operand * mask)
         if ctx.needs_input_grad[1]:
-            dw = _sparse_weight_grad(dy2, x2) if dw_sparse else dy2.t() @ x2
+            dw = _sparse_weight_grad(dy2, x2) if dw_sparse and not torch.compiler.is_compiling() else (
+                _mvue_rows(dy2.t()) @ x2 if dw_sparse else dy2.t() @ x2)
             if ctx.dw_scale is not None:  # S-STE: straight through the scaled soft threshold
                 dw = dw * ctx.dw_scale.to(dw.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -80,6 +81,16 @@ def _sparse_product(x: torch.Tensor, operand: torch.Tensor, mask: torch.Tensor, 
         return F.linear(x, operand * mask, bias)
     values, metadata = compress_masked(operand, mask)
     return ops.sp24_dds(x, values, metadata, bias, operand.shape[0])
+
+
+sp24_masked_product_op = library.define(
+    "sp24_masked_product(Tensor x, Tensor operand, Tensor mask, Tensor? bias=None) -> Tensor", _sparse_product,
+    lambda x, operand, mask, bias=None: library.rows_by(x, operand.shape[0]))
+
+
+def masked_product(x, operand, mask, bias=None):
+    """x @ (operand * mask)^T (+ bias): the op in a compiled graph, else its implementation."""
+    return (sp24_masked_product_op if torch.compiler.is_compiling() else _sparse_product)(x, operand, mask, bias)
 
 
 def _sparse_weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -101,6 +112,28 @@ def _mvue_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([semi24.mvue(t[:, :whole].contiguous()), t[:, whole:]], dim=1)
 
 
+@torch.no_grad()
+def scheduled_refresh(weight, mask, step, scale, interval: int, method: str, soft: bool) -> None:
+    """Count a training step (`step` += 1); at each positive multiple of `interval` refresh
+    `mask` (and for S-STE, `scale`) from |weight| first. All on the device: the transposable
+    mask kernel on the GPU reads the counter and returns at once between refreshes;
+    elsewhere torch.where keeps the old mask."""
+    kernel = method == "transposable" and on_kernels(weight)
+    due = None if kernel and not soft else (step > 0) & (step % interval == 0)
+    if kernel:
+        ops.sp24_transposable_mask(weight, out=mask, step=step, interval=interval)
+    else:
+        mask.copy_(torch.where(due, prune_mask(weight, method), mask))
+    if soft:
+        scale.copy_(torch.where(due, _norm_keeping_scale(weight), scale))
+    step.add_(1)
+
+
+sp24_scheduled_refresh_op = library.define(
+    "sp24_scheduled_refresh(Tensor weight, Tensor(a!) mask, Tensor(b!) step, Tensor(c!) scale, int interval, "
+    "str method, bool soft) -> ()", scheduled_refresh, lambda *args: None)
+
+
 class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
     """nn.Linear trained with 2:4 sparse products (see the module docstring)."""
 
@@ -118,7 +151,7 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         self.dw_sparse, self.soft_threshold, self.dense = dw_sparse, soft_threshold, False
         self.register_buffer("mask", torch.zeros(out_features, in_features, dtype=torch.bool, device=device))
         self.register_buffer("scale", torch.ones((), device=device))
-        # Training forwards so far, on the device: read there by the scheduled refresh, so no
+        # Training forwards so far, on the device: read there by scheduled_refresh, so no
         # host sync per step and a replayed CUDA graph advances it.
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         self.refresh_mask()
@@ -151,23 +184,6 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         if self.soft_threshold:
             self.scale.copy_(_norm_keeping_scale(w))
 
-    @torch.no_grad()
-    def _scheduled_refresh(self, weight: torch.Tensor) -> None:
-        """Count a training step; at each positive multiple of mask_interval refresh the mask
-        from |weight| (the weight as the products see it: the autocast copy, if any) first.
-        All on the device: the transposable mask kernel on the GPU reads the counter and
-        returns at once between refreshes; elsewhere torch.where keeps the old mask."""
-        weight = weight.detach()
-        kernel = self.method == "transposable" and on_kernels(weight)
-        due = None if kernel and not self.soft_threshold else (self.step > 0) & (self.step % self.mask_interval == 0)
-        if kernel:
-            ops.sp24_transposable_mask(weight, out=self.mask, step=self.step, interval=self.mask_interval)
-        else:
-            self.mask.copy_(torch.where(due, prune_mask(weight, self.method), self.mask))
-        if self.soft_threshold:
-            self.scale.copy_(torch.where(due, _norm_keeping_scale(weight), self.scale))
-        self.step.add_(1)
-
     def sparse_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The 2:4 weight the products use: masked, or S-STE's scaled soft threshold."""
         return self._operand(weight) * self.mask
@@ -181,15 +197,16 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         calls.check_inputs(x, weight, bias, self.in_features)
-        if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._scheduled_refresh(weight)
+        if self.training and torch.is_grad_enabled():
+            # (the weight as the products see it: the autocast copy, if any)
+            refresh = sp24_scheduled_refresh_op if torch.compiler.is_compiling() else scheduled_refresh
+            refresh(weight.detach(), self.mask, self.step, self.scale, self.mask_interval, self.method,
+                    self.soft_threshold)
         if self.dense:
             return F.linear(x, weight, bias)
-        if torch.compiler.is_compiling():  # traceable PyTorch; the kernels run in eager mode
-            return F.linear(x, self.sparse_weight(weight), bias)
         operand = self._operand(weight)
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return _sparse_product(x, operand, self.mask, bias)
+            return masked_product(x, operand, self.mask, bias)
         # Straight-through: the dense weight gets dY^T X, whatever the mask.
         kernel_dx = self.method == "transposable" and self.out_features % semi24.COL_GRANULE == 0
         return _Sparse24STE.apply(x, weight, bias, operand.detach(), self.mask, kernel_dx, self.dw_sparse,
