@@ -57,7 +57,7 @@ for step in "${steps[@]}"; do
     distributed) timeout 500 python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
     train_profile) timeout 100 python3 tools/profile_train.py 2>&1 | tee "$OUT/train_profile.log" | grep -E " ms|corpus|batches" ;;
     train_demo) timeout 420 python3 tools/train_demo.py --out "$OUT" 2>&1 | tee "$OUT/train_demo.log" | tail -8 ;;
-    train_demo_seeds) timeout 500 python3 tools/train_demo.py --out "$OUT/seeds" --models dense,0.5,2:4-train --seeds 0,1,2 \
+    train_demo_seeds) timeout 500 python3 tools/train_demo.py --out "$OUT/seeds" --models dense,0.5,2:4-train --seeds 0,1,2 --steps 400 --json "$R/44_train_demo_seeds.json" \
            2>&1 | tee "$OUT/train_demo_seeds.log" | grep "^|" ;;  # issue 27's quality target: within 2% of dense
     overheads) python3 tools/bench.py --overheads --json "$R/50_overheads.json" 2>&1 | tee "$OUT/overheads.log" ;;
     profile_model) python3 tools/profile_model.py 2>&1 | tee "$OUT/profile_model.log" | grep -A22 "====" ;;

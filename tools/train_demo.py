@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -220,28 +221,37 @@ def report(results: list[dict], args, out: Path) -> None:
     plot(results, out / "train_demo.png")
 
 
-def seed_rows(runs: dict[int, list[dict]]) -> list[str]:
+SEED_COLUMNS = [("model", ""), ("final val loss per seed", ""), ("mean vs dense", "+.2%"),
+                ("worst seed vs dense", "+.2%"), ("step ms", ".1f"), ("speed vs dense", "x")]
+
+
+def seed_rows(runs: dict[int, list[dict]]) -> list[list]:
     """One row a model: its final validation loss at each seed, the mean and the worst of
     its gaps to dense's at the same seed, and its median step time against dense's."""
     rows = []
-    for index, label_ in enumerate(r["label"] for r in next(iter(runs.values()))):
+    dense_step = statistics.median(results[0]["step_ms"] for results in runs.values())
+    for index, name in enumerate(r["label"] for r in next(iter(runs.values()))):
         losses = [results[index]["val_loss"] for results in runs.values()]
-        gaps = [100 * (results[index]["val_loss"] / results[0]["val_loss"] - 1) for results in runs.values()]
+        gaps = [results[index]["val_loss"] / results[0]["val_loss"] - 1 for results in runs.values()]
         step = statistics.median(results[index]["step_ms"] for results in runs.values())
-        dense_step = statistics.median(results[0]["step_ms"] for results in runs.values())
-        rows.append(f"| {label_} | {' / '.join(f'{loss:.4f}' for loss in losses)} | {statistics.mean(gaps):+.2f}% | "
-                    f"{max(gaps, key=abs):+.2f}% | {step:.1f} | {dense_step / step:.2f}x |")
+        rows.append([name, " / ".join(f"{loss:.4f}" for loss in losses), statistics.mean(gaps),
+                     max(gaps, key=abs), step, dense_step / step])
     return rows
 
 
-def report_seeds(runs: dict[int, list[dict]], out: Path) -> None:
-    lines = [f"| model | final val loss, seeds {', '.join(map(str, runs))} | mean vs dense | worst seed vs dense "
-             "| step ms | speed vs dense |", "|---|---|---|---|---|---|"] + seed_rows(runs)
-    print("\n".join(lines))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_demo_seeds.md").write_text("\n".join(lines) + "\n")
-    (out / "train_demo_seeds.json").write_text(json.dumps({str(seed): results for seed, results in runs.items()},
-                                                          indent=1, default=str))
+def report_seeds(runs: dict[int, list[dict]], args, argv: list[str]) -> None:
+    """The table (printed, and under --json as a BENCHMARKS.md table) and the raw curves."""
+    from bench_record import Table, write
+
+    table = Table("Training", f"Quality: tools/train_demo.py, final validation loss over seeds "
+                  f"{', '.join(map(str, runs))}, {args.steps} steps", SEED_COLUMNS,
+                  "Each model against dense at the same seed; step time as a CUDA graph unless --no-graph.")
+    for row in seed_rows(runs):
+        table.add(*row)
+    write(args.json, "train_demo.py", argv, [table])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_demo_seeds.json").write_text(json.dumps({str(seed): results for seed, results in runs.items()},
+                                                               indent=1, default=str))
 
 
 MARKS = ("<!-- train_demo.py results: start -->", "<!-- train_demo.py results: end -->")
@@ -291,6 +301,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--benchmarks", type=Path, help="also write the table into this file (BENCHMARKS.md)")
     p.add_argument("--init", choices=("pruned", "fresh"), default="fresh",
                    help="sparse FFNs start from the dense init pruned, or from their own init")
+    p.add_argument("--json", type=Path, help="--seeds: also record the table here (tools/results/, for BENCHMARKS.md)")
     p.add_argument("--seeds", help="comma-separated seeds: train every model at each and report "
                    "each model's final loss against dense's at the same seed (overrides --seed)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
@@ -310,7 +321,7 @@ def main() -> None:
     for seed in map(int, args.seeds.split(",")):
         args.seed = seed
         runs[seed] = [train(args, kind, data[:split], data[split:]) for kind in kinds]
-    report_seeds(runs, args.out)
+    report_seeds(runs, args, sys.argv[1:])
 
 
 if __name__ == "__main__":
