@@ -517,8 +517,8 @@ def errors_line(rows: list[dict]) -> str:
     training = [r["error"] for r in rows if r.get("error") is not None and "loss" in r]
     if training:
         lines.append(f"Training: the loss after {TRAINING_STEPS - 1} optimizer steps against the dense twin's "
-                     f"(masked weights, masked gradients, same data), as a fraction of what the twin's loss "
-                     f"moved: {min(training):.1e} - {max(training):.1e} over {len(training)} cells.")
+                     f"(masked weights, masked gradients, same data), as a fraction of the most the twin's "
+                     f"loss moved from its first (runs before 96da768: from first to last): {min(training):.1e} - {max(training):.1e} over {len(training)} cells.")
     return " ".join(lines)
 
 
