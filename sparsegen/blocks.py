@@ -7,12 +7,14 @@ import math
 from .errors import expect, positive_int
 
 
-def check_divisible(features: int, side: int, what: str) -> None:
-    lower, upper = features // side * side, math.ceil(features / side) * side
+def check_divisible(count: int, divisor: int, what: str, divisor_name: str) -> None:
+    """`what` (count) a multiple of `divisor_name` (divisor), else an InputError naming both
+    and the nearest valid counts."""
+    lower, upper = count // divisor * divisor, math.ceil(count / divisor) * divisor
     nearest = f"sizes are {lower} and {upper}" if lower > 0 else f"size is {upper}"
-    expect(features % side == 0,
-           f"{what} ({features}) to be a multiple of the block's {side}; nearest valid {nearest}",
-           f"{features} % {side} = {features % side}")
+    expect(count % divisor == 0,
+           f"{what} ({count}) to be a multiple of {divisor_name} ({divisor}); nearest valid {nearest}",
+           f"{count} % {divisor} = {count % divisor}")
 
 
 def check_block(block) -> tuple[int, int]:
@@ -23,6 +25,6 @@ def check_block(block) -> tuple[int, int]:
 
 
 def grid_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
-    check_divisible(out_features, block[0], "out_features")
-    check_divisible(in_features, block[1], "in_features")
+    check_divisible(out_features, block[0], "out_features", "the block's rows")
+    check_divisible(in_features, block[1], "in_features", "the block's columns")
     return out_features // block[0], in_features // block[1]

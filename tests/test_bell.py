@@ -86,7 +86,7 @@ def test_density_rounds_to_whole_blocks_per_row():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(in_features=100), "in_features \\(100\\) to be a multiple of the block's 32; nearest valid sizes are 96 and 128"),
+    (dict(in_features=100), "in_features \\(100\\) to be a multiple of the block's columns \\(32\\); nearest valid sizes are 96 and 128"),
     (dict(per_row=9), "per_row at most the 8 block columns"),
     (dict(per_row=0), "positive int"),
     (dict(block=(32,)), r"block as \(rows, cols\)"),

@@ -62,8 +62,9 @@ def test_bias_of_another_dtype(layer):
 def test_features_not_a_multiple_of_the_block(which, in_features, out_features, side):
     features = in_features if which == "in_features" else out_features
     lower, upper = features // side * side, -(-features // side) * side
-    with raises_input_error(rf"Expected {which} \({features}\) to be a multiple of the block's "
-                            rf"{side}; nearest valid sizes are {lower} and {upper}\. "
+    side_name = "rows" if which == "out_features" else "columns"
+    with raises_input_error(rf"Expected {which} \({features}\) to be a multiple of the block's {side_name} "
+                            rf"\({side}\); nearest valid sizes are {lower} and {upper}\. "
                             rf"Got {features} % {side} = {features % side}\."):
         BlockSparseLinear(in_features, out_features, block=(side, side))
 

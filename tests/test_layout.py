@@ -125,7 +125,8 @@ def test_grid_shape_names_the_multiple_needed(which, features, side):
         bsr.grid_shape(sizes["out_features"], sizes["in_features"], (side, side))
     lower, upper = features // side * side, -(-features // side) * side
     message = str(info.value)
-    assert f"{which} ({features})" in message and f"multiple of the block's {side}" in message
+    side_name = "rows" if which == "out_features" else "columns"
+    assert f"{which} ({features})" in message and f"multiple of the block's {side_name} ({side})" in message
     assert f"{lower} and {upper}" in message
 
 

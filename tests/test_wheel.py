@@ -41,6 +41,22 @@ for layout in registry.LAYOUTS:  # every registered layout's modules come from t
         assert Path(module.__file__).resolve().is_relative_to(site), module.__file__
 built = cache.build(spec.forward_spec((32, 32), "bf16", 80))
 assert built.compiled and built.cubin[:4] == b"\\x7fELF", built.cubin[:4]
+# A kernel of every registered op compiles from the wheel's templates ...
+for layout in registry.layouts():
+    firsts = {}
+    for kernel in layout.default_specs(80, ("bf16",), None):
+        firsts.setdefault(kernel.op, kernel)
+    assert {rules.op for rules in layout.ops} <= set(firsts), (layout.name, sorted(firsts))
+    for kernel in firsts.values():
+        assert cache.build(kernel).cubin[:4] == b"\\x7fELF", kernel.name
+# ... and every layer type runs forward on the CPU, against its dense weight.
+import torch
+from sparsegen.bell.nn import BlockEllLinear
+x = torch.randn(3, 64)
+for layer in (sparsegen.linear(64, 32, block=(16, 16), density=0.5), sparsegen.linear(64, 32, sparsity="2:4"),
+              BlockEllLinear(64, 32, block=(16, 16), density=0.5)):
+    dense = sparsegen.dense_copy(layer)
+    torch.testing.assert_close(layer(x), dense(x))
 print(json.dumps({"templates": str(templates), "version": sparsegen.__version__}))
 """
 
