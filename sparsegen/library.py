@@ -24,6 +24,14 @@ def define(schema: str, implementation, fake):
     return getattr(torch.ops.sparsegen, name).default
 
 
+def eager_or_op(op, implementation):
+    """A function that calls `op` while torch.compile traces (the compiled graph then calls
+    the op) and `implementation` straight in eager mode (no dispatcher on that path)."""
+    def call(*args):
+        return (op if torch.compiler.is_compiling() else implementation)(*args)
+    return call
+
+
 _ON_FIRST_TRACE: list = []
 
 

@@ -518,7 +518,8 @@ def errors_line(rows: list[dict]) -> str:
     if training:
         lines.append(f"Training: the loss after {TRAINING_STEPS - 1} optimizer steps against the dense twin's "
                      f"(masked weights, masked gradients, same data), as a fraction of the most the twin's "
-                     f"loss moved from its first (runs before 96da768: from first to last): {min(training):.1e} - {max(training):.1e} over {len(training)} cells.")
+                     f"loss moved from its first (runs before 96da768: from first to last): "
+                     f"{min(training):.1e} - {max(training):.1e} over {len(training)} cells.")
     return " ".join(lines)
 
 

@@ -50,26 +50,25 @@ def forward_product(x, values, metadata, bias, out_features: int, epilogue: str 
 
 def _gradients(x, values, metadata, has_bias, need, dy):
     dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    traced = torch.compiler.is_compiling()  # a compiled graph calls the ops; eager mode, their implementations
     dx = dvalues = dbias = None
     if need[0]:
-        dx = (sp24_input_grad_op if traced else input_grad)(dy, values, metadata, dy.shape[-1])
+        dx = _input_grad_call(dy, values, metadata, dy.shape[-1])
     if need[1]:
-        dvalues = (sp24_weight_grad_op if traced else weight_grad)(dy2, x2, metadata)
+        dvalues = _weight_grad_call(dy2, x2, metadata)
     if has_bias and need[3]:
         dbias = dy2.sum(0)
     return dx, dvalues, None, dbias
 
 
-def _on_kernels(dy: Tensor, values: Tensor) -> bool:
-    return calls.runs_16bit_kernels(dy) and dy.dtype == values.dtype and env.compress_kernel()
+def _on_kernels(t: Tensor) -> bool:
+    return calls.runs_16bit_kernels(t) and env.compress_kernel()
 
 
 def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) -> Tensor:
     """dX = dY W, W 2:4 [out_features, K]: on the GPU the 2:4 kernel on W^T where W's
     positions allow it, else cuBLAS on the expanded W; elsewhere PyTorch."""
     n, k = out_features, 2 * values.shape[1]
-    if not _on_kernels(dy, values):
+    if not (_on_kernels(dy) and dy.dtype == values.dtype):
         return dy @ semi24.decompress(values, metadata, (n, k)).to(dy.dtype)
     dense = ops.sp24_expand(values, metadata, n)
     if stored_transposable(metadata, n, k):
@@ -81,7 +80,7 @@ def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) 
 def weight_grad(dy2: Tensor, x2: Tensor, metadata: Tensor) -> Tensor:
     """The values' gradient: dY^T X at W's stored positions ([N, K/2]), dY and X 2-D."""
     dw = dy2.t() @ x2
-    if calls.runs_16bit_kernels(dw) and env.compress_kernel():
+    if _on_kernels(dw):
         return ops.sp24_gather(dw, metadata)
     return semi24.gather_kept(dw, metadata)
 
@@ -92,6 +91,8 @@ sp24_input_grad_op = library.define(
 sp24_weight_grad_op = library.define(
     "sp24_weight_grad(Tensor dy, Tensor x, Tensor metadata) -> Tensor", weight_grad,
     lambda dy, x, metadata: dy.new_empty(dy.shape[1], x.shape[1] // 2))
+_input_grad_call = library.eager_or_op(sp24_input_grad_op, input_grad)
+_weight_grad_call = library.eager_or_op(sp24_weight_grad_op, weight_grad)
 
 
 _TRANSPOSABLE = plans.PlanCache()

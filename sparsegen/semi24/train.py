@@ -65,8 +65,7 @@ class _Sparse24STE(torch.autograd.Function):
             # compressing the transposed views as they are (no transpose copy).
             dx = masked_product(dy, operand.t(), mask.t()) if kernel_dx else dy @ (operand * mask)
         if ctx.needs_input_grad[1]:
-            dw = _sparse_weight_grad(dy2, x2) if dw_sparse and not torch.compiler.is_compiling() else (
-                _mvue_rows(dy2.t()) @ x2 if dw_sparse else dy2.t() @ x2)
+            dw = _sparse_weight_grad(dy2, x2) if dw_sparse else dy2.t() @ x2
             if ctx.dw_scale is not None:  # S-STE: straight through the scaled soft threshold
                 dw = dw * ctx.dw_scale.to(dw.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -88,19 +87,26 @@ sp24_masked_product_op = library.define(
     lambda x, operand, mask, bias=None: library.rows_by(x, operand.shape[0]))
 
 
-def masked_product(x, operand, mask, bias=None):
-    """x @ (operand * mask)^T (+ bias): the op in a compiled graph, else its implementation."""
-    return (sp24_masked_product_op if torch.compiler.is_compiling() else _sparse_product)(x, operand, mask, bias)
+# x @ (operand * mask)^T (+ bias): the op in a compiled graph, else its implementation.
+masked_product = library.eager_or_op(sp24_masked_product_op, _sparse_product)
 
 
 def _sparse_weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """dW = S X with S an MVUE 2:4 sample of dY^T along tokens. On the GPU (tokens a multiple
     of 32) the 2:4 kernel runs it as dW^T = X^T S^T: S is sampled and packed straight from
     dY's transposed view, X^T is one copy."""
-    if not (calls.runs_16bit_kernels(dy2) and dy2.shape[0] % semi24.COL_GRANULE == 0 and dy2.shape[0] > 0):
+    if not _mvue_dw_on_kernel(dy2):
         return _mvue_rows(dy2.t()) @ x2
     values, metadata = prune_and_compress(dy2.contiguous().t(), "mvue")  # the kernel unless turned off
     return ops.sp24_dds(x2.t().contiguous(), values, metadata, None, dy2.shape[1]).t()
+
+
+def _mvue_dw_on_kernel(dy2: torch.Tensor) -> bool:
+    """On the GPU with a token count a multiple of 32; not while torch.compile traces (the
+    kernel's seed is drawn on the host: PyTorch ops there)."""
+    tokens = dy2.shape[0]
+    return (not torch.compiler.is_compiling() and calls.runs_16bit_kernels(dy2) and tokens > 0
+            and tokens % semi24.COL_GRANULE == 0)
 
 
 def _mvue_rows(t: torch.Tensor) -> torch.Tensor:
@@ -132,6 +138,7 @@ def scheduled_refresh(weight, mask, step, scale, interval: int, method: str, sof
 sp24_scheduled_refresh_op = library.define(
     "sp24_scheduled_refresh(Tensor weight, Tensor(a!) mask, Tensor(b!) step, Tensor(c!) scale, int interval, "
     "str method, bool soft) -> ()", scheduled_refresh, lambda *args: None)
+_scheduled_refresh_call = library.eager_or_op(sp24_scheduled_refresh_op, scheduled_refresh)
 
 
 class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
@@ -199,9 +206,8 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         calls.check_inputs(x, weight, bias, self.in_features)
         if self.training and torch.is_grad_enabled():
             # (the weight as the products see it: the autocast copy, if any)
-            refresh = sp24_scheduled_refresh_op if torch.compiler.is_compiling() else scheduled_refresh
-            refresh(weight.detach(), self.mask, self.step, self.scale, self.mask_interval, self.method,
-                    self.soft_threshold)
+            _scheduled_refresh_call(weight.detach(), self.mask, self.step, self.scale, self.mask_interval,
+                                    self.method, self.soft_threshold)
         if self.dense:
             return F.linear(x, weight, bias)
         operand = self._operand(weight)
