@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import dense_path, epilogues, library, outside_graphs, runtime
+from . import dense_path, epilogues, library, outside_graphs, registry, runtime
 from .errors import InputError, expect
 from .spec import ARCHS
 
@@ -71,10 +71,17 @@ def _on_covered_gpu(t: torch.Tensor, dtypes: tuple) -> bool:
     return t.is_cuda and t.dtype in dtypes and has_kernels(t.device.index or 0)
 
 
-def fake_product(x, *args):
-    """A fake forward result: x's leading dims by the epilogue's output width (the last two
-    arguments: the weight's rows and the epilogue)."""
-    return library.rows_by(x, epilogues.output_features(args[-1], args[-2]))
+def define_product(op: str, implementation):
+    """The torch.library op of a registered forward product, its schema and fake result read
+    from the arguments its layout declared (registry.ProductArgs)."""
+    args = registry.op_rules(op).args
+    return library.define(args.schema(op), implementation, lambda *values: fake_product(args, *values))
+
+
+def fake_product(args: registry.ProductArgs, x, *rest):
+    """A fake forward result: x's leading dims by the epilogue's output width."""
+    out_features, epilogue = args.out_features_and_epilogue((x, *rest))
+    return library.rows_by(x, epilogues.output_features(epilogue, out_features))
 
 
 def rows_2d(x: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,8 @@ def _add_show(commands) -> None:
     which = sub.add_mutually_exclusive_group(required=True)
     which.add_argument("name", nargs="?", metavar="NAME", help="a kernel name, as --list prints")
     which.add_argument("--list", action="store_true", help="list the default kernel names")
+    sub.add_argument("--no-compile", action="store_true",
+                     help="only render (by default NAME is also compiled; a failure prints the NVRTC log)")
     sub.set_defaults(run=cmd_show)
 
 
@@ -214,6 +216,11 @@ def cmd_cache_clear(args) -> int:
 def cmd_show(args) -> int:
     if args.list:
         print("\n".join(spec.name for spec in selected_specs(args)[1]))
-    else:
-        print(codegen.render(specs.KernelSpec.from_name(args.name)), end="")
+        return 0
+    spec = specs.KernelSpec.from_name(args.name)
+    print(codegen.render(spec), end="")
+    if not args.no_compile:  # a template that renders may still not compile: NVRTC says why (exit 1)
+        built = cache.build(spec)
+        print(f"sparsegen: {spec.name} compiled for {spec.target}: {len(built.cubin)} bytes of CUBIN "
+              f"({'compiled now' if built.compiled else 'from the cache'})", file=sys.stderr)
     return 0

@@ -74,7 +74,7 @@ def template_texts() -> list[str]:
 
 
 # The core's Python that shapes a rendered kernel besides its spec: the templates' context.
-_RENDERING_MODULES = ("codegen.py", "epilogues.py")
+_RENDERING_MODULES = ("codegen.py", "epilogues.py", "gathered_specs.py")
 
 
 def generator_texts() -> list[str]:

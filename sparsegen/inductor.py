@@ -36,8 +36,8 @@ def _register() -> None:
     from torch._inductor.select_algorithm import extern_kernels
 
     def lowering(spec: registry.Lowering):
-        """op(*tensor inputs (bias may be None), *ints, out_features, epilogue) -> one
-        [..., width] tensor (calls.fake_product's shape), written by the layout's launcher."""
+        """op(*its declared arguments: registry.ProductArgs) -> one [..., width] tensor
+        (calls.fake_product's shape), written by the layout's launcher."""
         name = f"sparsegen_{spec.op}"
         for kernel_name, launcher in ((name, spec.launcher), (f"{name}_no_bias", _without_bias(spec))):
             if not hasattr(extern_kernels, kernel_name):
@@ -45,12 +45,14 @@ def _register() -> None:
 
         @register_lowering(getattr(torch.ops.sparsegen, spec.op).default, type_promotion_kind=None)
         def lower(*args):
-            inputs, constants = args[:spec.tensors], args[spec.tensors:]
+            tensors = len(spec.args.tensors)
+            inputs, constants = args[:tensors], args[tensors:]
             present = [ir.ExternKernel.realize_input(t) for t in inputs if t is not None]
             x = present[0]
-            size = [*x.get_size()[:-1], epilogues.output_features(constants[-1], constants[-2])]
+            out_features, epilogue = spec.args.out_features_and_epilogue(args)
+            size = [*x.get_size()[:-1], epilogues.output_features(epilogue, out_features)]
             layout = ir.FixedLayout(x.get_device(), spec.output_dtype(x.get_dtype()), size)
-            kernel = f"extern_kernels.{name}{'' if inputs[spec.bias_at] is not None else '_no_bias'}"
+            kernel = f"extern_kernels.{name}{'' if inputs[spec.args.bias_at] is not None else '_no_bias'}"
             return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
                                                           python_kernel_name=kernel))
         return lower
@@ -62,7 +64,8 @@ def _register() -> None:
 def _without_bias(spec: registry.Lowering):
     """The launcher as a graph without a bias calls it: the tensors but bias, then the rest."""
     def launcher(*args, out):
-        spec.launcher(*args[:spec.bias_at], None, *args[spec.bias_at:], out=out)
+        bias_at = spec.args.bias_at
+        spec.launcher(*args[:bias_at], None, *args[bias_at:], out=out)
     return launcher
 
 

@@ -10,11 +10,13 @@ from torch import nn
 
 from . import epilogues
 from .errors import InputError, expect
+from .bdiag.nn import BlockDiagonalLinear
 from .bsr.nn import BlockSparseLinear
+from .gathered import FixedRowsLinear
 from .semi24.nn import Sparse24Linear
 from .semi24.train import Sparse24TrainingLinear
 
-_SETTINGS = ("block", "density", "layout", "sparsity", "method", "training")
+_SETTINGS = ("block", "density", "layout", "sparsity", "method", "training", "nblocks")
 
 
 def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = True) -> list[str]:
@@ -129,12 +131,13 @@ def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
 def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
     """Gate and up as plain linears of one shape and bias, an activation with a gated
     epilogue, a down projection, and settings that describe the pair (no fixed layout, no
-    training recipe)."""
+    training recipe; not block-diagonal, whose blocks would pair gate rows with up rows)."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
     return (type(gate) is nn.Linear and type(up) is nn.Linear and gate.weight.shape == up.weight.shape
             and (gate.bias is None) == (up.bias is None) and gate.out_features % epilogues.GATE_GROUP == 0
             and hasattr(mlp, "down_proj") and activation_of(getattr(mlp, "act_fn", None)) in _GATES
-            and "layout" not in settings and "training" not in settings)
+            and "layout" not in settings and "training" not in settings
+            and settings.get("sparsity") != "block-diagonal")
 
 
 def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
@@ -194,7 +197,13 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
             if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products
                 return Sparse24TrainingLinear.from_dense(linear, **dict(settings["training"]))
             return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
-        expect(settings.get("sparsity", "block") == "block", "sparsity 'block' or '2:4'",
+        if settings.get("sparsity") == "block-diagonal":  # from_dense keeps the diagonal blocks
+            nblocks = settings.get("nblocks", max(1, round(1 / settings.get("density", 0.5))))
+            if from_dense:
+                return BlockDiagonalLinear.from_dense(linear, nblocks)
+            return BlockDiagonalLinear(linear.in_features, linear.out_features, nblocks, module.bias is not None,
+                                       weight.device, weight.dtype)
+        expect(settings.get("sparsity", "block") == "block", "sparsity 'block', '2:4' or 'block-diagonal'",
                repr(settings.get("sparsity")))
         if from_dense:
             return BlockSparseLinear.from_dense(linear, block, settings.get("density", 0.5),
@@ -212,6 +221,6 @@ def dense_copy(model: nn.Module) -> nn.Module:
     patched model against, or to export where sparsegen is not installed)."""
     twin = copy.deepcopy(model)
     for name, module in list(twin.named_modules()):
-        if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear)):  # (and GatedMLP's)
+        if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear, FixedRowsLinear)):
             _replace(twin, name, module.to_linear())
     return twin

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # The registry line: the layouts sparsegen ships. A new layout is a package with a specs
 # module that calls register(); add its name here.
-LAYOUTS = ("bsr", "semi24", "bell")
+LAYOUTS = ("bsr", "semi24", "bell", "bdiag")
 
 
 # What every template's context already holds (codegen.template_context): no parameter may shadow it.
@@ -43,6 +43,30 @@ class Param:
 
 
 @dataclass(frozen=True)
+class ProductArgs:
+    """A forward product op's arguments, declared once: its torch.library schema, its fake
+    result (calls.fake_product), its layers' calls and the Inductor lowering all read this.
+    Tensors come first (x first; the one named "bias" may be None), then the op's own ints,
+    then every product op's last two: out_features (W's rows) and the epilogue."""
+
+    tensors: tuple[str, ...]                        # e.g. ("x", "values", "bias", "cols")
+    ints: tuple[str, ...] = ()
+
+    def schema(self, op: str) -> str:
+        tensors = ", ".join(f"Tensor{'?' if name == 'bias' else ''} {name}" for name in self.tensors)
+        ints = "".join(f", int {name}" for name in self.ints)
+        return f"{op}({tensors}{ints}, int out_features, str epilogue) -> Tensor"
+
+    @property
+    def bias_at(self) -> int:
+        return self.tensors.index("bias")
+
+    def out_features_and_epilogue(self, args: tuple) -> tuple[int, str]:
+        at = len(self.tensors) + len(self.ints)
+        return args[at], args[at + 1]
+
+
+@dataclass(frozen=True)
 class OpRules:
     """One op of a layout: what its KernelSpecs may hold and how they render."""
 
@@ -56,6 +80,7 @@ class OpRules:
     tensor_cores: bool = True                       # False: copies and pruning (no SASS MMA check)
     params: tuple[Param, ...] = ()                  # the op's own typed parameters
     accs: tuple[str, ...] = ("f32",)                # accumulator types its templates implement (spec.ACCS)
+    args: ProductArgs | None = None                 # a forward product op's arguments (its custom op's)
 
     def __post_init__(self):
         for param in self.params:
@@ -67,14 +92,16 @@ class OpRules:
 @dataclass(frozen=True)
 class Lowering:
     """A forward op a compiled graph calls straight (inductor.py): `launcher(*the op's
-    arguments, out=buffer)` writes Y into Inductor's buffer; bias, the `bias_at`-th of its
-    `tensors` leading tensor arguments, may be None."""
+    arguments, out=buffer)` writes Y into Inductor's buffer. The arguments are the op's
+    declared ProductArgs (its OpRules.args)."""
 
     op: str                                         # its name under torch.ops.sparsegen
     launcher: Callable
-    tensors: int
-    bias_at: int
     output_dtype: Callable = lambda dtype: dtype     # Y's dtype for X's
+
+    @property
+    def args(self) -> ProductArgs:
+        return op_rules(self.op).args
 
 
 @dataclass(frozen=True)

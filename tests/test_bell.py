@@ -120,7 +120,7 @@ def test_rowblocks_is_a_spec_parameter_in_name_key_and_source():
     assert other.key != spec.key
     source = codegen.render(spec)
     assert "return r * 8;" in source and "count(int) { return 8; }" in source
-    assert "EllRows" in source and "sg::GatheredDds<" in source
+    assert "return sg::indexed_col(cols, first, blk);" in source and "sg::GatheredDds<" in source
 
 
 @pytest.mark.parametrize("change,message", [

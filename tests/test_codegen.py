@@ -46,6 +46,19 @@ OTHER_GOLDEN = [
     KernelSpec(op="bell_dds", block=(64, 64), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="pingpong",
                epilogue="gelu", params={"rowblocks": 16}),
 ]
+
+
+def registry_golden() -> list:
+    """Each registered op without a pinned spec above gets its layout's first default kernel
+    on sm_80 and on sm_90: a new layout's templates are golden-tested with no edit here."""
+    pinned, found = {s.op for s in GOLDEN_SPECS + OTHER_GOLDEN}, {}
+    for spec in specmod.default_specs(80) + specmod.default_specs(90):
+        if spec.op not in pinned:
+            found.setdefault((spec.op, spec.arch), spec)
+    return list(found.values())
+
+
+OTHER_GOLDEN += registry_golden()
 SPECS = GOLDEN_SPECS + [
     forward_spec((16, 128), "bf16", 86),
     forward_spec((64, 64), "fp16", 90, instr="wgmma"),

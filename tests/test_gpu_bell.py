@@ -79,7 +79,7 @@ def test_training_gradients_match_float64():
     x64 = x.detach().double().requires_grad_()
     values64 = layer.values.detach().double().requires_grad_()
     bias64 = layer.bias.detach().double().requires_grad_()
-    bell_ops.reference(x64, values64, layer.cols, bias64, 256).backward(dy.double())
+    bell_ops.reference(x64, values64, bias64, layer.cols, layer.per_row, 256).backward(dy.double())
     for got, want in ((x.grad, x64.grad), (layer.values.grad, values64.grad), (layer.bias.grad, bias64.grad)):
         assert relative_error(got, want) < 2e-2
 

@@ -323,12 +323,13 @@ def main(argv=None) -> None:
     parser.add_argument("--compile", action="store_true", help="cold compile times (no GPU needed)")
     parser.add_argument("--train", action="store_true", help="forward+backward timings only")
     parser.add_argument("--bell", action="store_true", help="the block-ELL layout against block-CSR and dense")
+    parser.add_argument("--bdiag", action="store_true", help="the block-diagonal layout against dense and torch.bmm")
     parser.add_argument("--acc", action="store_true", help="fp16 accumulators against f32 on the mma.sync kernel")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.tune:
         return run_tuning()
-    modes = [(args.bell, bench_bell), (args.acc, bench_acc), (args.compile, compile_times),
+    modes = [(args.bell, bench_bell), (args.bdiag, bench_bdiag), (args.acc, bench_acc), (args.compile, compile_times),
              (args.train, bench_training), (args.overheads, overheads)]
     tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
     write(args.json, "bench.py", argv, tables)
@@ -365,6 +366,32 @@ def bench_bell(shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008
                 lambda: F.linear(x, w), lambda: csr(x), lambda: ell(x))))
         table.add(f"{m}, {k}, {n}", block, ell.density, dense_ms, csr_ms, ell_ms, dense_ms / csr_ms, dense_ms / ell_ms,
                   diff)
+    return table
+
+
+def bench_bdiag(shapes=((8192, 4096, 4096), (8192, 4096, 11008), (16, 4096, 4096)), nblocks=(2, 4, 8)) -> Table:
+    """The block-diagonal layout (sparsegen.bdiag, through the layout kit) against a dense
+    nn.Linear of the same (zero-filled) weight and torch.bmm of its diagonal blocks, bf16:
+    the forward, and forward + backward (x and the weights both need gradients)."""
+    from sparsegen.bdiag.nn import BlockDiagonalLinear
+    from sparsegen.bdiag.ops import batched_product
+
+    table = Table("Block-sparse layers", "Block-diagonal (the kit's second layout) against dense and torch.bmm, bf16",
+                  [("M, K, N", ""), ("nblocks", ""), ("dense ms", ".3f"), ("bmm ms", ".3f"), ("bdiag ms", ".3f"),
+                   ("vs dense", "x"), ("vs bmm", "x"), ("train dense ms", ".3f"), ("train bmm ms", ".3f"),
+                   ("train bdiag ms", ".3f"), ("train vs dense", "x"), ("train vs bmm", "x")])
+    for (m, k, n), count in itertools.product(shapes, nblocks):
+        layer = BlockDiagonalLinear(k, n, count, bias=False, device="cuda", dtype=torch.bfloat16)
+        dense = layer.to_linear().requires_grad_()
+        blocks = layer.blocks().detach().clone().requires_grad_()
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        products = (dense, lambda x: batched_product(x, blocks), layer)
+        with torch.no_grad():
+            forward = interleaved(*(lambda f=f: median_ms(lambda: f(x)) for f in products))
+        train = interleaved(*(lambda f=f: median_ms(lambda: f(x).backward(dy)) for f in products))
+        table.add(f"{m}, {k}, {n}", count, *forward, forward[0] / forward[2], forward[1] / forward[2], *train,
+                  train[0] / train[2], train[1] / train[2])
     return table
 
 

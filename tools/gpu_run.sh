@@ -34,6 +34,8 @@ for step in "${steps[@]}"; do
          tag=${cases//,/_}${MODEL_TAG:-}
          timeout ${MODEL_TIMEOUT:-590} python3 -X faulthandler tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} \
            --json "$R/11_models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
+    bdiag) timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_bdiag.py 2>&1 | tee "$OUT/bdiag_tests.log" | tail -15
+         timeout 300 python3 tools/bench.py --bdiag --json "$R/22_layers_bdiag.json" 2>&1 | tee "$OUT/bdiag_bench.log" | grep "^|" ;;
     bell) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_bell.py -x 2>&1 | tee "$OUT/bell_tests.log" | tail -15
          timeout 300 python3 tools/bench.py --bell --json "$R/21_layers_bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
     acc) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_acc.py 2>&1 | tee "$OUT/acc_tests.log" | tail -8

@@ -19,7 +19,7 @@ class _EllLinear(torch.autograd.Function):
     def forward(ctx, x, values, bias, cols, out_features):
         ctx.save_for_backward(x, values, cols)
         ctx.has_bias = bias is not None
-        return forward_product(x, values, bias, cols, out_features)
+        return ops.BELL_DDS(x, values, bias, cols, values.shape[1], out_features)
 
     @staticmethod
     def backward(ctx, dy):
@@ -31,14 +31,6 @@ class _EllLinear(torch.autograd.Function):
         dvalues = ell.gather_values(dy2.t() @ x2, cols, block) if need[1] else None
         dbias = dy2.sum(0) if ctx.has_bias and need[2] else None
         return dx, dvalues, dbias, None, None
-
-
-def forward_product(x, values, bias, cols, out_features: int, epilogue: str = "none") -> Tensor:
-    """epilogue(X W^T + b) with no gradient: the op inside a compiled graph, else the kernel
-    (or, off the GPU, the reference) called directly."""
-    if torch.compiler.is_compiling():
-        return ops.bell_dds_op(x, values, bias, cols, out_features, epilogue)
-    return ops.bell_dds_any_device(x, values, bias, cols, out_features, epilogue)
 
 
 def block_ell_linear(x: Tensor, values: Tensor, bias: Optional[Tensor], cols: Tensor, out_features: int) -> Tensor:

@@ -1,20 +1,17 @@
 """BlockEllLinear: a drop-in nn.Linear whose weight is block-ELL."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from .. import calls, checkpoint, epilogues, lean
+from .. import gathered
 from ..errors import expect, positive_int
-from ..layer import SparseLinearForward, dense_linear
 from . import format as ell
 from . import ops
-from .autograd import block_ell_linear, forward_product
+from .autograd import block_ell_linear
 
 
-class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+class BlockEllLinear(gathered.FixedRowsLinear):
     """y = x W^T + b with W [out, in] in blocks of shape `block`, every block row keeping the
     same number of them: `per_row`, or round(density x in / block[1]) (at least one).
 
@@ -22,6 +19,8 @@ class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
     fixes which blocks exist; otherwise each row's are drawn at random. `fuse(epilogue)`
     applies an activation or a gated product in the kernel (epilogues.py).
     """
+
+    PRODUCT = ops.BELL_DDS
 
     def __init__(self, in_features: int, out_features: int, block=(32, 32), density: float = 0.5,
                  per_row: int | None = None, bias: bool = True, device=None, dtype=None, cols=None):
@@ -32,21 +31,15 @@ class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         grid = ell.grid_shape(out_features, in_features, self.block)
         self.per_row = ell.check_per_row(per_row, grid, density)
         cols = ell.random_cols(grid, self.per_row) if cols is None else ell.check_cols(cols, grid, self.per_row)
-        factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
         self.register_buffer("cols", cols.to(device))
-        self.values = nn.Parameter(torch.empty(grid[0], self.per_row, *self.block, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.per_row * self.block[1])  # nn.Linear's, on the fan-in each output has
-        nn.init.uniform_(self.values, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        self._make_parameters(grid[0], self.per_row, bias, dict(device=device, dtype=dtype or torch.get_default_dtype()))
 
     @property
     def density(self) -> float:
         return self.per_row * self.block[1] / self.in_features
+
+    def op_args(self) -> tuple:
+        return self.cols, self.per_row
 
     def to_dense_weight(self) -> torch.Tensor:
         return ell.to_dense(self.values, self.cols, (self.out_features, self.in_features))
@@ -57,19 +50,8 @@ class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         if cols is not None:
             ell.check_cols(cols, ell.grid_shape(self.out_features, self.in_features, self.block), self.per_row)
 
-    def _after_load(self) -> None:
-        self._forget_lean_calls()
-
     def _differentiable_product(self, x, values, bias) -> torch.Tensor:
         return block_ell_linear(x, values, bias, self.cols, self.out_features)
-
-    def _product(self, x, values, bias) -> torch.Tensor:
-        return forward_product(x, values, bias, self.cols, self.out_features, self.epilogue)
-
-    def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
-        calls.check_inputs(x, values, bias, self.in_features)
-        plan = ops.bell_lean_plan(x, values, self.cols, self.out_features, self.epilogue)
-        return None if plan is None else lean.LeanCall(plan, x, values, bias)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,
@@ -86,11 +68,6 @@ class BlockEllLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
-
-    def to_linear(self) -> nn.Module:
-        """A dense nn.Linear with this layer's weights (zeros where blocks are absent), then the
-        epilogue where one is fused."""
-        return self._dense_twin(dense_linear(self.to_dense_weight().detach(), self.bias))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "

@@ -25,4 +25,4 @@ def bsr_dds_into(x, values, bias, row_offsets, col_indices, flat_index, block_ro
                                                       block_rows, block_cols, out_features, epilogue))
 
 
-LOWERINGS = (registry.Lowering("bsr_dds", bsr_dds_into, tensors=6, bias_at=2),)
+LOWERINGS = (registry.Lowering("bsr_dds", bsr_dds_into),)

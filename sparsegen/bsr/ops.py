@@ -54,10 +54,7 @@ def _bsr_dds_impl(x, values, bias, row_offsets, col_indices, flat_index, block_r
                               out_features, epilogue)
 
 
-bsr_dds_op = library.define(
-    "bsr_dds(Tensor x, Tensor values, Tensor? bias, Tensor row_offsets, Tensor col_indices, Tensor flat_index, "
-    "int block_rows, int block_cols, int out_features, str epilogue) -> Tensor",
-    _bsr_dds_impl, calls.fake_product)
+bsr_dds_op = calls.define_product("bsr_dds", _bsr_dds_impl)
 
 
 def bsr_dds(x, values, row_offsets, col_indices, bias, block, out_features, out=None, tile=None,

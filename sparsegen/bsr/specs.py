@@ -259,7 +259,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 
 registry.register(registry.Layout("bsr", (
     registry.OpRules("bsr_dds", "bsr/bsr_dds.cu.j2", _validate_dds, _dds_smem, trans=("nt", "nn"), epilogues=True,
-                     accs=("f32", "f16")),
+                     accs=("f32", "f16"), args=registry.ProductArgs(
+                         ("x", "values", "bias", "row_offsets", "col_indices", "flat_index"), ("block_rows", "block_cols"))),
     registry.OpRules("bsr_sdd", "bsr/bsr_sdd.cu.j2", _validate_sdd, _sdd_smem, trans=("tn",)),
     registry.OpRules("bsr_scatter", "bsr/bsr_scatter.cu.j2", _validate_scatter, _no_smem, tensor_cores=False),
 ), default_specs, Path(__file__).parent, lowerings_module="compiled"))

@@ -35,9 +35,7 @@ def sp24_any_device(x, values, metadata, bias, out_features: int, epilogue: str 
     return sp24_reference(x, values, metadata, bias, out_features, epilogue)
 
 
-sp24_dds_op = library.define(
-    "sp24_dds(Tensor x, Tensor values, Tensor metadata, Tensor? bias, int out_features, str epilogue) -> Tensor",
-    sp24_any_device, calls.fake_product)
+sp24_dds_op = calls.define_product("sp24_dds", sp24_any_device)
 
 
 def forward_product(x, values, metadata, bias, out_features: int, epilogue: str = "none") -> Tensor:

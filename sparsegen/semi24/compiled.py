@@ -23,4 +23,4 @@ def sp24_dds_into(x, values, metadata, bias, out_features, epilogue, *, out):
         out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))
 
 
-LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into, tensors=4, bias_at=3, output_dtype=ops.sp24_output_dtype),)
+LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into, output_dtype=ops.sp24_output_dtype),)

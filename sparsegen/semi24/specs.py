@@ -167,7 +167,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 
 registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_dds", "semi24/sp24_dds.cu.j2", _validate, _dds_smem, context=_output_context,
-                     epilogues=True),
+                     epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias"))),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,

@@ -31,6 +31,13 @@ struct GatherStageLoader {
     return blk < nnz ? __ldg(cols + first + blk) : 0;
   }
 
+  // The same through a row policy (sg_rows.cuh), which may compute the column instead.
+  template <class Rows>
+  __device__ static int lookup_col(int stage, const Rows& rows, int r, const int* cols, int first, int nnz) {
+    const int blk = chunk_k(stage) / BK;
+    return blk < nnz ? rows.col(cols, r, first, blk) : 0;
+  }
+
   __device__ static int num_stages(int nnz) { return (nnz * BK + STAGE_K - 1) / STAGE_K; }
 
   // Copies past the row's last block, or past row M, are zero-filled: they add nothing.

@@ -51,11 +51,11 @@ struct GatheredDds {
     const int warp = threadIdx.x >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
     Frag acc[MT][NT] = {};
 
-    int col = Loader::lookup_col(0, cols, first, nnz);
+    int col = Loader::lookup_col(0, rows, block_row, cols, first, nnz);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       const int this_col = col;
-      col = Loader::lookup_col(s + 1, cols, first, nnz);
+      col = Loader::lookup_col(s + 1, rows, block_row, cols, first, nnz);
       if (s < stages) Loader::load(smem + s * Loader::STAGE_BYTES, s, this_col, x, values, first, nnz, m0, M, K);
       cp_async_commit();
     }
@@ -63,7 +63,7 @@ struct GatheredDds {
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // stage s landed for everyone; stage s-1's buffer is free to refill
       const int next = s + STAGES - 1, this_col = col;
-      col = Loader::lookup_col(next + 1, cols, first, nnz);  // used one iteration from now
+      col = Loader::lookup_col(next + 1, rows, block_row, cols, first, nnz);  // used one iteration from now
       if (next < stages)
         Loader::load(smem + (next % STAGES) * Loader::STAGE_BYTES, next, this_col, x, values,
                      first, nnz, m0, M, K);

@@ -43,8 +43,8 @@ struct GatheredDdsTma {
   // Stages are counted across all the tiles a block handles (`g`), so the ring's buffer
   // and phase carry over from one tile to the next.
   __device__ static void produce(const TensorMap* x_map, const TensorMap* w_map, u32 smem, u32 bars,
-                                 const int* cols, int first, int nnz, int g0, int stages, int m0,
-                                 int K, int w_rows) {
+                                 Rows rows, int block_row, const int* cols, int first, int nnz, int g0,
+                                 int stages, int m0, int K, int w_rows) {
     for (int s = 0; s < stages; ++s) {
       const int g = g0 + s, buf = g % STAGES;
       const u32 full = bars + 8 * buf, empty = bars + 8 * (STAGES + buf);
@@ -55,7 +55,7 @@ struct GatheredDdsTma {
       for (int j = 0; j < SUBS; ++j) {
         const int k = s * STAGE_K + j * SUB_K, blk = k / BK, koff = k % BK;
         const bool in_row = blk < nnz;  // past the row's end: read outside both tensors -> zeros
-        const int x_k = in_row ? __ldg(cols + first + blk) * BK + koff : K;
+        const int x_k = in_row ? rows.col(cols, block_row, first, blk) * BK + koff : K;
         const int w_row = in_row ? (first + blk) * BM : w_rows;
         tma_load_2d(stage + j * TILE_M * SUB_BYTES, x_map, x_k, m0, full);
         tma_load_2d(stage + X_BYTES + j * BM * SUB_BYTES, w_map, koff, w_row, full);
@@ -122,7 +122,7 @@ struct GatheredDdsTma {
       const int first = rows.first(block_row), nnz = rows.count(block_row);
       const int stages = (nnz * BK + STAGE_K - 1) / STAGE_K;
       if (wg == 0) {
-        produce(x_map, w_map, smem, bars, cols, first, nnz, g, stages, m0, K, w_rows);
+        produce(x_map, w_map, smem, bars, rows, block_row, cols, first, nnz, g, stages, m0, K, w_rows);
       } else if (!PINGPONG) {
         consume(smem, bars, g, stages, (wg - 1) * WG_M, acc);
         store_wgmma_tile<Mma, BM, true, Epi>(acc, bias, y, m0 + (wg - 1) * WG_M, block_row * BM, M, N);

@@ -1,0 +1,33 @@
+"""The block-diagonal forward: its PyTorch reference (a batched product of the diagonal
+blocks), and the kit's product over it (GPU launch, custom op, compiled graph's launcher)."""
+from __future__ import annotations
+
+import torch
+
+from .. import epilogues, gathered
+from . import format as diag
+
+
+def reference(x, values, bias, rowblocks: int, diagrows: int, out_features: int, epilogue: str = "none"):
+    """Y = epilogue(X W^T + b) as torch.bmm of the diagonal blocks (differentiable, traceable)."""
+    nblocks = values.shape[0] // diagrows
+    return epilogues.reference(batched_product(x, diag.untile(values, nblocks), bias), epilogue)
+
+
+def batched_product(x, blocks, bias=None):
+    """X W^T for W of diagonal `blocks` [nblocks, n, k]: each block times its slice of X."""
+    nblocks, n, k = blocks.shape
+    x3 = x.reshape(-1, nblocks, k).transpose(0, 1)  # [nblocks, M, k]
+    y = torch.bmm(x3, blocks.transpose(1, 2)).transpose(0, 1).reshape(*x.shape[:-1], nblocks * n)
+    return y if bias is None else y + bias
+
+
+BDIAG_DDS = gathered.FixedRowsProduct("bdiag_dds", reference)
+LOWERINGS = (BDIAG_DDS.lowering,)
+
+
+def bdiag_dds(x, values, bias, nblocks: int, epilogue: str = "none", **kernel):
+    """epilogue(X W^T + b) on the GPU (gathered.FixedRowsProduct.gpu: `out`, and `tile`,
+    `instr`, `acc` to force a kernel)."""
+    rows, rowblocks, bm, _ = values.shape
+    return BDIAG_DDS.gpu(x, values, bias, rowblocks, rows // nblocks, rows * bm, epilogue, **kernel)

@@ -1,0 +1,177 @@
+"""The layout kit, launch side: a fixed-rows layout's forward product (gathered_specs.py) on
+any device, and the nn module its layers share.
+
+FixedRowsProduct is one registered op, called with the arguments its layout declared
+(registry.ProductArgs: x, values, bias[, index], *params, out_features, epilogue). On a
+covered GPU it launches the generated kernel, planned once per layout and call signature;
+elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
+torch.library op, which Inductor lowers to `into` (inductor.py). No gradient: each layout's
+autograd Function composes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from . import calls, checkpoint, epilogues, gathered_specs, lean, plans, registry, runtime
+from .layer import SparseLinearForward, dense_linear
+
+# The plans of a layout that computes its columns depend on the call alone: one owner for all.
+_NO_INDEX = torch.empty(0)
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel(op: str, block: tuple[int, int], dtype: torch.dtype, device_index: int, params: tuple,
+                   small: bool, epilogue: str = "none", tile=None, instr=None, acc: str = "f32") -> runtime.Kernel:
+    """The kernel of one (op, block, dtype, device, params, small batch, epilogue), loaded once."""
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    spec = gathered_specs.forward_spec(op, block, calls.DTYPE_NAMES[dtype], arch, dict(params),
+                                       rows=1 if small else None, epilogue=epilogue, tile=tile, instr=instr, acc=acc)
+    return runtime.kernel(spec, device_index)
+
+
+class Call(NamedTuple):
+    """The op's arguments after x, values and bias, by meaning."""
+    index: torch.Tensor | None
+    params: tuple[int, ...]
+    out_features: int
+    epilogue: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedRowsPlan:
+    launch: runtime.PackedLaunch    # X and W (pointers or TMA maps), the index (or null), bias, Y
+    width: int                      # Y's columns
+    dense: bool = False             # (lean.py asks: these layouts have no dense path)
+
+    def run(self, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
+        plans.run_product(self.launch, x2, values, bias, y)
+
+
+class FixedRowsProduct:
+    """epilogue(X W^T + b) for the registered fixed-rows op `op`; `reference(x, values, bias,
+    *rest)` is its PyTorch definition (differentiable, traceable)."""
+
+    def __init__(self, op: str, reference: Callable):
+        self.op, self.reference = op, reference
+        self.args = registry.op_rules(op).args
+        self._plans = plans.PlanCache()
+        self.overload = calls.define_product(op, self.any_device)
+        self.lowering = registry.Lowering(op, self.into)
+
+    def __call__(self, x, values, bias, *rest):
+        """The op while torch.compile traces (the compiled graph calls it), else any_device."""
+        product = self.overload if torch.compiler.is_compiling() else self.any_device
+        return product(x, values, bias, *rest)
+
+    def any_device(self, x, values, bias, *rest):
+        if x.is_cuda and calls.has_kernels(x.device.index or 0):
+            return self.gpu(x, values, bias, *rest)
+        return self.reference(x, values, bias, *rest)
+
+    def gpu(self, x, values, bias, *rest, out=None, tile=None, instr=None, acc="f32"):
+        """On the GPU; x may have leading batch dims. `out` (contiguous, 16-byte aligned)
+        receives Y when given; `tile`, `instr` and `acc` override the default kernel."""
+        call, x2 = self._call(rest), calls.rows_2d(x)
+        if x2.shape[0] == 0:
+            return calls.product_without_weight(x, x2, bias, out, call.out_features, call.epilogue)
+        if calls.kernel_left_to_dispatch(tile, instr, acc):
+            plan = self._cached_plan(x2, values, call)
+        else:
+            plan = self._plan(x2, values, call, tile, instr, acc)
+        y, shaped = calls.output_for(x, x2, out, plan.width)
+        plan.run(x2, calls.aligned(values), bias, y)
+        return shaped
+
+    def lean_plan(self, x, values, *rest):
+        """The plan repeated inference calls of x's signature run straight (lean.py), or None
+        where they take the full call: off the GPU, no rows, a CUDA graph capture."""
+        if not (x.is_cuda and calls.has_kernels(x.device.index or 0) and x.numel() and calls.tma_ready(values)):
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return self._cached_plan(calls.rows_2d(x), values, self._call(rest))
+
+    def into(self, x, values, bias, *rest, out):
+        """The launcher a compiled graph calls: Y into Inductor's buffer `out`."""
+        plan = self.lean_plan(x, values, *rest) if calls.fits_in_place(out) else None
+        if plan is not None and lean.runs(plan, x):
+            plan.run(x, values, bias, out)
+        else:
+            out.copy_(self.overload(x, values, bias, *rest))
+
+    def _call(self, rest: tuple) -> Call:
+        index, rest = (rest[0], rest[1:]) if len(self.args.tensors) > 3 else (None, rest)
+        count = len(self.args.ints)
+        return Call(index, tuple(rest[:count]), rest[count], rest[count + 1] if len(rest) > count + 1 else "none")
+
+    def _cached_plan(self, x2, values, call: Call) -> FixedRowsPlan:
+        owner = _NO_INDEX if call.index is None else call.index
+        signature = (x2.shape[0], x2.dtype, x2.device, tuple(values.shape), call.params, call.out_features,
+                     call.epilogue)
+        return self._plans.get(owner, signature, lambda: self._plan(x2, values, call))
+
+    def _plan(self, x2, values, call: Call, tile=None, instr=None, acc="f32") -> FixedRowsPlan:
+        (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape
+        params = tuple(zip(self.args.ints, call.params))
+        kern = forward_kernel(self.op, (bm, bk), x2.dtype, x2.device.index or 0, params,
+                              m <= gathered_specs.SMALL_ROWS, call.epilogue, tile, instr, acc)
+        spec, stored_rows = kern.spec, rows * rowblocks * bm  # W's stored blocks as rows of a [*, bk] matrix
+        maps = () if spec.instr == "mma" else (
+            (x2.dtype, m, k, spec.tile.tile_m, min(bk, 64)), (values.dtype, stored_rows, bk, bm, min(bk, 64)))
+        index_at = 0 if call.index is None else call.index.data_ptr()
+        pointers = (0,) * (2 - len(maps)) + (index_at, 0, 0)
+        ints = (m, k, rows * bm) + (() if spec.instr == "mma" else (stored_rows,))
+        launch = runtime.PackedLaunch(kern, _grid(kern, m, rows), maps, pointers, ints)
+        return FixedRowsPlan(launch, epilogues.output_features(call.epilogue, rows * bm))
+
+
+def _grid(kern, m: int, block_rows: int) -> tuple[int, int, int]:
+    tiles = (block_rows, -(-m // kern.spec.tile.tile_m))
+    if kern.spec.instr == "mma":
+        return (*tiles, 1)
+    return (min(tiles[0] * tiles[1], runtime.sm_count(kern.device_index)), 1, 1)  # persistent
+
+
+class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+    """What a fixed-rows layout's nn.Linear replacement shares. A subclass sets PRODUCT (its
+    FixedRowsProduct) and defines `op_args()` (its op's arguments after bias, up to
+    out_features), `to_dense_weight()` and `_differentiable_product(x, values, bias)`."""
+
+    PRODUCT: FixedRowsProduct
+
+    def _make_parameters(self, block_rows: int, rowblocks: int, bias: bool, factory: dict) -> None:
+        """values [block_rows, rowblocks, bm, bk] and bias, initialised as nn.Linear's."""
+        self.values = nn.Parameter(torch.empty(block_rows, rowblocks, *self.block, **factory))
+        self.bias = nn.Parameter(torch.empty(self.out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.values.shape[1] * self.block[1])  # nn.Linear's, on each output's fan-in
+        nn.init.uniform_(self.values, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def op_args(self) -> tuple:
+        raise NotImplementedError
+
+    def _product(self, x, values, bias) -> torch.Tensor:
+        return self.PRODUCT(x, values, bias, *self.op_args(), self.out_features, self.epilogue)
+
+    def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
+        calls.check_inputs(x, values, bias, self.in_features)
+        plan = self.PRODUCT.lean_plan(x, values, *self.op_args(), self.out_features, self.epilogue)
+        return None if plan is None else lean.LeanCall(plan, x, values, bias)
+
+    def _after_load(self) -> None:
+        self._forget_lean_calls()
+
+    def to_linear(self) -> nn.Module:
+        """A dense nn.Linear with this layer's weights (zeros where blocks are absent), then the
+        epilogue where one is fused."""
+        return self._dense_twin(dense_linear(self.to_dense_weight().detach(), self.bias))
