@@ -54,7 +54,8 @@ import torch
 from sparsegen.bell.nn import BlockEllLinear
 x = torch.randn(3, 64)
 for layer in (sparsegen.linear(64, 32, block=(16, 16), density=0.5), sparsegen.linear(64, 32, sparsity="2:4"),
-              BlockEllLinear(64, 32, block=(16, 16), density=0.5)):
+              BlockEllLinear(64, 32, block=(16, 16), density=0.5),
+              sparsegen.linear(64, 32, sparsity="block-diagonal", nblocks=2)):
     dense = sparsegen.dense_copy(layer)
     torch.testing.assert_close(layer(x), dense(x))
 print(json.dumps({"templates": str(templates), "version": sparsegen.__version__}))
