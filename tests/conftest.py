@@ -109,6 +109,25 @@ def graph_replay():
 
 
 @pytest.fixture
+def autocast_losses():
+    """losses(model, in_features, out_features, steps=30): the MSE losses of `steps` AdamW
+    steps under bf16 autocast on one fixed random batch (does a layer train at all)."""
+    def losses(model, in_features, out_features, steps=30):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        x, target = torch.randn(512, in_features, device="cuda"), torch.randn(512, out_features, device="cuda")
+        seen = []
+        for _ in range(steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen.append(loss.item())
+        return seen
+    return losses
+
+
+@pytest.fixture
 def weight_grad_draws():
     """draws(layer, x, dy, n): layer.weight.grad of n separate backward passes, stacked, in
     float64 (for the statistical checks of randomized gradients)."""

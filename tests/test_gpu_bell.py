@@ -84,20 +84,11 @@ def test_training_gradients_match_float64():
         assert relative_error(got, want) < 2e-2
 
 
-def test_a_few_training_steps_reduce_the_loss():
+def test_a_few_training_steps_reduce_the_loss(autocast_losses):
     torch.manual_seed(2)
     model = torch.nn.Sequential(BlockEllLinear(256, 256, (32, 32), per_row=4, device="cuda"), torch.nn.GELU(),
                                 BlockEllLinear(256, 64, (32, 32), per_row=4, device="cuda"))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x, target = torch.randn(512, 256, device="cuda"), torch.randn(512, 64, device="cuda")
-    losses = []
-    for _ in range(30):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = autocast_losses(model, 256, 64)
     assert losses[-1] < 0.9 * losses[0]
 
 

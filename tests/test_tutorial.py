@@ -50,7 +50,7 @@ def test_the_tutorial_names_its_files():
 def test_show_renders_and_compiles_the_tutorial_kernel(copy):
     done = run(copy, "-m", "sparsegen", "show", KERNEL)
     assert done.returncode == 0, done.stderr
-    assert "(r + blk) % 16" in done.stdout and f"compiled for sm_90a" in done.stderr
+    assert "(r + blk) % 16" in done.stdout and "compiled for sm_90a" in done.stderr
 
 
 def test_precompile_builds_it_and_layer_matches_float64(copy):

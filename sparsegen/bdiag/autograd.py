@@ -28,8 +28,7 @@ class _DiagLinear(torch.autograd.Function):
 
 
 def forward_product(x, values, bias, nblocks: int, epilogue: str = "none") -> Tensor:
-    rows, rowblocks, bm, _ = values.shape
-    return ops.BDIAG_DDS(x, values, bias, rowblocks, rows // nblocks, rows * bm, epilogue)
+    return ops.BDIAG_DDS(x, values, bias, *ops.op_ints(values, nblocks), epilogue)
 
 
 def weight_grad(dy: Tensor, x: Tensor, nblocks: int, block: tuple[int, int]) -> Tensor:

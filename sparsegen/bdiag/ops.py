@@ -26,8 +26,13 @@ BDIAG_DDS = gathered.FixedRowsProduct("bdiag_dds", reference)
 LOWERINGS = (BDIAG_DDS.lowering,)
 
 
+def op_ints(values, nblocks: int) -> tuple[int, int, int]:
+    """The op's (rowblocks, diagrows, out_features) for tiles `values` of `nblocks` blocks."""
+    rows, rowblocks, bm, _ = values.shape
+    return rowblocks, rows // nblocks, rows * bm
+
+
 def bdiag_dds(x, values, bias, nblocks: int, epilogue: str = "none", **kernel):
     """epilogue(X W^T + b) on the GPU (gathered.FixedRowsProduct.gpu: `out`, and `tile`,
     `instr`, `acc` to force a kernel)."""
-    rows, rowblocks, bm, _ = values.shape
-    return BDIAG_DDS.gpu(x, values, bias, rowblocks, rows // nblocks, rows * bm, epilogue, **kernel)
+    return BDIAG_DDS.gpu(x, values, bias, *op_ints(values, nblocks), epilogue, **kernel)
