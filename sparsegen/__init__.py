@@ -6,7 +6,7 @@ from .semi24.nn import Sparse24Linear
 from . import inductor  # noqa: F401 (the compiled graphs' lowerings)
 from .bsr import topology
 from .patching import GatedMLP, dense_copy, patch
-from .spec import KernelSpec, TileConfig
+from .jit.spec import KernelSpec, TileConfig
 from .semi24.tensor import Sparse24Tensor, to_sparse24
 from .semi24.train import Sparse24TrainingLinear, dense_finetune_, masked_decay_
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import __version__, bundle, cache, codegen, env
-from . import spec as specs
+from . import __version__, env
+from .jit import bundle, cache, codegen
+from .jit import spec as specs
 from .errors import SparsegenError, SpecError, expect
 
 USAGE_ERROR = 2  # what argparse itself returns for a bad command line

@@ -18,7 +18,9 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import calls, checkpoint, epilogues, gathered_specs, lean, plans, registry, runtime
+from .launch import calls, lean, plans, runtime
+from . import checkpoint
+from .jit import epilogues, gathered_specs, registry
 from .layer import SparseLinearForward, dense_linear
 
 # The plans of a layout that computes its columns depend on the call alone: one owner for all.

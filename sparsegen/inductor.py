@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from . import epilogues, library, registry
+from .jit import epilogues, registry
+from .launch import library
 
 
 def register() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import calls, epilogues, lean
+from .launch import calls, lean
+from .jit import epilogues
 
 
 def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:

@@ -8,7 +8,7 @@ import re
 import torch
 from torch import nn
 
-from . import epilogues
+from .jit import epilogues
 from .errors import InputError, expect
 from .bdiag.nn import BlockDiagonalLinear
 from .bsr.nn import BlockSparseLinear

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import crossovers, dense_path, runtime, trust
+from .launch import crossovers, dense_path, runtime
+from .jit import trust
 from .bsr.nn import BlockSparseLinear
 from .semi24.nn import Sparse24Linear
 

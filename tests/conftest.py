@@ -6,12 +6,12 @@ import subprocess
 import pytest
 import torch
 
-import sparsegen.bundle
-import sparsegen.cache
-import sparsegen.compiler
-import sparsegen.diskstore
+import sparsegen.jit.bundle
+import sparsegen.jit.cache
+import sparsegen.jit.compiler
+import sparsegen.jit.diskstore
 import sparsegen.env
-from sparsegen import calls, crossovers, runtime
+from sparsegen.launch import calls, crossovers, runtime
 from sparsegen.bsr.specs import forward_spec
 
 CACHE_SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
@@ -24,23 +24,23 @@ def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(folder))
     monkeypatch.delenv("SPARSEGEN_DUMP_DIR", raising=False)
     monkeypatch.delenv("SPARSEGEN_NO_DISK_CACHE", raising=False)
-    sparsegen.cache.clear_memory()
-    sparsegen.diskstore._warned.clear()  # each test sees its own once-per-process warnings
-    sparsegen.bundle._load.cache_clear()
+    sparsegen.jit.cache.clear_memory()
+    sparsegen.jit.diskstore._warned.clear()  # each test sees its own once-per-process warnings
+    sparsegen.jit.bundle._load.cache_clear()
     yield folder
-    sparsegen.cache.clear_memory()
+    sparsegen.jit.cache.clear_memory()
 
 
 @pytest.fixture
 def nvrtc_calls(monkeypatch):
     """Names of the kernels NVRTC compiles during the test."""
-    calls, real = [], sparsegen.compiler.compile_cubin
+    calls, real = [], sparsegen.jit.compiler.compile_cubin
 
     def counting(source, name, arch, headers):
         calls.append(name)
         return real(source, name, arch, headers)
 
-    monkeypatch.setattr(sparsegen.compiler, "compile_cubin", counting)
+    monkeypatch.setattr(sparsegen.jit.compiler, "compile_cubin", counting)
     return calls
 
 
@@ -48,7 +48,7 @@ def nvrtc_calls(monkeypatch):
 def read_only_cache():
     """The cache directory, holding CACHE_SPEC, made read-only for real: chmod for a normal user;
     for root (whom modes do not stop) the immutable attribute, where the filesystem has it."""
-    built = sparsegen.cache.build(CACHE_SPEC)
+    built = sparsegen.jit.cache.build(CACHE_SPEC)
     root = sparsegen.env.cache_dir()
     folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
     if os.geteuid() != 0:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import codegen, spec as specmod
+from sparsegen.jit import codegen, spec as specmod
 from sparsegen.bdiag import format as diag
 from sparsegen.bdiag import specs as diag_specs
 from sparsegen.bdiag.autograd import block_diagonal_linear

@@ -3,7 +3,7 @@ numerics and gradients against float64, checkpoints. (GPU numerics: test_gpu_bel
 import pytest
 import torch
 
-from sparsegen import codegen, spec as specmod
+from sparsegen.jit import codegen, spec as specmod
 from sparsegen.bell import format as ell
 from sparsegen.bell import specs as bell_specs
 from sparsegen.bell.autograd import block_ell_linear

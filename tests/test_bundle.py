@@ -10,10 +10,11 @@ import sys
 import pytest
 from test_cache import PACKAGE_ROOT
 
-from sparsegen import bundle, cache, cli, env
-from sparsegen.spec import KernelSpec
+from sparsegen.jit import bundle, cache
+from sparsegen import cli, env
+from sparsegen.jit.spec import KernelSpec
 from sparsegen.bsr.specs import forward_spec
-from sparsegen.trust import UntrustedPathError
+from sparsegen.jit.trust import UntrustedPathError
 
 SELECTION = ["--arch", "sm_80", "--dtype", "bf16", "--block", "16"]
 SPEC = forward_spec((16, 16), "bf16", 80)
@@ -25,8 +26,8 @@ import hashlib, json, sys, warnings
 sys.modules["cuda.bindings.nvrtc"] = None
 warnings.simplefilter("error")  # a write to the read-only cache would warn
 warnings.filterwarnings("ignore", message=".*nonexistent-first")  # a missing bundle is only skipped
-from sparsegen import cache, compiler
-from sparsegen.spec import KernelSpec
+from sparsegen.jit import cache, compiler
+from sparsegen.jit.spec import KernelSpec
 try:
     compiler.compile_cubin("", "probe", "sm_80", {})
     sys.exit("NVRTC is still available")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import sparsegen
-from sparsegen import cache, codegen, compiler, env
+from sparsegen.jit import cache, codegen, compiler
+from sparsegen import env
 from sparsegen.bsr.specs import forward_spec
 
 SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
@@ -22,7 +23,7 @@ PACKAGE_ROOT = str(Path(sparsegen.__file__).resolve().parent.parent)
 # NVRTC is called; "slow" holds NVRTC for 2 s so that concurrent builds overlap.
 WORKER = """
 import hashlib, json, sys, time
-from sparsegen import cache, compiler
+from sparsegen.jit import cache, compiler
 from sparsegen.bsr.specs import forward_spec
 bm, bk, dtype, arch, mode = sys.argv[1:]
 real = compiler.compile_cubin

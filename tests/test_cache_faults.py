@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from test_cache import result_of, sha, start_worker
 
-from sparsegen import cache, diskstore, env
+from sparsegen.jit import cache, diskstore
+from sparsegen import env
 from sparsegen.bsr.specs import forward_spec
 
 SPEC = forward_spec((16, 16), "bf16", 80)

@@ -8,9 +8,11 @@ import stat
 
 import pytest
 
-from sparsegen import cache, crossovers, env
+from sparsegen.jit import cache
+from sparsegen.launch import crossovers
+from sparsegen import env
 from sparsegen.bsr.specs import forward_spec
-from sparsegen.trust import UntrustedPathError
+from sparsegen.jit.trust import UntrustedPathError
 
 SPEC = forward_spec((16, 16), "bf16", 80)
 OTHER_UID = 65534  # nobody

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsegen import cache, cli
+from sparsegen.jit import cache
+from sparsegen import cli
 from sparsegen.errors import CompileError, SparsegenError, SpecError
-from sparsegen.spec import KernelSpec, default_specs
+from sparsegen.jit.spec import KernelSpec, default_specs
 from sparsegen.bsr.specs import forward_spec
 
 REPO = Path(__file__).resolve().parents[1]

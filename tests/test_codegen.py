@@ -12,9 +12,9 @@ import jinja2
 import jinja2.meta
 import pytest
 
-from sparsegen import codegen, epilogues
-from sparsegen import registry, spec as specmod
-from sparsegen.spec import INSTRS, KernelSpec, TileConfig
+from sparsegen.jit import codegen, epilogues
+from sparsegen.jit import registry, spec as specmod
+from sparsegen.jit.spec import INSTRS, KernelSpec, TileConfig
 from sparsegen.bsr.specs import forward_spec, input_grad_spec
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

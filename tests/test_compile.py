@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import sparsegen
-from sparsegen import cache, compiler
-from sparsegen.spec import DTYPES, KernelSpec, TileConfig, default_specs
+from sparsegen.jit import cache, compiler
+from sparsegen.jit.spec import DTYPES, KernelSpec, TileConfig, default_specs
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.bell.specs import forward_spec as ell_forward_spec
 
@@ -182,7 +182,7 @@ def test_broken_source_raises_compile_error_with_log_and_source():
 
 def test_failed_compile_is_not_cached(monkeypatch):
     spec = forward_spec((32, 32), "bf16", 90)
-    monkeypatch.setattr(sparsegen.codegen, "render", lambda s: BROKEN.replace("broken", s.name))
+    monkeypatch.setattr(sparsegen.jit.codegen, "render", lambda s: BROKEN.replace("broken", s.name))
     with pytest.raises(sparsegen.CompileError):
         cache.build(spec)
     assert cache.info()["entries"] == 0

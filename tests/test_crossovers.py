@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from sparsegen import cli, crossovers, dense_path, env
+from sparsegen import cli, env
+from sparsegen.launch import crossovers, dense_path
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -94,7 +95,7 @@ def test_a_damaged_table_counts_as_none_with_a_warning(user_table, text):
 
 def test_dense_path_wanted_follows_the_table_the_switch_and_the_variable(user_table, monkeypatch):
     user_table([point(speedup=0.7)])
-    monkeypatch.setattr("sparsegen.runtime.device_name", lambda index: H100)
+    monkeypatch.setattr("sparsegen.launch.runtime.device_name", lambda index: H100)
     assert dense_path.wanted("sp24", 0, 768, 768, 2048)
     with dense_path.disabled():
         assert not dense_path.wanted("sp24", 0, 768, 768, 2048)

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import sparsegen
-from sparsegen import epilogues
+from sparsegen.jit import epilogues
 from sparsegen.errors import InputError, SpecError
-from sparsegen.spec import KernelSpec
+from sparsegen.jit.spec import KernelSpec
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.semi24.specs import sp24_spec
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sparsegen
-from sparsegen import cache, cli, env
+from sparsegen.jit import cache
+from sparsegen import cli, env
 from sparsegen.bsr.specs import forward_spec
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True,

@@ -7,7 +7,7 @@ import sparsegen
 from sparsegen.bsr import dispatch as bsr_dispatch
 from sparsegen.bsr import format as bsr
 from sparsegen.bsr import ops as bsr_ops
-from sparsegen.spec import TileConfig
+from sparsegen.jit.spec import TileConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -347,7 +347,7 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
     first."""
     if block[0] == 128 and tile.warps_m == 16:
         pytest.skip("four consumers only for 64-row blocks")
-    kern = sparsegen.runtime.kernel(sparsegen.bsr.specs.sdd_spec(block, "bf16", 90, tile, "tma"), 0)
+    kern = sparsegen.launch.runtime.kernel(sparsegen.bsr.specs.sdd_spec(block, "bf16", 90, tile, "tma"), 0)
     mask = torch.rand(7, 13) < 0.6
     mask[1], mask[4] = False, torch.arange(13) == 5
     flat = bsr.flat_index(mask, "cuda")
@@ -364,7 +364,7 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
 def test_weight_grad_takes_the_wide_tile_for_many_blocks(dtype):
     """Enough stored 64-row blocks for the wide dW tile (bsr_dispatch.SDD_WIDE_BLOCKS_PER_SM an SM):
     the default sdd kernel is the wide one, and it matches float64, output poisoned first."""
-    sms = sparsegen.runtime.sm_count(0)
+    sms = sparsegen.launch.runtime.sm_count(0)
     rows = cols = int((4 * bsr_dispatch.SDD_WIDE_BLOCKS_PER_SM * sms) ** 0.5) + 1  # twice enough at density 0.5
     mask = torch.rand(rows, cols) < 0.5
     flat = bsr.flat_index(mask, "cuda")
@@ -516,7 +516,7 @@ def as_dense(layer, values: torch.Tensor) -> torch.Tensor:
 def test_a_failed_driver_call_names_the_error():
     """The driver is called through ctypes: a failure raises LaunchError with the driver's
     own name for the status, and a module that does not load says which kernel it was."""
-    from sparsegen import runtime
+    from sparsegen.launch import runtime
     from sparsegen.errors import LaunchError
 
     with pytest.raises(LaunchError, match=r"cuExample failed: CUDA_ERROR_INVALID_VALUE \(1\)"):

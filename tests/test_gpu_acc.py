@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import epilogues
+from sparsegen.jit import epilogues
 from sparsegen.bell import ops as bell_ops
 from sparsegen.bell.nn import BlockEllLinear
 from sparsegen.bsr import ops as bsr_ops

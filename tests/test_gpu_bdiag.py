@@ -4,7 +4,7 @@ the kernel backward (dX over W^T's tiles, dW batched), torch.compile and CUDA gr
 import pytest
 import torch
 
-from sparsegen import epilogues
+from sparsegen.jit import epilogues
 from sparsegen.bdiag import format as diag
 from sparsegen.bdiag import ops as diag_ops
 from sparsegen.bdiag.nn import BlockDiagonalLinear

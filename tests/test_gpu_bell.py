@@ -3,7 +3,7 @@ training, torch.compile and CUDA graphs (pytest -m gpu)."""
 import pytest
 import torch
 
-from sparsegen import epilogues
+from sparsegen.jit import epilogues
 from sparsegen.bell import ops as bell_ops
 from sparsegen.bell.nn import BlockEllLinear
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import dense_path
-from sparsegen import calls
+from sparsegen.launch import dense_path
+from sparsegen.launch import calls
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import epilogues
-from sparsegen.spec import TileConfig
+from sparsegen.jit import epilogues
+from sparsegen.jit.spec import TileConfig
 from sparsegen.semi24 import ops as sp24_ops
 from sparsegen.bsr import ops as bsr_ops
 

@@ -1,4 +1,4 @@
-"""The lean inference path (sparsegen/lean.py) on the GPU: repeated no-grad calls go straight to
+"""The lean inference path (sparsegen/launch/lean.py) on the GPU: repeated no-grad calls go straight to
 their planned launch, stay right against float64, and follow every change of the layer's
 weights, layout, dtype and inputs (pytest -m gpu)."""
 import threading
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen import calls as calls_module
+from sparsegen.launch import calls as calls_module
 from sparsegen.bsr import ops as bsr_ops
 from sparsegen.semi24 import ops as sp24_ops
 

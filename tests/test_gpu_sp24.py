@@ -5,7 +5,7 @@ import torch
 import sparsegen
 from sparsegen.semi24 import tensor as sparse24
 
-from sparsegen.spec import TileConfig
+from sparsegen.jit.spec import TileConfig
 from sparsegen.semi24 import format as semi24
 from sparsegen.semi24 import ops as sp24_ops
 
@@ -474,7 +474,7 @@ def split_case(m, n, k, dtype=torch.bfloat16, bias=True):
 
 
 def workspace_is_zero() -> bool:
-    from sparsegen import runtime, workspace
+    from sparsegen.launch import runtime, workspace
     held = workspace.current(torch.device("cuda", 0), runtime.current_stream(0))
     return held is not None and not held.any().item()
 

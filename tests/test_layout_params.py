@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from sparsegen import cache, codegen, registry
+from sparsegen.jit import cache, codegen, registry
 from sparsegen.errors import SpecError
-from sparsegen.spec import THREADS_256, KernelSpec
+from sparsegen.jit.spec import THREADS_256, KernelSpec
 
 TOY_TEMPLATE = """// {{ name }}: every {{ v }}th of {{ m }} elements
 extern "C" __global__ void {{ name }}(const float* x, float* y, int n) {

@@ -1,12 +1,12 @@
-"""The lean path's bookkeeping (sparsegen/lean.py) on the CPU: when a layer plans, when it
+"""The lean path's bookkeeping (sparsegen/launch/lean.py) on the CPU: when a layer plans, when it
 plans again, and which calls never take it. A stand-in plan computes Y with the layer's
 dense weight, so the results are checked too (the GPU's own plans: test_gpu_lean.py)."""
 import pytest
 import torch
 
 import sparsegen
-from sparsegen import lean
-from sparsegen import calls
+from sparsegen.launch import lean
+from sparsegen.launch import calls
 
 
 class DensePlan:

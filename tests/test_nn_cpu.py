@@ -161,8 +161,8 @@ def test_loading_a_state_dict_with_other_block_count_is_a_clear_error():
 
 def test_gpus_without_kernels_fall_back_to_the_reference(monkeypatch):
     """An sm_75 (or unknown) GPU gets the PyTorch reference and one warning, not an error."""
-    from sparsegen import runtime
-    from sparsegen import calls
+    from sparsegen.launch import runtime
+    from sparsegen.launch import calls
 
     calls.has_kernels.cache_clear()
     monkeypatch.setattr(runtime, "device_arch", lambda device: 75)

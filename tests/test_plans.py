@@ -1,10 +1,10 @@
-"""Launch plans (sparsegen.plans) and the ops a compiled graph calls."""
+"""Launch plans (sparsegen.launch.plans) and the ops a compiled graph calls."""
 import gc
 
 import torch
 
 import sparsegen
-from sparsegen.plans import PlanCache
+from sparsegen.launch.plans import PlanCache
 
 
 def test_plan_is_made_once_per_owner_and_signature():
@@ -51,7 +51,7 @@ def test_packed_launch_binds_parameters_in_kernel_order():
     reads points at each value (maps are bound on a GPU, test_gpu_lean.py)."""
     import ctypes
 
-    from sparsegen.runtime import PackedLaunch
+    from sparsegen.launch.runtime import PackedLaunch
 
     launch = PackedLaunch(kern=None, grid=(1, 1, 1), maps=((torch.bfloat16, 8, 8, 8, 8),), pointers=(0, 0, 7),
                           ints=(3, 4))

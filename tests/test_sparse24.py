@@ -142,10 +142,10 @@ def test_weight_memory_is_at_most_057_of_dense():
 @pytest.mark.parametrize("m, n, narrow", [(128, 4096, True), (128, 8192, True), (128, 11008, False), (100, 8448, False),
                                           (64, 14336, True), (33, 8192, True), (32, 4096, False), (1000, 4096, False)])
 def test_33_to_128_tokens_take_narrow_tiles_unless_wide_ones_fill_the_gpu(m, n, narrow, monkeypatch):
-    from sparsegen import runtime
+    from sparsegen.launch import runtime
     from sparsegen.semi24 import dispatch as sp24_dispatch
     from sparsegen.semi24.specs import sp24_spec
-    from sparsegen.spec import TileConfig
+    from sparsegen.jit.spec import TileConfig
 
     monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
     assert sp24_dispatch.narrow_tiles(m, n, 0) == narrow
@@ -160,7 +160,7 @@ def test_33_to_128_tokens_take_narrow_tiles_unless_wide_ones_fill_the_gpu(m, n, 
 def test_decode_k_splits_fill_the_sms_once(m, n, k, splits, monkeypatch):
     """Decode launches split K until one block per SM runs, 33-128 tokens in splits of 3072
     of K at least (the H100 sweep's best choices for these weights)."""
-    from sparsegen import runtime
+    from sparsegen.launch import runtime
     from sparsegen.semi24 import dispatch as sp24_dispatch
     from sparsegen.semi24.specs import sp24_spec
 
@@ -189,7 +189,7 @@ def test_compress_operands_keep_a_transposed_view_in_place():
 @pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (16, 11008, 4096), (200, 160, 336), (300, 4096, 4096),
                                      (7, 32, 16)])
 def test_sp24_grid_splits_k_into_whole_stages_that_cover_it(m, k, n, monkeypatch):
-    from sparsegen import runtime
+    from sparsegen.launch import runtime
     from sparsegen.semi24 import dispatch as sp24_dispatch
     from sparsegen.semi24.specs import sp24_spec
 
@@ -292,7 +292,7 @@ def test_byte_weights_reject_bad_inputs_clearly(dtype):
 def test_kernels_are_chosen_for_one_byte_and_16_bit_dtypes(dtype, name, monkeypatch):
     """The forward's and the pruning kernels' specs name the tensor's dtype (no GPU: the
     kernel is the spec it would load)."""
-    from sparsegen import runtime
+    from sparsegen.launch import runtime
     from sparsegen.semi24 import dispatch as sp24_dispatch
 
     monkeypatch.setattr(runtime, "device_arch", lambda device: 90)

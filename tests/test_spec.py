@@ -6,10 +6,10 @@ import re
 import pytest
 
 import sparsegen
-from sparsegen import spec as specmod
-from sparsegen.epilogues import EPILOGUES
+from sparsegen.jit import spec as specmod
+from sparsegen.jit.epilogues import EPILOGUES
 from sparsegen.errors import SpecError
-from sparsegen.spec import KernelSpec, TileConfig
+from sparsegen.jit.spec import KernelSpec, TileConfig
 
 SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Valid for both instruction families, so that every field can change on its own.
@@ -250,7 +250,7 @@ def test_default_specs_cover_every_dtype_once_per_block():
     assert len({s.name for s in specs}) == len(specs)
     assert {s.dtype for s in specs} == set(specmod.supported_dtypes(90)) == set(specmod.DTYPES)
     assert all(s.arch == 90 for s in specs)
-    assert {s.op for s in specs} == set(sparsegen.registry.ops())
+    assert {s.op for s in specs} == set(sparsegen.jit.registry.ops())
     assert {s.dtype for s in specs if s.op == "bsr_sdd"} == {"bf16", "fp16"}  # fp32 dW: dense GEMM
 
 

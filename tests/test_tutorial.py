@@ -31,7 +31,7 @@ def copy(tmp_path_factory) -> Path:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(body)
     (root / "sparsegen/band/__init__.py").write_text("")
-    registry = root / "sparsegen/registry.py"
+    registry = root / "sparsegen/jit/registry.py"
     text = registry.read_text()
     registry.write_text(re.sub(r"(LAYOUTS = \([^)]*)\)", r'\1, "band")', text, count=1))
     return root
@@ -56,7 +56,7 @@ def test_show_renders_and_compiles_the_tutorial_kernel(copy):
 def test_precompile_builds_it_and_layer_matches_float64(copy):
     script = r'''
 import torch, sparsegen
-from sparsegen import spec
+from sparsegen.jit import spec
 from sparsegen.band.nn import BandLinear
 assert sparsegen.__file__.startswith(%r), sparsegen.__file__
 assert any(s.op == "band_dds" for s in spec.default_specs(80))

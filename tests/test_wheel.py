@@ -25,7 +25,7 @@ CHECK = """
 import json, sysconfig
 from pathlib import Path
 import sparsegen
-from sparsegen import cache, codegen
+from sparsegen.jit import cache, codegen
 from sparsegen.bsr import specs as spec
 
 site = Path(sysconfig.get_paths()["purelib"]).resolve()
@@ -33,7 +33,7 @@ templates = codegen.templates_dir().resolve()
 assert templates.is_relative_to(site), (templates, site)
 assert Path(sparsegen.__file__).resolve().is_relative_to(site), sparsegen.__file__
 import importlib, pkgutil
-from sparsegen import registry
+from sparsegen.jit import registry
 for layout in registry.LAYOUTS:  # every registered layout's modules come from the wheel
     package = importlib.import_module(f"sparsegen.{layout}")
     for info in pkgutil.iter_modules(package.__path__):
@@ -105,7 +105,8 @@ def clean_env(cache_dir: Path) -> dict:
 def test_wheel_ships_templates_and_compiles_outside_the_repo(tmp_path):
     wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    for module in sorted((REPO / "sparsegen").rglob("*.py")):  # every package of the checkout
+    shipped = [*(REPO / "sparsegen").rglob("*.py"), *(REPO / "sparsegen").rglob("crossover_tables/*.json")]
+    for module in sorted(shipped):  # every package of the checkout, and the GPUs' measured crossovers
         assert module.relative_to(REPO).as_posix() in names, module
     for template in sorted((REPO / "templates").rglob("*.*")):
         assert f"sparsegen/templates/{template.relative_to(REPO / 'templates').as_posix()}" in names

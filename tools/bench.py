@@ -143,7 +143,8 @@ NEW_PROCESS_SNIPPET = """
 import time, torch
 torch.zeros(1, device='cuda'); torch.cuda.synchronize()
 t0 = time.perf_counter()
-from sparsegen import cache, runtime
+from sparsegen.jit import cache
+from sparsegen.launch import runtime
 from sparsegen.bsr import specs as spec
 t1 = time.perf_counter()
 s = spec.forward_spec((64, 64), 'bf16', runtime.device_arch(torch.device('cuda')))
@@ -261,9 +262,9 @@ SDD_TILES = {128: ["t64w8x1s4", "t48w8x1s5", "t32w8x1s8", "t32w2x2s4"],
 def tune_sdd(shape=(8192, 4096, 11008), densities=(0.25, 0.5)) -> None:
     """Tile configurations of the weight-gradient kernel (warps_n 1: the wgmma one),
     interleaved with cuBLAS's dense dW: per useful FLOP, the issue's measure."""
-    from sparsegen import runtime
+    from sparsegen.launch import runtime
     from sparsegen.bsr.specs import sdd_spec
-    from sparsegen.spec import TileConfig
+    from sparsegen.jit.spec import TileConfig
 
     m, k, n = shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -287,7 +288,7 @@ def compile_times() -> Table:
     import os
     import tempfile
 
-    from sparsegen import cache, spec
+    from sparsegen.jit import cache, spec
 
     os.environ["SPARSEGEN_CACHE_DIR"] = tempfile.mkdtemp()
     table = Table("Compile and overheads", "Cold NVRTC compile of the default kernels, one at a time",
@@ -428,7 +429,7 @@ def ell_mask(layer) -> torch.Tensor:
 def run_tuning() -> None:
     """Each family's best tile per block size, on the shapes and densities that miss targets;
     then the weight-gradient kernel's tiles."""
-    from sparsegen.spec import TileConfig as T
+    from sparsegen.jit.spec import TileConfig as T
 
     variants = {128: [("swap", T(256, 8, 1, 4)), ("tma", T(256, 8, 1, 4)), ("pingpong", T(128, 8, 1, 6))],
                 64: [("swap", T(256, 8, 1, 4)), ("swap", T(256, 8, 1, 5)), ("pingpong", T(256, 8, 1, 5)),

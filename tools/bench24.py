@@ -239,7 +239,7 @@ def byte_table(weights, tokens=(1024, 4096, 16384)) -> Table:
 
 def tune() -> None:
     """Time tile configurations and K splits of the sp24 kernel (bf16) against dense."""
-    from sparsegen.spec import TileConfig
+    from sparsegen.jit.spec import TileConfig
 
     big = [(TileConfig(128, 4, 2, 3), None, "mma"), (TileConfig(256, 8, 1, 5), None, "tma"),
            (TileConfig(256, 8, 1, 4), None, "tma"), (TileConfig(256, 8, 1, 4, 2), None, "tma"),
@@ -266,7 +266,7 @@ def tune() -> None:
 def tune_decode() -> None:
     """Per decode weight and token count: CUDA-graph time (weights from HBM, as in --decode)
     of tile configurations and K splits of the sp24 kernel, against dense."""
-    from sparsegen.spec import TileConfig
+    from sparsegen.jit.spec import TileConfig
 
     tiles = {32: [TileConfig(32, 8, 1, 6), TileConfig(32, 4, 1, 8)],
              128: [TileConfig(64, 8, 1, 6), TileConfig(64, 4, 1, 8), TileConfig(128, 8, 1, 6)]}

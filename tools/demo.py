@@ -9,7 +9,7 @@ import time
 import torch
 
 import sparsegen
-from sparsegen import cache, codegen
+from sparsegen.jit import cache, codegen
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.semi24.specs import sp24_spec
 

@@ -18,7 +18,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import sparsegen  # noqa: E402
-from sparsegen import cache, codegen, runtime  # noqa: E402
+from sparsegen.jit import cache, codegen
+from sparsegen.launch import runtime  # noqa: E402
 
 from bench import interleaved, median_ms, target_speedup  # noqa: E402
 from sparsegen.bsr import dispatch as bsr_dispatch  # noqa: E402

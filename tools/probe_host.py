@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import sparsegen
-from sparsegen import runtime
+from sparsegen.launch import runtime
 from sparsegen.bsr import compiled as bsr_compiled
 from sparsegen.bsr import ops as bsr_ops
 

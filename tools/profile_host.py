@@ -14,7 +14,7 @@ COLD = """
 import cProfile, pstats, io, time, torch
 torch.zeros(1, device='cuda'); torch.cuda.synchronize()
 prof = cProfile.Profile(); t = time.perf_counter(); prof.enable()
-from sparsegen import runtime
+from sparsegen.launch import runtime
 from sparsegen.bsr import specs as spec
 runtime.kernel(spec.forward_spec((64, 64), 'bf16', 90), 0)
 prof.disable(); print('cold ready ms', (time.perf_counter() - t) * 1e3)

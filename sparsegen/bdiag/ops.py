@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import epilogues, gathered
+from ..jit import epilogues
+from .. import gathered
 from . import format as diag
 
 

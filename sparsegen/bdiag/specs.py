@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import gathered_specs, registry
+from ..jit import gathered_specs, registry
 
 DIAGROWS = registry.Param("diagrows", 1, doc="block rows in each diagonal block")
 PRECOMPILED = ((16, 16), (4, 4))  # (rowblocks, diagrows) of 64x64 tiles: 4096^2 and 1024^2 weights in 4 blocks

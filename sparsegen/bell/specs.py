@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import gathered_specs, registry
-from ..spec import KernelSpec, TileConfig
+from ..jit import gathered_specs, registry
+from ..jit.spec import KernelSpec, TileConfig
 
 PRECOMPILED_ROWBLOCKS = (8, 16)
 PRECOMPILED_BLOCKS = ((32, 32), (64, 64))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import calls, lean, plans, registry
+from ..launch import calls, lean, plans
+from ..jit import registry
 from . import ops
 
 # The launcher's plans, per layout and call signature (the graph's checks ran when it was traced).

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .. import calls, runtime
+from ..launch import calls, runtime
 from . import format as bsr
 from .specs import forward_spec, has_call_variants, input_grad_spec, scatter_spec, sdd_spec
 

@@ -6,7 +6,9 @@ import math
 import torch
 from torch import nn
 
-from .. import calls, checkpoint, epilogues, lean
+from ..launch import calls, lean
+from .. import checkpoint
+from ..jit import epilogues
 from ..errors import expect, fraction, positive_int
 from ..layer import SparseLinearForward, dense_linear
 from . import format as bsr

@@ -7,9 +7,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .. import calls, dense_path, epilogues, library, plans, runtime
+from ..launch import calls, dense_path, library, plans, runtime
+from ..jit import epilogues
 from ..errors import expect
-from ..spec import TMA_INSTRS
+from ..jit.spec import TMA_INSTRS
 from . import dispatch, specs
 from . import format as bsr
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .. import registry
+from ..jit import registry
 from ..errors import SpecError, expect
-from ..spec import (BLOCK_SIDES, BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
-                    SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_acc_on_mma, check_trans, clustered,
-                    stages_that_fit, tma_ring_bytes)
+from ..jit.spec import (BLOCK_SIDES, BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
+                        SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_acc_on_mma, check_trans,
+                        clustered, stages_that_fit, tma_ring_bytes)
 
 BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import calls, env, epilogues, library, plans
+from ..launch import calls, library, plans
+from .. import env
+from ..jit import epilogues
 from . import format as semi24
 from . import ops
 

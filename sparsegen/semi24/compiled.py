@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import calls, lean, plans, registry
+from ..launch import calls, lean, plans
+from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
 from . import ops
 

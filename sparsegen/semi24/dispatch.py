@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .. import calls, runtime
+from ..launch import calls, runtime
 from .specs import sp24_compress_spec, sp24_spec, w_rows
 
 

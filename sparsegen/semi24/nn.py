@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import calls, checkpoint, epilogues, lean
+from ..launch import calls, lean
+from .. import checkpoint
+from ..jit import epilogues
 from ..errors import expect
 from ..layer import SparseLinearForward, dense_linear
 from . import format as semi24

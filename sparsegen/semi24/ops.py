@@ -7,9 +7,10 @@ import functools
 
 import torch
 
-from .. import calls, dense_path, epilogues, outside_graphs, plans, runtime, workspace
+from ..launch import calls, dense_path, outside_graphs, plans, runtime, workspace
+from ..jit import epilogues
 from ..errors import expect
-from ..spec import ARCHS, MIN_ARCH
+from ..jit.spec import ARCHS, MIN_ARCH
 from . import dispatch, specs
 from . import format as semi24
 from .dispatch import BYTE_DTYPE_NAMES

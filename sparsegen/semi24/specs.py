@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .. import registry
-from ..codegen import ELEM_TYPES, MMA_TYPES
+from ..jit import registry
+from ..jit.codegen import ELEM_TYPES, MMA_TYPES
 from ..errors import SpecError, expect
-from ..spec import (BYTE_DTYPES, ELEMENT_BYTES, MIN_ARCH, SMEM_LIMIT, THREADS_256, KernelSpec, TileConfig,
-                    check_trans)
+from ..jit.spec import (BYTE_DTYPES, ELEMENT_BYTES, MIN_ARCH, SMEM_LIMIT, THREADS_256, KernelSpec, TileConfig,
+                        check_trans)
 from .format import ROW_PAIRS, TRANSPOSABLE_PATTERNS
 
 SP24_BLOCK = (16, 32)

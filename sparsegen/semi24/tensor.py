@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import calls, env
+from ..launch import calls
+from .. import env
 from ..errors import expect
 from . import format as semi24
 from . import ops

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import calls, checkpoint, library
+from ..launch import calls, library
+from .. import checkpoint
 from ..errors import expect, positive_int
 from ..layer import autocast_inputs, dense_linear
 from . import format as semi24

@@ -1,5 +1,5 @@
 // Fused epilogues: what a forward kernel does to each output X W^T + b before writing it,
-// chosen by the spec's `epilogue` (sparsegen/epilogues.py is the reference). The math is in
+// chosen by the spec's `epilogue` (sparsegen/jit/epilogues.py is the reference). The math is in
 // float32 on the accumulators, rounded once into Y.
 //
 // Gated epilogues take a weight that holds the gate and up projections interleaved in

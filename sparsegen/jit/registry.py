@@ -8,12 +8,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
-from .errors import SpecError, expect
+from ..errors import SpecError, expect
 
-if TYPE_CHECKING:
-    from .spec import KernelSpec
+# A KernelSpec (spec.py). Named by an alias, not imported: spec imports this module, and
+# the registry must not import back into it (tests/test_structure.py).
+Spec = Any
 
 # The registry line: the layouts sparsegen ships. A new layout is a package with a specs
 # module that calls register(); add its name here.
@@ -26,7 +27,7 @@ RESERVED_NAMES = frozenset({"name", "op", "dtype", "arch", "trans", "bm", "bk", 
                             "params", "acc"})
 
 
-def _no_context(spec: "KernelSpec") -> dict:
+def _no_context(spec: Spec) -> dict:
     return {}
 
 
@@ -72,10 +73,10 @@ class OpRules:
 
     op: str
     template: str                                   # under templates/, e.g. "bsr/bsr_dds.cu.j2"
-    validate: Callable[["KernelSpec"], None]        # raises SpecError ("Expected X. Got Y.")
-    smem_bytes: Callable[["KernelSpec"], int]       # dynamic shared memory per block
+    validate: Callable[[Spec], None]        # raises SpecError ("Expected X. Got Y.")
+    smem_bytes: Callable[[Spec], int]       # dynamic shared memory per block
     trans: tuple[str, ...] = ("nt",)                # operand layouts it accepts
-    context: Callable[["KernelSpec"], dict] = _no_context  # what its template uses beyond the spec's fields
+    context: Callable[[Spec], dict] = _no_context  # what its template uses beyond the spec's fields
     epilogues: bool = False                         # whether it fuses an epilogue into its store
     tensor_cores: bool = True                       # False: copies and pruning (no SASS MMA check)
     params: tuple[Param, ...] = ()                  # the op's own typed parameters

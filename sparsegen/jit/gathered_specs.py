@@ -12,9 +12,9 @@ builds the op's registry entry. The launch side is gathered.py.
 from __future__ import annotations
 
 from .registry import OpRules, Param, ProductArgs
-from .errors import SpecError, expect
-from .spec import (SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_acc_on_mma, check_choice,
-                   check_trans, stages_that_fit, tma_ring_bytes)
+from ..errors import SpecError, expect
+from .spec import (SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_acc_on_mma, check_choice, check_trans,
+                   stages_that_fit, tma_ring_bytes)
 
 DTYPES = ("bf16", "fp16", "fp32")
 INSTRS = ("mma", "tma", "pingpong")  # mma.sync anywhere; wgmma fed by TMA on sm_90a (16-bit)

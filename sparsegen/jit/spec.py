@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import epilogues, registry
-from .errors import SpecError, expect
+from ..errors import SpecError, expect
 
 DTYPES = ("fp16", "bf16", "fp32", "int8", "e4m3")
 # One-byte inputs have only the 2:4 kernels (forward on k64 products, and pruning): int8

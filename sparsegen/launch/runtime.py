@@ -8,9 +8,9 @@ import threading
 
 import torch
 
-from . import cache
-from .errors import LaunchError
-from .spec import KernelSpec
+from ..jit import cache
+from ..errors import LaunchError
+from ..jit.spec import KernelSpec
 
 
 def _call(what: str, status: int) -> None:

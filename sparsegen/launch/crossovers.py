@@ -3,7 +3,7 @@
 A table holds points (layout, N, K, M tokens) -> speedup of the sparse kernel over cuBLAS
 on the same weight made dense, measured side by side on one GPU. `sparsegen tune`
 (sparsegen/tune.py) measures them on the local GPU into the cache directory; tables for
-the H100 and the H200 ship in sparsegen/crossover_tables/. A call takes the dense path
+the H100 and the H200 ship in sparsegen/launch/crossover_tables/. A call takes the dense path
 where the table's nearest point says the sparse kernel loses (ops.py).
 
 Tables are JSON, read with json and checked field by field: nothing in one is run.
@@ -18,7 +18,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import env, trust
+from .. import env
+from ..jit import trust
 
 PACKAGED = Path(__file__).parent / "crossover_tables"
 LOSES_BELOW = 1.0  # the sparse kernel's speedup under which the dense path runs

@@ -6,8 +6,8 @@ import functools
 import importlib.util
 from pathlib import Path
 
-from . import env
-from .errors import CompileError, SparsegenError
+from .. import env
+from ..errors import CompileError, SparsegenError
 
 BASE_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
 

@@ -20,9 +20,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import codegen, compiler, env, trust
+from . import codegen, compiler, trust
+from .. import env
 from .diskstore import warn_once
-from .errors import SparsegenError, expect
+from ..errors import SparsegenError, expect
 
 MANIFEST = "manifest.json"
 FORMAT = "sparsegen-kernel-bundle/1"

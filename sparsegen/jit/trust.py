@@ -16,8 +16,8 @@ import os
 import stat
 from pathlib import Path
 
-from . import env
-from .errors import SparsegenError
+from .. import env
+from ..errors import SparsegenError
 
 PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
 TEAM_DIR_MODE, TEAM_FILE_MODE = 0o2770, 0o640

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import dense_path, epilogues, library, outside_graphs, registry, runtime
-from .errors import InputError, expect
-from .spec import ARCHS
+from . import dense_path, library, outside_graphs, runtime
+from ..jit import epilogues, registry
+from ..errors import InputError, expect
+from ..jit.spec import ARCHS
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 

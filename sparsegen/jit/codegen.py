@@ -19,11 +19,11 @@ ELEM_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float
 
 def templates_dir() -> Path:
     """Templates ship inside the wheel as sparsegen/templates; a checkout has them at top level."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates", here.parent / "templates"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "templates", package.parent / "templates"):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"sparsegen templates not found next to {here}")
+    raise FileNotFoundError(f"sparsegen templates not found in or next to {package}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,7 +11,8 @@ import hashlib
 import warnings
 from dataclasses import dataclass
 
-from . import bundle, codegen, compiler, env
+from . import bundle, codegen, compiler
+from .. import env
 from .diskstore import ALIASES, KERNELS, KEY_RE, DiskStore
 from .spec import KernelSpec, fields_tuple
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import crossovers, env, outside_graphs, runtime
+from . import crossovers, outside_graphs, runtime
+from .. import env
 
 TRAINED_AFTER = 2
 _enabled = [True]

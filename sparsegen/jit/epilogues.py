@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .errors import expect
+from ..errors import expect
 
 ACTIVATIONS = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu,
                "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu}
