@@ -100,12 +100,14 @@ def _add_tune(commands) -> None:
     sub = commands.add_parser("tune", help="measure where this GPU's sparse kernels beat cuBLAS (about a minute)")
     sub.add_argument("--quick", action="store_true", help="a smaller grid (a few seconds)")
     sub.add_argument("--out", type=Path, help="table file (default: this GPU's, in the cache directory)")
+    sub.add_argument("--layout", action="append",
+                     help="measure this layout only (sp24, bsr, bell, bdiag; repeatable); the others' points are kept")
     sub.set_defaults(run=cmd_tune)
 
 
 def cmd_tune(args) -> int:
     from . import tune  # imports the layers (and torch's CUDA state) only when asked
-    return tune.main(args.quick, args.out)
+    return tune.main(args.quick, args.out, args.layout)
 
 
 def parse_arch(text: str) -> int:

@@ -7,6 +7,11 @@ covered GPU it launches the generated kernel, planned once per layout and call s
 elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
 torch.library op, which Inductor lowers to `into` (inductor.py). No gradient: each layout's
 autograd Function composes it.
+
+Where this GPU's crossover table (crossovers.py, `sparsegen tune`) says the layout's kernel
+loses at a call's shape, the call runs cuBLAS on a dense copy of W instead (dense_path.py),
+built by the layout's `dense_weight(values, in_features, *the op's arguments after bias, up
+to out_features)` - the same rules as block-CSR's and 2:4's.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from .launch import calls, lean, plans, runtime
+from .launch import calls, dense_path, lean, plans, runtime
 from . import checkpoint
 from .jit import epilogues, gathered_specs, registry
 from .layer import SparseLinearForward, dense_linear
@@ -49,7 +54,8 @@ class Call(NamedTuple):
 class FixedRowsPlan:
     launch: runtime.PackedLaunch    # X and W (pointers or TMA maps), the index (or null), bias, Y
     width: int                      # Y's columns
-    dense: bool = False             # (lean.py asks: these layouts have no dense path)
+    dense: bool = False             # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
+    dense_eager: bool = False       # and outside them (not host-bound: calls.dense_outside_graphs)
 
     def run(self, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
         plans.run_product(self.launch, x2, values, bias, y)
@@ -59,8 +65,8 @@ class FixedRowsProduct:
     """epilogue(X W^T + b) for the registered fixed-rows op `op`; `reference(x, values, bias,
     *rest)` is its PyTorch definition (differentiable, traceable)."""
 
-    def __init__(self, op: str, reference: Callable):
-        self.op, self.reference = op, reference
+    def __init__(self, op: str, reference: Callable, dense_weight: Callable | None = None):
+        self.op, self.reference, self.dense_weight = op, reference, dense_weight
         self.args = registry.op_rules(op).args
         self._plans = plans.PlanCache()
         self.overload = calls.define_product(op, self.any_device)
@@ -86,6 +92,10 @@ class FixedRowsProduct:
             plan = self._cached_plan(x2, values, call)
         else:
             plan = self._plan(x2, values, call, tile, instr, acc)
+        if plan.dense:
+            weight = self._dense_copy(x2, values, rest, call)
+            if weight is not None and calls.dense_now(plan):
+                return calls.dense_result(x, x2, weight, bias, out, call.epilogue)
         y, shaped = calls.output_for(x, x2, out, plan.width)
         plan.run(x2, calls.aligned(values), bias, y)
         return shaped
@@ -97,7 +107,13 @@ class FixedRowsProduct:
             return None
         if torch.cuda.is_current_stream_capturing():
             return None
-        return self._cached_plan(calls.rows_2d(x), values, self._call(rest))
+        x2, call = calls.rows_2d(x), self._call(rest)
+        plan = self._cached_plan(x2, values, call)
+        if plan.dense_eager:
+            return None
+        if plan.dense:  # the copy a CUDA graph capture takes, built now (gpu() builds it on every call)
+            self._dense_copy(x2, values, rest, call)
+        return plan
 
     def into(self, x, values, bias, *rest, out):
         """The launcher a compiled graph calls: Y into Inductor's buffer `out`."""
@@ -112,11 +128,29 @@ class FixedRowsProduct:
         count = len(self.args.ints)
         return Call(index, tuple(rest[:count]), rest[count], rest[count + 1] if len(rest) > count + 1 else "none")
 
+    def _dense_copy(self, x2, values, rest: tuple, call: Call) -> torch.Tensor | None:
+        """The layer's dense copy of W (None while W is being trained or first seen in a capture)."""
+        key = values if call.index is None else call.index
+        inputs = rest[:len(self.args.tensors) - 3 + len(self.args.ints) + 1]  # the index, the ints, out_features
+        return dense_path.copy_of(key, values, self.dense_weight, values, x2.shape[1], *inputs)
+
+    def _dense_wanted(self, x2, values, call: Call) -> bool:
+        """Whether this GPU's crossover table sends calls of this shape to cuBLAS."""
+        (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape
+        return self.dense_weight is not None and dense_path.wanted(
+            registry.layout_of(self.op), x2.device.index or 0, rows * bm, k, m, (bm, bk), rowblocks * bk / k)
+
     def _cached_plan(self, x2, values, call: Call) -> FixedRowsPlan:
         owner = _NO_INDEX if call.index is None else call.index
         signature = (x2.shape[0], x2.dtype, x2.device, tuple(values.shape), call.params, call.out_features,
                      call.epilogue)
-        return self._plans.get(owner, signature, lambda: self._plan(x2, values, call))
+        return self._plans.get(owner, signature, lambda: self._default_plan(x2, values, call))
+
+    def _default_plan(self, x2, values, call: Call) -> FixedRowsPlan:
+        """The default kernels' plan, and whether cuBLAS on a dense copy comes first."""
+        plan, dense = self._plan(x2, values, call), self._dense_wanted(x2, values, call)
+        (m, k), width = x2.shape, values.shape[0] * values.shape[2]
+        return dataclasses.replace(plan, dense=dense, dense_eager=dense and calls.dense_outside_graphs(m, k, width))
 
     def _plan(self, x2, values, call: Call, tile=None, instr=None, acc="f32") -> FixedRowsPlan:
         (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape

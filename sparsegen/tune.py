@@ -3,7 +3,8 @@
 For each layout, weight shape and token count of a grid, the sparse layer's forward and
 cuBLAS on its dense weight are timed side by side as CUDA graphs (GPU time: the host's cost
 is the same either way). The speedups become this GPU's crossover table (crossovers.py),
-written to the cache directory, where every later process finds it.
+written to the cache directory, where every later process finds it. Measuring some layouts
+only (`--layout`) replaces their points and keeps the other layouts' from the table in use.
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from .launch import crossovers, dense_path, runtime
+from .errors import expect
 from .jit import trust
+from .bdiag.nn import BlockDiagonalLinear
+from .bell.nn import BlockEllLinear
 from .bsr.nn import BlockSparseLinear
 from .semi24.nn import Sparse24Linear
 
@@ -25,10 +29,15 @@ from .semi24.nn import Sparse24Linear
 SHAPES = [(768, 768), (3072, 768), (768, 3072), (2048, 2048), (8192, 2048), (2048, 8192),
           (4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]
 TOKENS = [1, 16, 128, 512, 2048, 8192]
-# (layout, block, density): ("sp24", (0, 0), 1.0) or ("bsr", block, density)
+# (layout, block, density): ("sp24", (0, 0), 1.0), ("bsr" or "bell", block, density), or
+# ("bdiag", (0, 0), 1 / nblocks): its tile is the layer's own choice, recorded with the point.
 LAYOUTS = [("sp24", (0, 0), 1.0), ("bsr", (64, 64), 0.5), ("bsr", (64, 64), 0.25), ("bsr", (128, 128), 0.25),
-           ("bsr", (128, 128), 0.5), ("bsr", (32, 32), 0.5), ("bsr", (32, 32), 0.25), ("bsr", (16, 16), 0.25)]
-QUICK = dict(shapes=SHAPES[::3], tokens=TOKENS[1::2], layouts=LAYOUTS[:4])
+           ("bsr", (128, 128), 0.5), ("bsr", (32, 32), 0.5), ("bsr", (32, 32), 0.25), ("bsr", (16, 16), 0.25),
+           ("bell", (64, 64), 0.5), ("bell", (64, 64), 0.25), ("bell", (32, 32), 0.5),
+           ("bdiag", (0, 0), 0.5), ("bdiag", (0, 0), 0.25)]
+NAMES = tuple(dict.fromkeys(layout for layout, _, _ in LAYOUTS))
+QUICK = dict(shapes=SHAPES[::3], tokens=TOKENS[1::2],
+             layouts=[next(row for row in LAYOUTS if row[0] == name) for name in NAMES])  # one row of each
 
 
 def graph_ms(call, reps: int = 20) -> float:
@@ -58,7 +67,10 @@ def _layer(layout: str, n: int, k: int, block, density: float):
     kwargs = dict(device="cuda", dtype=torch.bfloat16)
     if layout == "sp24":
         return Sparse24Linear(k, n, **kwargs)
-    return BlockSparseLinear(k, n, block=block, density=density, **kwargs)
+    if layout == "bdiag":
+        return BlockDiagonalLinear(k, n, nblocks=round(1 / density), **kwargs)
+    kind = BlockEllLinear if layout == "bell" else BlockSparseLinear
+    return kind(k, n, block=block, density=density, **kwargs)
 
 
 @torch.no_grad()
@@ -70,20 +82,24 @@ def measure(layout: str, n: int, k: int, m: int, block=(0, 0), density: float = 
     with dense_path.disabled():
         sparse = graph_ms(lambda: layer(x))
     dense = graph_ms(lambda: F.linear(x, weight, bias))
+    block = layer.block if layout == "bdiag" else block  # (the tile its calls look up)
     return crossovers.Point(layout, n, k, m, dense / sparse, tuple(block), density)
 
 
-def fits(layout: str, n: int, k: int, block) -> bool:
+def fits(layout: str, n: int, k: int, block, density: float) -> bool:
+    if layout == "bdiag":  # (16-wide tiles inside each diagonal block at least)
+        return n % (16 * round(1 / density)) == 0 and k % (16 * round(1 / density)) == 0
     return layout == "sp24" or (n % block[0] == 0 and k % block[1] == 0)
 
 
 def run(shapes=SHAPES, tokens=TOKENS, layouts=LAYOUTS, out: Path | None = None, log=print) -> Path:
     """Measure the grid, write the table (default: this GPU's file in the cache directory)."""
     name = runtime.device_name(torch.cuda.current_device())
-    points = []
+    measured = {layout for layout, _, _ in layouts}
+    points = [p for p in crossovers.table(name) if p.layout not in measured]  # the others', kept
     for layout, block, density in layouts:
         for n, k in shapes:
-            if not fits(layout, n, k, block):
+            if not fits(layout, n, k, block, density):
                 continue
             for m in tokens:
                 points.append(measure(layout, n, k, m, block, density))
@@ -94,7 +110,7 @@ def run(shapes=SHAPES, tokens=TOKENS, layouts=LAYOUTS, out: Path | None = None, 
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(table_text(name, [crossovers.as_json(p) for p in points]))
-    crossovers.table.cache_clear()
+    crossovers.reload()
     return path
 
 
@@ -111,16 +127,20 @@ def summary(points) -> str:
     for layout, block, density in dict.fromkeys((p.layout, p.block, p.density) for p in points):
         mine = [p for p in points if (p.layout, p.block, p.density) == (layout, block, density)]
         losing = sum(p.speedup < crossovers.LOSES_BELOW for p in mine)
-        label = layout if layout == "sp24" else f"bsr b{block[0]}x{block[1]} d{density:g}"
+        label = layout if layout == "sp24" else f"{layout} b{block[0]}x{block[1]} d{density:g}"
         lines.append(f"{label}: dense path in {losing} of {len(mine)} cells")
     return "\n".join(lines)
 
 
-def main(quick: bool = False, out: Path | None = None) -> int:
+def main(quick: bool = False, out: Path | None = None, only: list[str] | None = None) -> int:
+    """`only`: the layouts to measure (NAMES), the others' points kept."""
+    expect(not only or set(only) <= set(NAMES), f"layouts among {NAMES}", repr(only))
     if not torch.cuda.is_available():
         print("sparsegen tune: needs a CUDA GPU (the packaged H100/H200 tables apply elsewhere)", file=sys.stderr)
         return 2
-    path = run(**(QUICK if quick else {}), out=out)
+    grid = dict(QUICK if quick else {})
+    grid["layouts"] = [row for row in grid.get("layouts", LAYOUTS) if not only or row[0] in only]
+    path = run(**grid, out=out)
     print(summary(crossovers.load(path)))
     print(f"sparsegen tune: wrote {path}")
     return 0

@@ -141,19 +141,33 @@ def weight_grad_draws():
     return draws
 
 
-@pytest.fixture
-def losing_table(tmp_path, monkeypatch):
-    """A crossover table for this GPU in which every sparse kernel loses (GPU tests)."""
-    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+def _uniform_table(folder, monkeypatch, speedup: float):
+    """A crossover table for this GPU in which every sparse kernel runs at `speedup` (GPU tests)."""
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(folder))
     name = runtime.device_name(0)
     path = crossovers.user_table_path(name)
     path.parent.mkdir(parents=True)
-    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=0.5)]
-    points += [dict(layout="bsr", n=1024, k=1024, m=64, speedup=0.5, block=[b, b], density=0.5) for b in (32, 64)]
+    points = [dict(layout="sp24", n=1024, k=1024, m=64, speedup=speedup)]
+    points += [dict(layout=layout, n=1024, k=1024, m=64, speedup=speedup, block=[b, b], density=0.5)
+               for layout in ("bsr", "bell", "bdiag") for b in (16, 32, 64)]
     path.write_text(json.dumps(dict(gpu=name, points=points)))
-    crossovers.table.cache_clear()
+    crossovers.reload()
+
+
+@pytest.fixture
+def losing_table(tmp_path, monkeypatch):
+    """A crossover table for this GPU in which every sparse kernel loses (GPU tests)."""
+    _uniform_table(tmp_path, monkeypatch, 0.5)
     yield
-    crossovers.table.cache_clear()
+    crossovers.reload()
+
+
+@pytest.fixture
+def winning_table(tmp_path, monkeypatch):
+    """A crossover table for this GPU in which every sparse kernel wins (GPU tests)."""
+    _uniform_table(tmp_path, monkeypatch, 2.0)
+    yield
+    crossovers.reload()
 
 
 @pytest.fixture

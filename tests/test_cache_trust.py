@@ -132,10 +132,10 @@ def test_a_crossover_table_others_can_write_is_refused(monkeypatch):
     path = crossovers.user_table_path("Some GPU")
     path.parent.mkdir(parents=True, mode=0o700)
     path.write_text('{"points": []}')
-    crossovers.table.cache_clear()
+    crossovers.reload()
     os.chmod(path, 0o666)
     try:
         with pytest.raises(UntrustedPathError, match="crossovers"):
             crossovers.table("Some GPU")
     finally:
-        crossovers.table.cache_clear()
+        crossovers.reload()

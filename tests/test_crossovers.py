@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sparsegen import cli, env
+from sparsegen import cli, env, tune
 from sparsegen.launch import crossovers, dense_path
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -19,16 +19,16 @@ def point(layout="sp24", n=768, k=768, m=2048, speedup=0.8, **more):
 def user_table(tmp_path, monkeypatch):
     """Write this GPU's user table (as `sparsegen tune` would) into a fresh cache directory."""
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
-    crossovers.table.cache_clear()
+    crossovers.reload()
 
     def write(points, gpu=H100):
         path = crossovers.user_table_path(gpu)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dict(gpu=gpu, points=points)))
-        crossovers.table.cache_clear()
+        crossovers.reload()
         return path
     yield write
-    crossovers.table.cache_clear()
+    crossovers.reload()
 
 
 def test_file_names_are_plain():
@@ -42,13 +42,15 @@ def test_user_table_comes_before_the_packaged_one(user_table):
     assert not crossovers.dense_wins(H100, "sp24", 768, 768, 2048)
 
 
-def test_packaged_tables_load_and_hold_both_layouts():
+def test_packaged_tables_load_and_hold_their_layouts():
     tables = sorted(crossovers.PACKAGED.glob("*.json"))
     assert {t.name for t in tables} >= {"nvidia_h100_80gb_hbm3.json", "nvidia_h200.json"}
     for path in tables:
         points = crossovers.load(path)
-        assert {p.layout for p in points} == {"sp24", "bsr"}, path
+        assert {p.layout for p in points} >= {"sp24", "bsr"}, path
         assert all(p.speedup > 0 and math.isfinite(p.speedup) for p in points)
+    h100 = crossovers.load(crossovers.PACKAGED / "nvidia_h100_80gb_hbm3.json")
+    assert {p.layout for p in h100} == set(tune.NAMES)  # the target GPU: every layout measured
 
 
 def test_nearest_point_decides_in_log_space():
@@ -87,7 +89,7 @@ def test_a_point_carries_to_other_densities_by_the_blocks_read(user_table):
 def test_a_damaged_table_counts_as_none_with_a_warning(user_table, text):
     path = user_table([])
     path.write_text(text)
-    crossovers.table.cache_clear()
+    crossovers.reload()
     with pytest.warns(RuntimeWarning, match="ignoring the crossover table"):
         assert crossovers.table(H100) == ()
     assert not crossovers.dense_wins(H100, "sp24", 768, 768, 2048)
@@ -133,3 +135,9 @@ def test_tune_without_a_gpu_says_so(capsys):
         pytest.skip("this machine has a GPU")
     assert cli.main(["tune", "--quick"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tune_names_an_unknown_layout(capsys):
+    assert cli.main(["tune", "--layout", "bell", "--layout", "csr"]) != 0
+    err = capsys.readouterr().err
+    assert "layouts among ('sp24', 'bsr', 'bell', 'bdiag')" in err and "csr" in err

@@ -5,14 +5,24 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.launch import dense_path
-from sparsegen.launch import calls
+from sparsegen.bell.nn import BlockEllLinear
+from sparsegen.launch import calls, crossovers, dense_path, runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 LAYERS = {"2:4": lambda: sparsegen.Sparse24Linear(320, 192, device="cuda", dtype=torch.bfloat16),
-          "b32": lambda: sparsegen.linear(320, 192, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16)}
+          "b32": lambda: sparsegen.linear(320, 192, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16),
+          "bell": lambda: BlockEllLinear(320, 192, block=(32, 32), density=0.5, device="cuda", dtype=torch.bfloat16),
+          "bdiag": lambda: sparsegen.linear(320, 192, sparsity="block-diagonal", nblocks=2, device="cuda",
+                                            dtype=torch.bfloat16)}
+
+
+def copy_key(layer):
+    """The tensor a layer's dense copy is kept under (its index, else its values)."""
+    for name in ("metadata", "row_offsets", "cols", "values"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
 
 
 def reference(layer, x):
@@ -31,7 +41,7 @@ def test_losing_layer_runs_cublas_on_a_dense_copy(dense_everywhere, kind):
         with torch.no_grad():
             y = layer(x)
         assert relative_error(y, reference(layer, x)) < 1e-2
-    key = layer.metadata if kind == "2:4" else layer.row_offsets
+    key = copy_key(layer)
     assert dense_path._COPIES[key].weight.shape == (192, 320)  # one copy, whatever the token count
 
 
@@ -46,7 +56,7 @@ def test_trained_layer_drops_its_copy_and_stays_right(dense_everywhere, kind):
         y.float().square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    key = layer.metadata if kind == "2:4" else layer.row_offsets
+    key = copy_key(layer)
     assert dense_path._COPIES[key].weight is None
 
 
@@ -70,7 +80,7 @@ def test_host_bound_eager_call_keeps_its_kernels_and_its_graph_takes_the_copy(lo
     with torch.no_grad():
         eager = layer(x)
         assert not dense_calls and relative_error(eager, reference(layer, x)) < 1e-2
-        assert dense_path._COPIES[layer.metadata if kind == "2:4" else layer.row_offsets].weight is not None
+        assert dense_path._COPIES[copy_key(layer)].weight is not None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = layer(x)
@@ -79,3 +89,24 @@ def test_host_bound_eager_call_keeps_its_kernels_and_its_graph_takes_the_copy(lo
     y.fill_(float("nan"))
     graph.replay()
     assert relative_error(y, reference(layer, x)) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["bell", "bdiag"])
+def test_kit_layout_without_a_losing_point_keeps_its_kernels(winning_table, kind):
+    layer = LAYERS[kind]()
+    x = torch.randn(48, 320, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+    assert relative_error(y, reference(layer, x)) < 1e-2
+    assert copy_key(layer) not in dense_path._COPIES
+
+
+def test_tune_measures_one_layout_and_keeps_the_others_points(losing_table, tmp_path):
+    from sparsegen import tune
+    before = crossovers.table(runtime.device_name(0))
+    out = tune.run(shapes=[(768, 768)], tokens=[16], layouts=[("bdiag", (0, 0), 0.5)], out=tmp_path / "t.json",
+                   log=lambda line: None)
+    points = crossovers.load(out)
+    assert [p for p in points if p.layout != "bdiag"] == [p for p in before if p.layout != "bdiag"]
+    new = [p for p in points if p.layout == "bdiag"]
+    assert len(new) == 1 and new[0].block == (64, 64) and new[0].density == 0.5 and new[0].speedup > 0

@@ -34,6 +34,8 @@ for step in "${steps[@]}"; do
          tag=${cases//,/_}${MODEL_TAG:-}
          timeout ${MODEL_TIMEOUT:-590} python3 -X faulthandler tools/bench_models.py --cases "$cases" ${MODEL_ARGS:-} \
            --json "$R/11_models_$tag.json" 2>&1 | tee "$OUT/models_$tag.log" | grep -v '^{' | grep "^|" ;;
+    bell_bench) timeout 300 python3 tools/bench.py --bell --json "$R/21_layers_bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
+    bdiag_bench) timeout 300 python3 tools/bench.py --bdiag --json "$R/22_layers_bdiag.json" 2>&1 | tee "$OUT/bdiag_bench.log" | grep "^|" ;;
     bdiag) timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_bdiag.py 2>&1 | tee "$OUT/bdiag_tests.log" | tail -15
          timeout 300 python3 tools/bench.py --bdiag --json "$R/22_layers_bdiag.json" 2>&1 | tee "$OUT/bdiag_bench.log" | grep "^|" ;;
     bell) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_bell.py -x 2>&1 | tee "$OUT/bell_tests.log" | tail -15
@@ -51,7 +53,7 @@ for step in "${steps[@]}"; do
          SPARSEGEN_CACHE_DIR=/tmp/ro_cache SPARSEGEN_KERNEL_BUNDLE=/tmp/bundle python3 tools/bundle_check.py 2>&1 | tee "$OUT/bundle.log"
          chattr -i /tmp/ro_cache ;;
     probe) python3 tools/probe_host.py 2>&1 | tee "$OUT/probe.log" ;;
-    crossovers) python3 -m sparsegen tune 2>&1 | tee "$OUT/crossovers.log" | tail -12  # this GPU's table, used by later steps
+    crossovers) python3 -m sparsegen tune ${TUNE_ARGS:-} 2>&1 | tee "$OUT/crossovers.log" | tail -16  # this GPU's table, used by later steps
          cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
     train) python3 tools/bench.py --train --json "$R/40_train_bsr.json" 2>&1 | tee "$OUT/train.log" ;;

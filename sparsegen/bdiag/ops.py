@@ -23,7 +23,12 @@ def batched_product(x, blocks, bias=None):
     return y if bias is None else y + bias
 
 
-BDIAG_DDS = gathered.FixedRowsProduct("bdiag_dds", reference)
+def dense_weight(values, in_features: int, rowblocks: int, diagrows: int, out_features: int):
+    """W [out_features, in_features], zeros off the diagonal blocks (the dense path's copy)."""
+    return diag.to_dense(values, values.shape[0] // diagrows)
+
+
+BDIAG_DDS = gathered.FixedRowsProduct("bdiag_dds", reference, dense_weight)
 LOWERINGS = (BDIAG_DDS.lowering,)
 
 

@@ -9,13 +9,18 @@ from .. import gathered
 from . import format as ell
 
 
+def dense_weight(values, in_features: int, cols, rowblocks: int, out_features: int):
+    """W [out_features, in_features] with zeros where no block is kept (differentiable)."""
+    return ell.to_dense(values, cols, (out_features, in_features))
+
+
 def reference(x, values, bias, cols, rowblocks: int, out_features: int, epilogue: str = "none"):
     """Pure PyTorch: the dense weight, F.linear, the epilogue (differentiable, traceable)."""
-    weight = ell.to_dense(values, cols, (out_features, x.shape[-1]))
+    weight = dense_weight(values, x.shape[-1], cols, rowblocks, out_features)
     return epilogues.reference(F.linear(x, weight, bias), epilogue)
 
 
-BELL_DDS = gathered.FixedRowsProduct("bell_dds", reference)
+BELL_DDS = gathered.FixedRowsProduct("bell_dds", reference, dense_weight)
 LOWERINGS = (BELL_DDS.lowering,)
 
 

@@ -138,6 +138,12 @@ def op_rules(op: str) -> OpRules:
     return rules
 
 
+def layout_of(op: str) -> str:
+    """The name of the layout that registered `op`."""
+    op_rules(op)  # (an unknown op: "Expected op one of (...)")
+    return next(name for name, layout in _REGISTERED.items() if any(r.op == op for r in layout.ops))
+
+
 def ops() -> tuple[str, ...]:
     _load()
     return tuple(_OPS)

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import plans
 from .. import env
 from ..jit import trust
 
@@ -55,6 +56,13 @@ def table(gpu_name: str) -> tuple[Point, ...]:
         return load(user, check_trust=True)
     packaged = PACKAGED / file_name(gpu_name)
     return load(packaged) if packaged.is_file() else ()
+
+
+def reload() -> None:
+    """Read the tables again at the next call (a new one was written), and plan every call
+    again: plans hold the dense-path decision taken from the table."""
+    table.cache_clear()
+    plans.forget_all()
 
 
 def load(path: Path, check_trust: bool = False) -> tuple[Point, ...]:

@@ -21,6 +21,10 @@ class PlanCache:
 
     def __init__(self):
         self._plans: dict = {}
+        _CACHES.add(self)
+
+    def clear(self) -> None:
+        self._plans.clear()
 
     def get(self, owner: torch.Tensor, signature: tuple, make: Callable):
         key = (id(owner), signature)
@@ -33,6 +37,15 @@ class PlanCache:
         if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._plans[key] = (weakref.ref(owner, lambda _, key=key: self._plans.pop(key, None)), plan)
         return plan
+
+
+_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+
+
+def forget_all() -> None:
+    """Drop every plan: their decisions (the dense path) follow a crossover table just reloaded."""
+    for cache in list(_CACHES):
+        cache.clear()
 
 
 def run_product(launch, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
