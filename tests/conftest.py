@@ -67,12 +67,51 @@ def read_only_cache():
 
 
 def pytest_collection_modifyitems(config, items):
+    sample = os.environ.get("SPARSEGEN_TEST_SAMPLE")
+    if sample:
+        _keep_a_sample(config, items, int(sample))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _keep_a_sample(config, items, per_function: int) -> None:
+    """At most `per_function` cases of each parametrized test, spread evenly over its list (the
+    first and last kept): tools/gpu_run.sh sanitize runs the slow tools on such a sample."""
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item.nodeid.split("[")[0], []).append(item)
+    kept = set()
+    for group in groups.values():
+        last, wanted = len(group) - 1, min(per_function, len(group))
+        kept.update(id(group[round(i * last / max(wanted - 1, 1))]) for i in range(wanted))
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = [item for item in items if id(item) in kept]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_log():
+    """With SPARSEGEN_TEST_KERNEL_LOG=FILE, each kernel the session loads is named there as it
+    loads (the sanitize step's record of what it covered, kept if a time limit stops it)."""
+    path, real = os.environ.get("SPARSEGEN_TEST_KERNEL_LOG"), runtime.kernel
+    if not path:
+        yield
+        return
+    loaded = set()
+
+    def logging_kernel(spec, device_index):
+        if spec.name not in loaded:
+            loaded.add(spec.name)
+            with open(path, "a") as out:
+                out.write(spec.name + "\n")
+        return real(spec, device_index)
+
+    runtime.kernel = logging_kernel
+    yield
+    runtime.kernel = real
 
 
 @pytest.fixture

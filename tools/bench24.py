@@ -8,6 +8,7 @@ renders the recorded tables into BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -206,6 +207,34 @@ def _decode_cells(n, k, m, eager, graph) -> list:
             "yes" if met else "NO"]
 
 
+def deterministic_table(weights=DECODE_WEIGHTS[:3], tokens=(1, 16, 64, 128)) -> Table:
+    """What torch.use_deterministic_algorithms(True) costs: 2:4 decode, the one path it changes
+    (K unsplit), timed as CUDA graphs over weights from HBM in both modes, beside dense."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    table = Table("Reliability", "Deterministic mode: 2:4 decode, bf16, CUDA graphs, weights read from HBM", [
+        ("weight N x K", ""), ("M", ""), ("dense ms", ".4f"), ("default ms", ".4f"), ("deterministic ms", ".4f"),
+        ("default vs dense", "x"), ("deterministic vs dense", "x"), ("deterministic time / default", ".2f")],
+        "Only 2:4 products of 256 tokens or fewer split K; every other sparsegen kernel is the same in both modes.")
+    for n, k in weights:
+        dense_ws, sparse = decode_weights(n, k)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dense = [lambda w=w: F.linear(x, w) for w in dense_ws]
+            ours = [lambda s=s: sp24_ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse]
+            times = interleaved(lambda: graph_ms(dense), lambda: graph_ms(ours), lambda: _deterministic(graph_ms, ours))
+            table.add(f"{n}x{k}", m, *times, times[0] / times[1], times[0] / times[2], times[2] / times[1])
+        del dense_ws, sparse
+    return table
+
+
+def _deterministic(fn, *args):
+    torch.use_deterministic_algorithms(True)
+    try:
+        return fn(*args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def random_bytes(shape, dtype) -> torch.Tensor:
     if dtype == torch.int8:
         return torch.randint(-128, 128, shape, device="cuda", dtype=torch.int8)
@@ -325,11 +354,14 @@ def main(argv=None) -> None:
     parser.add_argument("--decode", action="store_true", help="only the 1-128 token table (eager and CUDA graphs)")
     parser.add_argument("--train", action="store_true", help="only the fwd+bwd table (GPT-2 FFNs, one linear)")
     parser.add_argument("--tune-decode", action="store_true", help="time decode tiles and K splits instead")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="only the decode table in default and deterministic mode")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.tune_decode or args.tune:
         return tune_decode() if args.tune_decode else tune()
-    modes = [(args.decode, decode_table), (args.train, train_table), (args.bytes, bytes_table)]
+    modes = [(args.decode, decode_table), (args.train, train_table), (args.bytes, bytes_table),
+             (args.deterministic, deterministic_table)]
     tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
     write(args.json, "bench24.py", argv, tables)
 

@@ -1,6 +1,6 @@
 """BENCHMARKS.md from the recorded benchmark runs (tools/results/*.json, written by the
 tools' --json), so the document holds what was measured and nothing typed in: whole models
-first, then layers, 2:4, training, compile and overheads, each table with its GPU, date,
+first, then layers, 2:4, training, compile and overheads, reliability, each table with its GPU, date,
 commit and command. No GPU needed.
 
     python tools/benchmarks_md.py            # rewrite BENCHMARKS.md
@@ -36,6 +36,7 @@ ABOUT = {
     "2:4 semi-structured": "2:4 layers against cuBLAS and PyTorch's cuSPARSELt path.",
     "Training": "Forward + backward of layers, dense against sparse, the same inputs.",
     "Compile and overheads": "What a user waits for besides the GPU: NVRTC, kernel loads, host time, memory.",
+    "Reliability": "Kernels under compute-sanitizer, and what deterministic mode costs.",
 }
 
 

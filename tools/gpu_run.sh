@@ -28,6 +28,40 @@ for step in "${steps[@]}"; do
                python3 $root/tools/$tool 2>&1 | grep -v '^{' | grep -E "^\||us|x dense|ms" | tail -40 | tee -a "$OUT/compare.log"
            done
          done ;;
+    sanitize) # tools/sanitize_tests.txt under compute-sanitizer's four tools at once (a process each),
+         # sparsegen's kernels only (every name has _sm<arch>_ in it: bsr_dds_b32x32_bf16_nt_sm90a_...),
+         # PyTorch's caching allocator off (each tensor its own allocation, its end where memcheck
+         # sees it). SANITIZE_SAMPLE="tool=N ..." runs N cases of each test under that tool
+         # (conftest.py's SPARSEGEN_TEST_SAMPLE; none: every case).
+         export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+         tests=$(grep -v '^#' tools/sanitize_tests.txt | tr '\n' ' ')
+         arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
+         filter=(--kernel-name "kns=_sm$arch")
+         compute-sanitizer --version | tail -1 | tee "$OUT/sanitize.log"
+         planted() { compute-sanitizer --tool memcheck "$@" python3 tools/sanitize_planted.py > "$OUT/sanitize_planted.log" 2>&1
+                     grep -c 'Invalid __global__ read' "$OUT/sanitize_planted.log"; }
+         found=$(planted "${filter[@]}")
+         [ "$found" = 0 ] && { filter=(); found=$(planted); }  # the filter missed it: every kernel then
+         echo "planted: an out-of-bounds read (bsr_dds on mma.sync, values one block short) gave $found memcheck" \
+           "reports with the filter ${filter[*]:-none (kns=_sm$arch missed it)}" | tee -a "$OUT/sanitize.log"
+         compute-sanitizer --tool initcheck python3 tools/sanitize_planted.py cublas > "$OUT/sanitize_cublas.log" 2>&1
+         echo "planted: initcheck on a PyTorch read of cuBLAS's output (torch.mm into torch.empty) gave" \
+           "$(grep -c 'Uninitialized __global__' "$OUT/sanitize_cublas.log") reports" | tee -a "$OUT/sanitize.log"
+         for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+           sample=$(echo " ${SANITIZE_SAMPLE:-memcheck=16 racecheck=2 synccheck=8 initcheck=8} " | grep -o " $tool=[0-9]*" | cut -d= -f2)
+           echo "sample: $tool runs ${sample:-all} cases of each test" | tee -a "$OUT/sanitize.log"
+           ( start=$SECONDS
+             SPARSEGEN_TEST_SAMPLE=$sample SPARSEGEN_TEST_KERNEL_LOG="$OUT/sanitize_${tool}_kernels.txt" \
+               timeout ${SANITIZE_TIMEOUT:-480} compute-sanitizer --tool $tool "${filter[@]}" --print-limit 200 \
+               python3 -m pytest -q -p no:cacheprovider $tests > "$OUT/sanitize_$tool.log" 2>&1
+             echo "$tool: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/sanitize.log" ) &
+         done
+         wait
+         python3 tools/sanitize_report.py "$OUT" --json "$R/60_sanitize.json" | tee -a "$OUT/sanitize.log" ;;
+    reliability_tests) timeout ${RELIABILITY_TIMEOUT:-500} python3 -m pytest -q -m gpu tests/test_gpu_determinism.py \
+           tests/test_gpu_nonfinite.py tests/test_gpu_graphs.py -rs 2>&1 | tee "$OUT/reliability_tests.log" | tail -40 ;;
+    deterministic) timeout 300 python3 tools/bench24.py --deterministic --json "$R/61_deterministic.json" 2>&1 \
+           | tee "$OUT/deterministic.log" | grep "^|" ;;
     models_tests) timeout 500 python3 -m pytest -q -m gpu tests/test_gpu_models.py -x 2>&1 | tee "$OUT/gpu_models_tests.log" | tail -25 ;;
     host) python3 tools/bench_models.py --host --cases none --json "$R/10_models_host.json" 2>&1 | tail -12 ;;
     models:*) cases=${step#models:}  # models:CASE[,CASE...]: whole-model benchmark of those cases

@@ -12,12 +12,14 @@ turns the path off.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import crossovers, outside_graphs, runtime
+from .memory import allocating
 from .. import env
 
 TRAINED_AFTER = 2
@@ -46,9 +48,12 @@ class _Copy:
     stamp: tuple[int, int]          # the weight's (data pointer, version) when built
     weight: torch.Tensor | None     # None: the weight is being trained
     changes: int
+    captured: torch.Tensor | None = None  # the copy a CUDA graph reads: never freed, rebuilt in place
 
 
 _COPIES = WeakIdKeyDictionary()  # a layout's key tensor (its index or metadata) -> _Copy
+# values -> (its _Copy, build, inputs), for copies a graph reads: rebuilt after optimizer steps
+_AFTER_STEP = WeakIdKeyDictionary()
 
 
 def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Tensor | None:
@@ -56,18 +61,69 @@ def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Te
     the same; None once the weight has been seen changing (trained), inside a CUDA graph
     capture with no current copy (the capture then records the sparse kernels), or for values
     that are not a layer's parameter: a cast made per call (autocast) can come back at the same
-    address and version with other contents, so a copy keyed by it would go stale."""
+    address and version with other contents, so a copy keyed by it would go stale.
+
+    A copy a graph captured stays where it is for good (the graph reads that memory): a call
+    that finds its weight changed rebuilds it in place, and so does every optimizer step over
+    the weight - recorded into a captured training step too - so an eval graph replayed after
+    training steps reads the trained weight."""
     if not isinstance(values, torch.nn.Parameter):
         return None  # a temporary (an autocast cast): its pointer and version do not follow the weight
     stamp, entry = (values.data_ptr(), values._version), _COPIES.get(key)
+    if key.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _captured(entry, stamp, values, build, inputs)
     if entry is not None and entry.stamp == stamp:
         return entry.weight
-    if key.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
     changes = 0 if entry is None else entry.changes + 1
-    weight = None if changes >= TRAINED_AFTER else outside_graphs.run(_without_grad, (build, *inputs), key.device)
-    _COPIES[key] = _Copy(stamp, weight, changes)
+    captured = None if entry is None else entry.captured
+    if captured is not None:  # a graph reads it: rebuilt where it is, even once trained
+        with torch.no_grad():
+            captured.copy_(_built(build, inputs, values, key.device))
+    weight = None if changes >= TRAINED_AFTER else captured if captured is not None else \
+        _built(build, inputs, values, key.device)
+    if entry is None:  # (written once the copy exists: a failed build leaves no entry)
+        _COPIES[key] = _Copy(stamp, weight, changes)
+    else:  # (updated in place: the optimizer hook holds the entry of a captured copy)
+        entry.stamp, entry.weight, entry.changes = stamp, weight, changes
     return weight
+
+
+def _captured(entry: _Copy | None, stamp, values, build, inputs: tuple) -> torch.Tensor | None:
+    """Inside a capture: the current copy, if there is one, marked as read by a graph."""
+    if entry is None or entry.stamp != stamp or entry.weight is None:
+        return None
+    if entry.captured is None:
+        entry.captured = entry.weight
+        _AFTER_STEP[values] = (entry, build, inputs)
+        _watch_optimizer_steps()
+    return entry.weight
+
+
+@functools.lru_cache(maxsize=1)
+def _watch_optimizer_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """Rebuild the graph-read copies of the weights this step updated, on the current stream
+    (inside a captured training step: recorded with it)."""
+    for group in optimizer.param_groups:
+        for values in group["params"]:
+            held = _AFTER_STEP.get(values)
+            if held is not None:
+                entry, build, inputs = held
+                with torch.no_grad():
+                    entry.captured.copy_(build(*inputs))
+                entry.stamp = (values.data_ptr(), values._version)
+
+
+def _built(build, inputs: tuple, values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    what = (f"the dense copy of a sparse weight (stored values {list(values.shape)} {values.dtype}) that cuBLAS "
+            "runs where this GPU's crossover table says the kernel loses; SPARSEGEN_DENSE_FALLBACK=0 turns it off")
+    with allocating(what):
+        return outside_graphs.run(_without_grad, (build, *inputs), device)
 
 
 def _without_grad(build, *inputs):

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .memory import allocating
+
 
 class PlanCache:
     """plan = cache.get(owner, signature, make): make() on the first call for (owner, signature)."""
@@ -31,7 +33,8 @@ class PlanCache:
         entry = self._plans.get(key)
         if entry is not None and entry[0]() is owner:
             return entry[1]
-        plan = make()
+        with allocating("a launch plan (the aligned copies of the operands it reads)"):
+            plan = make()
         # A plan made during CUDA graph capture may point into tensors that live only as
         # long as the capture: use it once, keep none.
         if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):

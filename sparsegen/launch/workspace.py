@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .memory import allocating
+
 _WORKSPACES: dict[tuple[int, int], list[torch.Tensor]] = {}
 
 
@@ -22,7 +24,8 @@ def zeroed(device: torch.device, stream: int, floats: int, allocate) -> torch.Te
     if held and held[-1].numel() >= floats:
         return held[-1]
     size = max(floats, 2 * held[-1].numel() if held else 0)  # doubling: few generations kept
-    held.append(allocate(size, device))
+    with allocating("a split-K workspace (float32 partial sums)", 4 * size):
+        held.append(allocate(size, device))
     return held[-1]
 
 

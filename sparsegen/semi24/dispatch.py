@@ -41,6 +41,16 @@ def k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2, min_stages
     return max(1, min(stages // min_stages, (per_sm * runtime.sm_count(device_index)) // max(blocks, 1)))
 
 
+def wanted_splits(splits: int | None, dtype: torch.dtype) -> int | None:
+    """`splits` as asked (None: the grid decides), or 1 where K must not be split: int8 (the
+    float32 partial sums would round its int32 sums), and under
+    torch.use_deterministic_algorithms(True), since the last split to reach a tile writes Y
+    and the splits add into the float32 sums in the order they arrive."""
+    if dtype == torch.int8 or torch.are_deterministic_algorithms_enabled():
+        return 1
+    return splits
+
+
 def narrow_tiles(m: int, n: int, device_index: int) -> bool:
     """33-128 tokens on Hopper: blocks of 64 W rows x 64 tokens, except 65-128 tokens on a
     weight whose 128-row tiles fill half the SMs or more: 128 W rows x 128 tokens. From a

@@ -98,8 +98,7 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     m, k = x2.shape
     if m == 0 or out_features == 0 or k == 0:  # (no tensor map describes an empty tensor)
         return calls.product_without_weight(x, x2, bias, out, out_features, epilogue, sp24_output_dtype(x.dtype))
-    if x.dtype == torch.int8:  # K splits add float32 partials, which would round int32 sums
-        splits = 1
+    splits = dispatch.wanted_splits(splits, x.dtype)
     if calls.kernel_left_to_dispatch(tile, instr) and calls.tma_ready(values) and calls.tma_ready(metadata):
         plan = _kept_sp24_plan(x2, values, metadata, out_features, splits, epilogue)
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
@@ -120,7 +119,7 @@ def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none
     if torch.cuda.is_current_stream_capturing():
         return None
     x2 = calls.rows_2d(x)
-    plan = _kept_sp24_plan(x2, values, metadata, out_features, None, epilogue)
+    plan = _kept_sp24_plan(x2, values, metadata, out_features, dispatch.wanted_splits(None, x.dtype), epilogue)
     if plan.dense_eager:
         return None
     if plan.dense:  # the copy a CUDA graph capture takes, built now (sp24_dds builds it on every call)

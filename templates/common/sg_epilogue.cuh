@@ -17,7 +17,8 @@ struct Identity {
 
 struct Relu {
   template <class T>
-  __device__ static T f(T v) { return v > T(0) ? v : T(0); }
+  // NaN stays NaN, as in torch.relu (v > 0 ? v : 0 would turn it into 0)
+  __device__ static T f(T v) { return v <= T(0) ? T(0) : v; }
 };
 
 struct Gelu {  // the exact GELU: x Phi(x)

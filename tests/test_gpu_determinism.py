@@ -1,0 +1,116 @@
+"""Deterministic mode on the GPU (torch.use_deterministic_algorithms(True)): every sparsegen
+forward and backward gives the same bits run after run, on another stream and in another
+process. 2:4 decode, which otherwise splits K across blocks that add their sums in the order
+they arrive, runs unsplit (pytest -m gpu)."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.bell.nn import BlockEllLinear
+from sparsegen.semi24 import dispatch, ops as sp24_ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+IN, OUT = 1024, 512
+BF16 = dict(device="cuda", dtype=torch.bfloat16)
+LAYERS = {"2:4": lambda: sparsegen.Sparse24Linear(IN, OUT, **BF16),
+          "2:4-recipe": lambda: sparsegen.linear(IN, OUT, sparsity="2:4", dw_sparse=True, **BF16),
+          "b32": lambda: sparsegen.linear(IN, OUT, block=(32, 32), density=0.5, **BF16),
+          "b64": lambda: sparsegen.linear(IN, OUT, block=(64, 64), density=0.25, **BF16),
+          "bell": lambda: BlockEllLinear(IN, OUT, block=(32, 32), density=0.5, **BF16),
+          "bdiag": lambda: sparsegen.linear(IN, OUT, sparsity="block-diagonal", nblocks=4, **BF16)}
+TOKENS = (1, 16, 133, 4133)  # decode (where 2:4 splits K unless deterministic), odd counts, many tiles
+
+
+def enable_deterministic_mode() -> None:
+    """What a user sets: PyTorch's switch, and the cuBLAS workspace it asks for. The dense path
+    is turned off so that sparsegen's own kernels are the ones under test."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    os.environ["SPARSEGEN_DENSE_FALLBACK"] = "0"
+    torch.use_deterministic_algorithms(True)
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv("SPARSEGEN_DENSE_FALLBACK", "0")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def forward_and_backward(kind: str, tokens: int, stream=None) -> list[torch.Tensor]:
+    """Y, dX and every parameter's grad of a fresh layer (seeded) on these seeded inputs."""
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.manual_seed(0)
+        layer = LAYERS[kind]()
+        x = torch.randn(tokens, IN, **BF16, requires_grad=True)
+        dy = torch.randn(tokens, OUT, **BF16)
+        y = layer(x)
+        y.backward(dy)
+    stream.synchronize()
+    return [y.detach(), x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+
+def digest(kind: str, tokens: int) -> str:
+    hashed = hashlib.sha256()
+    for tensor in forward_and_backward(kind, tokens):
+        hashed.update(tensor.float().cpu().numpy().tobytes())
+    return hashed.hexdigest()
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_repeated_runs_and_another_stream_give_the_same_bits(deterministic, kind, tokens):
+    first = forward_and_backward(kind, tokens)
+    assert all(torch.isfinite(t).all() for t in first)
+    for stream in (None, None, torch.cuda.Stream()):
+        again = forward_and_backward(kind, tokens, stream)
+        assert len(again) == len(first)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_another_process_gives_the_same_bits(deterministic):
+    cases = [(kind, tokens) for kind in LAYERS for tokens in (1, 133)]
+    script = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+              "import test_gpu_determinism as t; t.enable_deterministic_mode(); "
+              f"print(json.dumps([t.digest(k, m) for k, m in {cases!r}]))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [digest(kind, tokens) for kind, tokens in cases]
+
+
+@pytest.fixture
+def split_launches(monkeypatch):
+    """Launches that added into a split-K workspace, counted."""
+    seen, real = [], sp24_ops._split_sums
+    monkeypatch.setattr(sp24_ops, "_split_sums", lambda plan, device: seen.append(plan.workspace) or real(plan, device))
+    return seen
+
+
+@torch.no_grad()
+def test_decode_splits_k_by_default_and_never_in_deterministic_mode(split_launches, monkeypatch):
+    monkeypatch.setenv("SPARSEGEN_DENSE_FALLBACK", "0")
+    layer = sparsegen.Sparse24Linear(4096, 4096, **BF16)
+    x = torch.randn(16, 4096, **BF16)
+    expected = layer(x)  # eager and then lean (planned) calls, split
+    layer(x)
+    assert split_launches, "16 tokens on a 4096x4096 weight should split K"
+    split_launches.clear()
+    torch.use_deterministic_algorithms(True)
+    try:
+        outputs = [layer(x), layer(x)]  # the lean call planned before must not run split
+        plan = sp24_ops._sp24_plan(x, layer.values, layer.metadata, 4096, dispatch.wanted_splits(None, x.dtype))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not split_launches and plan.workspace == 0
+    assert torch.equal(outputs[0], outputs[1])
+    assert ((outputs[0].double() - expected.double()).norm() / expected.double().norm()) < 1e-2
