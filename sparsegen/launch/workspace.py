@@ -1,12 +1,14 @@
-"""Scratch memory that kernels hand back as they found it: all zeros.
+"""Scratch memory whose counters kernels hand back as they found them: zero.
 
-Split-K kernels add float32 partial sums into a workspace and count arrivals per tile; the
-last split of a tile writes Y and zeroes its sums and count again (templates/sg_split_k.cuh).
-So the workspace is zeroed once, when it is allocated, and never by a launch of its own.
+Split-K kernels write each split's float32 partial sums to its own slice of a workspace and
+count arrivals per tile; the last split of a tile adds the slices in order, writes Y and
+zeroes its counter again (templates/sg_split_k.cuh). So the workspace is zeroed once, when
+it is allocated, and never by a launch of its own.
 
 One workspace per (device, stream): kernels on one stream run in order, so they never share
-it at the same time. It only grows, and a smaller one it replaces is kept: a CUDA graph
-captured earlier still points into it.
+it at the same time (graphs replayed at once on two streams must not share one: capture
+them on their own streams). It only grows, and a smaller one it replaces is kept: a CUDA
+graph captured earlier still points into it.
 """
 from __future__ import annotations
 

@@ -42,13 +42,10 @@ def k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2, min_stages
 
 
 def wanted_splits(splits: int | None, dtype: torch.dtype) -> int | None:
-    """`splits` as asked (None: the grid decides), or 1 where K must not be split: int8 (the
-    float32 partial sums would round its int32 sums), and under
-    torch.use_deterministic_algorithms(True), since the last split to reach a tile writes Y
-    and the splits add into the float32 sums in the order they arrive."""
-    if dtype == torch.int8 or torch.are_deterministic_algorithms_enabled():
-        return 1
-    return splits
+    """`splits` as asked (None: the grid decides), or 1 for int8: K splits add float32 partial
+    sums, which would round its int32 sums. (Splits are deterministic: the last split adds
+    every split's slice in split order, so torch.use_deterministic_algorithms needs no change.)"""
+    return 1 if dtype == torch.int8 else splits
 
 
 def narrow_tiles(m: int, n: int, device_index: int) -> bool:

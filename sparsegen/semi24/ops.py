@@ -143,7 +143,7 @@ class _Sp24Plan:
     launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, bias, Y, sums, counts
     keep: tuple[torch.Tensor, ...]    # copies W's pointers or maps point into (aligned ones made for it)
     workspace: int                    # float32 words of split-K sums and tile counts (0: no split)
-    counts_at: int                    # bytes from the sums (M x N float32) to the tile counts
+    counts_at: int                    # bytes from the sums (splits x M x N float32) to the tile counts
     width: int                        # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False         # and outside them (not host-bound: calls.dense_outside_graphs)
@@ -168,11 +168,12 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
     kern = dispatch.forward_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
                         dispatch.narrow_tiles(m, out_features, device_index), epilogue)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
-    workspace = m * out_features + dispatch.tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
+    sums = grid[2] * m * out_features  # a slice of partial sums per split (templates/sg_split_k.cuh)
+    workspace = sums + dispatch.tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
     dense = (calls.kernel_left_to_dispatch(tile, instr) and x2.dtype in calls.SIXTEEN_BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
     return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), workspace,
-                     4 * m * out_features, epilogues.output_features(epilogue, out_features), dense,
+                     4 * sums, epilogues.output_features(epilogue, out_features), dense,
                      dense and calls.dense_outside_graphs(m, k, out_features))
 
 

@@ -1,8 +1,9 @@
-// Split K finished inside the kernel. The splits of an output tile add their float32 partial
-// sums into a workspace that is all zeros between launches; the split that arrives last at a
-// tile (one counter per tile) adds the bias, rounds the sums into Y and puts zeros back in
-// the workspace and its counter. A call is then one launch: no memset before it and no
-// finishing pass after it (each costs the host as much as the launch itself).
+// Split K finished inside the kernel. Each split of an output tile writes its float32 partial
+// sums to its own slice of a workspace (split s at sums + s * M * N); the split that arrives
+// last at a tile (one counter per tile) adds the slices in split order - the same additions
+// in the same order whichever split ran first, so Y's bits do not depend on timing - adds the
+// bias, rounds into Y and puts the counter back to zero. A call is then one launch: no memset
+// before it and no finishing pass after it (each costs the host as much as the launch itself).
 //
 // A group is GROUP threads that own one tile: a whole block (barrier 0, __syncthreads), or a
 // warpgroup with a named barrier of its own.
@@ -34,35 +35,43 @@ struct SplitK {
     return last != 0;
   }
 
-  // The last split: Y[t, f] = out(sums[t, f] + bias(f)) over tokens t0.. and features f0..
-  // of the tile (features fastest: whole rows of the workspace per warp), zeroing the sums
-  // and the counter as it goes. The sums are read from L2 (__ldcg): L1 is not coherent.
+  // This block's split's partial sum of output (t, f) (blockIdx.z: the split), written
+  // through to L2 (__stcg), where the last split reads it.
+  __device__ static void put(float* sums, int t, int f, int M, int N, float v) {
+    __stcg(sums + (long long)blockIdx.z * M * N + (long long)t * N + f, v);
+  }
+
+  // Output (t, f)'s splits added in split order, read from L2 (__ldcg): L1 is not coherent.
+  __device__ static float total(const float* sums, int t, int f, int M, int N) {
+    const float* sum = sums + (long long)t * N + f;
+    float acc = 0.f;
+    for (int s = 0; s < (int)gridDim.z; ++s) acc += __ldcg(sum + (long long)s * M * N);
+    return acc;
+  }
+
+  // The last split: Y[t, f] = out(total(t, f) + bias(f)) over tokens t0.. and features f0..
+  // of the tile (features fastest: whole rows of each slice per warp); then the counter is zero.
   template <class Elem, class Bias, class Out>
-  __device__ static void finish(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features, int M,
-                                int N, Bias bias, Out out) {
+  __device__ static void finish(const float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
+                                int M, int N, Bias bias, Out out) {
     for (int i = threadIdx.x % GROUP; i < tokens * features; i += GROUP) {
       const int t = t0 + i / features, f = f0 + i % features;
-      if (t >= M || f >= N) continue;
-      float* sum = sums + (long long)t * N + f;
-      y[(long long)t * N + f] = out(__ldcg(sum) + bias(f));
-      __stcg(sum, 0.f);
+      if (t < M && f < N) y[(long long)t * N + f] = out(total(sums, t, f, M, N) + bias(f));
     }
     if (threadIdx.x % GROUP == 0) *count = 0;
   }
 
-  // Gated (sg_epilogue.cuh): Y (N / 2 columns) gets out(gate, up) of the sums at fused
-  // features f (f % 16 < 8) and f + 8, each with its bias; both sums are zeroed after.
+  // Gated (sg_epilogue.cuh): Y (N / 2 columns) gets out(gate, up) of the totals at fused
+  // features f (f % 16 < 8) and f + 8, each with its bias.
   template <class Elem, class Bias, class Out>
-  __device__ static void finish_gated(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
+  __device__ static void finish_gated(const float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
                                       int M, int N, Bias bias, Out out) {
     const int outputs = features / 2;
     for (int i = threadIdx.x % GROUP; i < tokens * outputs; i += GROUP) {
       const int t = t0 + i / outputs, o = i % outputs, f = f0 + 16 * (o / 8) + o % 8;
-      if (t >= M || f >= N) continue;
-      float* gate = sums + (long long)t * N + f;
-      y[(long long)t * (N / 2) + f / 16 * 8 + f % 8] = out(__ldcg(gate) + bias(f), __ldcg(gate + 8) + bias(f + 8));
-      __stcg(gate, 0.f);
-      __stcg(gate + 8, 0.f);
+      if (t < M && f < N)
+        y[(long long)t * (N / 2) + f / 16 * 8 + f % 8] =
+            out(total(sums, t, f, M, N) + bias(f), total(sums, t, f + 8, M, N) + bias(f + 8));
     }
     if (threadIdx.x % GROUP == 0) *count = 0;
   }

@@ -137,8 +137,8 @@ struct Sp24Dds {
     }
   }
 
-  // Split K (small M): the block's partial tile of Y^T is added into the float32 workspace;
-  // the tile's last split writes Y (sg_split_k.cuh; the host never splits int32 sums).
+  // Split K (small M): the block's partial tile of Y^T goes to its split's slice of the float32
+  // workspace; the tile's last split writes Y (sg_split_k.cuh; the host never splits int32 sums).
   // Every thread is past compute(), so the first word of shared memory is free for the flag.
   __device__ static void add_split(Acc (&acc)[MT][NT][4], float* sums, int* counts, const OutT* bias, OutT* y,
                                    unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt) {
@@ -151,7 +151,7 @@ struct Sp24Dds {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int f = n0 + ww * 64 + mt * 16 + g + 8 * (i >> 1), t = m0 + wt * WARP_T + nt * 8 + 2 * q + (i & 1);
-          if (f < N && t < M) atomicAdd(sums + (long long)t * N + f, static_cast<float>(acc[mt][nt][i]));
+          if (f < N && t < M) Split::put(sums, t, f, M, N, static_cast<float>(acc[mt][nt][i]));
         }
     int* count = counts + blockIdx.y * gridDim.x + blockIdx.x;
     if (!Split::last_to_arrive(count, gridDim.z, smem_ptr(smem_raw), 0))

@@ -174,14 +174,14 @@ struct Sp24DdsTma {
       }
   }
 
-  // Split K: consumer c's partial tile of Y^T (its 64 features, TILE_T tokens) is added into
-  // the float32 workspace; the tile's last split writes Y (sg_split_k.cuh). `flag`: a word of
+  // Split K: consumer c's partial tile of Y^T (its 64 features, TILE_T tokens) goes to its
+  // split's slice of the float32 workspace; the tile's last split writes Y (sg_split_k.cuh). `flag`: a word of
   // the consumer's staging buffer, which the split path does not otherwise use.
   __device__ static void add_split(const Acc (&acc)[ACC], float* sums, int* counts, const Elem* bias, Elem* y,
                                    u32 flag, int m0, int n0, int M, int N, int c) {
     using Split = SplitK<128>;
     for_each_output(acc, m0, n0, M, N, c,
-                    [&](int t, int f, Acc v) { atomicAdd(sums + (long long)t * N + f, static_cast<float>(v)); });
+                    [&](int t, int f, Acc v) { Split::put(sums, t, f, M, N, static_cast<float>(v)); });
     const int tiles_w = ((N + TILE_W - 1) / TILE_W + CLUSTER - 1) / CLUSTER * CLUSTER;  // as Raster's groups
     int* count = counts + ((m0 / TILE_T) * tiles_w + n0 / TILE_W) * CONSUMERS + c;
     if (!Split::last_to_arrive(count, gridDim.z, flag, c + 2))
