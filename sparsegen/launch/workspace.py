@@ -1,9 +1,9 @@
-"""Scratch memory whose counters kernels hand back as they found them: zero.
+"""Scratch memory that kernels hand back as they found it: all zeros.
 
 Split-K kernels write each split's float32 partial sums to its own slice of a workspace and
 count arrivals per tile; the last split of a tile adds the slices in order, writes Y and
-zeroes its counter again (templates/sg_split_k.cuh). So the workspace is zeroed once, when
-it is allocated, and never by a launch of its own.
+zeroes the slices and its count again (templates/sg_split_k.cuh). So the workspace is zeroed
+once, when it is allocated, and never by a launch of its own.
 
 One workspace per (device, stream): kernels on one stream run in order, so they never share
 it at the same time (graphs replayed at once on two streams must not share one: capture

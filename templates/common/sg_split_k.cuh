@@ -2,8 +2,9 @@
 // sums to its own slice of a workspace (split s at sums + s * M * N); the split that arrives
 // last at a tile (one counter per tile) adds the slices in split order - the same additions
 // in the same order whichever split ran first, so Y's bits do not depend on timing - adds the
-// bias, rounds into Y and puts the counter back to zero. A call is then one launch: no memset
-// before it and no finishing pass after it (each costs the host as much as the launch itself).
+// bias, rounds into Y and puts the slices and the counter back to zero. A call is then one
+// launch: no memset before it and no finishing pass after it (each costs the host as much as
+// the launch itself).
 //
 // A group is GROUP threads that own one tile: a whole block (barrier 0, __syncthreads), or a
 // warpgroup with a named barrier of its own.
@@ -41,18 +42,24 @@ struct SplitK {
     __stcg(sums + (long long)blockIdx.z * M * N + (long long)t * N + f, v);
   }
 
-  // Output (t, f)'s splits added in split order, read from L2 (__ldcg): L1 is not coherent.
-  __device__ static float total(const float* sums, int t, int f, int M, int N) {
-    const float* sum = sums + (long long)t * N + f;
+  // Output (t, f)'s splits added in split order, read from L2 (__ldcg: L1 is not coherent),
+  // each slice zeroed after it is read: the workspace is all zeros between launches again (a
+  // later launch of another shape may put its counters where these sums were).
+  __device__ static float total(float* sums, int t, int f, int M, int N) {
+    float* sum = sums + (long long)t * N + f;
     float acc = 0.f;
-    for (int s = 0; s < (int)gridDim.z; ++s) acc += __ldcg(sum + (long long)s * M * N);
+    for (int s = 0; s < (int)gridDim.z; ++s) {
+      float* slice = sum + (long long)s * M * N;
+      acc += __ldcg(slice);
+      __stcg(slice, 0.f);
+    }
     return acc;
   }
 
   // The last split: Y[t, f] = out(total(t, f) + bias(f)) over tokens t0.. and features f0..
-  // of the tile (features fastest: whole rows of each slice per warp); then the counter is zero.
+  // of the tile (features fastest: whole rows of each slice per warp); then the counter is zero too.
   template <class Elem, class Bias, class Out>
-  __device__ static void finish(const float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
+  __device__ static void finish(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
                                 int M, int N, Bias bias, Out out) {
     for (int i = threadIdx.x % GROUP; i < tokens * features; i += GROUP) {
       const int t = t0 + i / features, f = f0 + i % features;
@@ -64,7 +71,7 @@ struct SplitK {
   // Gated (sg_epilogue.cuh): Y (N / 2 columns) gets out(gate, up) of the totals at fused
   // features f (f % 16 < 8) and f + 8, each with its bias.
   template <class Elem, class Bias, class Out>
-  __device__ static void finish_gated(const float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
+  __device__ static void finish_gated(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
                                       int M, int N, Bias bias, Out out) {
     const int outputs = features / 2;
     for (int i = threadIdx.x % GROUP; i < tokens * outputs; i += GROUP) {
