@@ -36,7 +36,7 @@ ABOUT = {
     "2:4 semi-structured": "2:4 layers against cuBLAS and PyTorch's cuSPARSELt path.",
     "Training": "Forward + backward of layers, dense against sparse, the same inputs.",
     "Compile and overheads": "What a user waits for besides the GPU: NVRTC, kernel loads, host time, memory.",
-    "Reliability": "Kernels under compute-sanitizer, and what deterministic mode costs.",
+    "Reliability": "Kernels under compute-sanitizer.",
 }
 
 

@@ -36,7 +36,7 @@ def tool_row(folder: Path, tool: str) -> list | None:
     text = log.read_text(errors="replace")
     summaries = re.findall(r"^=*\s*(\d+ (?:passed|failed).* in [\d.]+s.*)$", text, re.MULTILINE)  # pytest's last line
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?)\b", summaries[-1] if summaries else "")}
-    summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    summary = re.findall(r"(?:ERROR SUMMARY: |RACECHECK SUMMARY: \d+ hazards displayed \()(\d+) error", text)
     kernels_file = folder / f"sanitize_{tool}_kernels.txt"
     kernels = kernels_file.read_text().split() if kernels_file.is_file() else []
     families = sorted({family(k) for k in kernels})
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--tools", nargs="+", default=TOOLS, choices=TOOLS, help="the rows to report")
     args = parser.parse_args(argv)
     table = Table("Reliability", "compute-sanitizer over the GPU tests (tools/gpu_run.sh sanitize)", [
         ("tool", ""), ("tests passed", ""), ("tests failed", ""), ("kernels checked", ""), ("kernel families", ""),
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
         "Tests from tools/sanitize_tests.txt (SPARSEGEN_TEST_SAMPLE cases of each), sparsegen's kernels only "
         "(--kernel-name kns=_sm<arch>; every kernel where that filter misses the planted read), PyTorch's "
         "caching allocator off (each tensor its own allocation). Kernels checked: those the tests loaded.")
-    for tool in TOOLS:
+    for tool in args.tools:
         row = tool_row(args.logs, tool)
         if row is not None:
             table.add(*row)
