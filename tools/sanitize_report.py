@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_record import Table, write  # noqa: E402
+from sparsegen.jit.spec import INSTRS  # noqa: E402
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-INSTRS = ("mma", "wgmma", "tma", "pingpong", "swap", "pairs")
 
 
 def family(kernel: str) -> str:
@@ -35,13 +35,13 @@ def tool_row(folder: Path, tool: str) -> list | None:
         return None
     text = log.read_text(errors="replace")
     summaries = re.findall(r"^=*\s*(\d+ (?:passed|failed).* in [\d.]+s.*)$", text, re.MULTILINE)  # pytest's last line
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?)\b", summaries[-1] if summaries else "")}
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|error)s?\b", summaries[-1] if summaries else "")}
     summary = re.findall(r"(?:ERROR SUMMARY: |RACECHECK SUMMARY: \d+ hazards displayed \()(\d+) error", text)
     kernels_file = folder / f"sanitize_{tool}_kernels.txt"
     kernels = kernels_file.read_text().split() if kernels_file.is_file() else []
     families = sorted({family(k) for k in kernels})
     finished = bool(summaries)
-    return [tool, counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0), len(kernels),
+    return [tool, counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0), len(kernels),
             ", ".join(families), int(summary[-1]) if summary else None, "yes" if finished else "NO (time limit)"]
 
 

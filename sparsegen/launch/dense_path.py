@@ -109,6 +109,8 @@ def _watch_optimizer_steps() -> None:
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     """Rebuild the graph-read copies of the weights this step updated, on the current stream
     (inside a captured training step: recorded with it)."""
+    if not _AFTER_STEP:
+        return  # (every copy a graph read is gone: the step costs no lookups)
     for group in optimizer.param_groups:
         for values in group["params"]:
             held = _AFTER_STEP.get(values)

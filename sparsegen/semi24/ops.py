@@ -119,7 +119,7 @@ def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none
     if torch.cuda.is_current_stream_capturing():
         return None
     x2 = calls.rows_2d(x)
-    plan = _kept_sp24_plan(x2, values, metadata, out_features, dispatch.wanted_splits(None, x.dtype), epilogue)
+    plan = _kept_sp24_plan(x2, values, metadata, out_features, None, epilogue)
     if plan.dense_eager:
         return None
     if plan.dense:  # the copy a CUDA graph capture takes, built now (sp24_dds builds it on every call)

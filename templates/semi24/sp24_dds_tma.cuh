@@ -175,8 +175,8 @@ struct Sp24DdsTma {
   }
 
   // Split K: consumer c's partial tile of Y^T (its 64 features, TILE_T tokens) goes to its
-  // split's slice of the float32 workspace; the tile's last split writes Y (sg_split_k.cuh). `flag`: a word of
-  // the consumer's staging buffer, which the split path does not otherwise use.
+  // split's slice of the float32 workspace; the tile's last split writes Y (sg_split_k.cuh).
+  // `flag`: a word of the consumer's staging buffer, which the split path does not otherwise use.
   __device__ static void add_split(const Acc (&acc)[ACC], float* sums, int* counts, const Elem* bias, Elem* y,
                                    u32 flag, int m0, int n0, int M, int N, int c) {
     using Split = SplitK<128>;
