@@ -473,19 +473,20 @@ def split_case(m, n, k, dtype=torch.bfloat16, bias=True):
     return sparse, x, b, want
 
 
-def workspace_is_zero() -> bool:
+def counters_are_zero() -> bool:
     from sparsegen.launch import runtime, workspace
     held = workspace.current(torch.device("cuda", 0), runtime.current_stream(0))
-    return held is not None and not held.any().item()
+    return held is not None and not held.counts.any().item()
 
 
 @pytest.mark.parametrize("instr", ["mma", "tma"])
 @pytest.mark.parametrize("splits", [2, 3, 7])
 @pytest.mark.parametrize("m, n, k, bias", [(1, 336, 896, True), (17, 1024, 1024, False), (200, 130 * 16, 640, True)])
-def test_split_k_finishes_in_the_kernel_and_leaves_the_workspace_zero(instr, splits, m, n, k, bias):
-    """K splits add into a shared workspace; the last split of each tile writes Y (bias and
-    rounding) and zeroes its sums and counter: Y is right, the workspace ends all zeros, and
-    the next call (another shape) on the same workspace is right too."""
+def test_split_k_finishes_in_the_kernel_and_leaves_the_counters_zero(instr, splits, m, n, k, bias):
+    """K splits write slices of a shared workspace; the last split of each tile adds them,
+    writes Y (bias and rounding) and zeroes its counter: Y is right, the counters end all
+    zeros, and the next call (another shape: its counters and sums over the earlier sums) on
+    the same workspace is right too."""
     if instr == "tma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma.sp kernels are sm_90 only")
     for case in (split_case(m, n, k, bias=bias), split_case(m + 5, n // 32 * 16 + 16, k + 128, bias=not bias)):
@@ -494,7 +495,7 @@ def test_split_k_finishes_in_the_kernel_and_leaves_the_workspace_zero(instr, spl
         sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, want.shape[1], out=out, splits=splits, instr=instr)
         assert not out.isnan().any()
         assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
-        assert workspace_is_zero()
+        assert counters_are_zero()
 
 
 def test_split_k_inside_a_cuda_graph_captured_without_warm_up():
@@ -512,7 +513,22 @@ def test_split_k_inside_a_cuda_graph_captured_without_warm_up():
         assert relative_error(y, want) < TOLERANCE[torch.bfloat16]
     eager = sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, 1024)
     assert relative_error(eager, want) < TOLERANCE[torch.bfloat16]
-    assert workspace_is_zero()
+    assert counters_are_zero()
+
+
+@pytest.mark.parametrize("instr", ["mma", "tma"])
+def test_split_k_reads_only_sums_written_by_the_same_launch(instr):
+    """The sums are never zeroed: every split writes its whole slice before it counts itself
+    in. With the workspace's sums poisoned (NaN) before each call, Y is still right."""
+    from sparsegen.launch import runtime, workspace
+    if instr == "tma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma.sp kernels are sm_90 only")
+    for m, n, k in ((3, 1024, 4096), (9, 336, 2000)):
+        sparse, x, b, want = split_case(m, n, k)
+        sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, n, splits=5, instr=instr)  # sizes the workspace
+        workspace.current(torch.device("cuda", 0), runtime.current_stream(0)).sums.fill_(float("nan"))
+        out = sp24_ops.sp24_dds(x, sparse.values, sparse.metadata, b, n, splits=5, instr=instr)
+        assert relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
 def _recipe_model() -> torch.nn.Module:

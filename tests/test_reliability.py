@@ -39,10 +39,10 @@ def test_failed_workspace_allocation_keeps_nothing(monkeypatch):
     monkeypatch.setattr(workspace, "_WORKSPACES", {})
     device = torch.device("cpu")
     with pytest.raises(torch.OutOfMemoryError, match="split-K workspace"):
-        workspace.zeroed(device, 7, 100, out_of_memory)
+        workspace.held(device, 7, 100, 3, out_of_memory)
     assert workspace.current(device, 7) is None
-    made = workspace.zeroed(device, 7, 100, lambda n, d: torch.zeros(n, device=d))
-    assert made.numel() == 100 and workspace.current(device, 7) is made
+    made = workspace.held(device, 7, 100, 3, lambda n, dtype, d: torch.zeros(n, dtype=dtype, device=d))
+    assert made.sums.numel() == 100 and made.counts.dtype == torch.int32 and workspace.current(device, 7) is made
 
 
 def test_failed_plan_is_not_kept_and_the_next_call_plans_again():

@@ -1,9 +1,12 @@
-"""Scratch memory that kernels hand back as they found it: all zeros.
+"""Scratch memory of split-K launches: float32 partial sums and int32 tile counters.
 
-Split-K kernels write each split's float32 partial sums to its own slice of a workspace and
-count arrivals per tile; the last split of a tile adds the slices in order, writes Y and
-zeroes the slices and its count again (templates/sg_split_k.cuh). So the workspace is zeroed
-once, when it is allocated, and never by a launch of its own.
+Split-K kernels write each split's float32 partial sums to its own slice of `sums` and count
+arrivals per tile in `counts`; the last split of a tile adds the slices in split order,
+writes Y and puts its counter back to zero (templates/common/sg_split_k.cuh). Every split
+writes its whole slice before any split reads it, so `sums` may hold anything between
+launches; `counts` must be zeros, and is: zeroed once when allocated, and reset by the
+kernels. Counters have a tensor of their own so that no launch of another shape finds its
+counters where an earlier launch left sums.
 
 One workspace per (device, stream): kernels on one stream run in order, so they never share
 it at the same time (graphs replayed at once on two streams must not share one: capture
@@ -12,26 +15,41 @@ graph captured earlier still points into it.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .memory import allocating
 
-_WORKSPACES: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+@dataclasses.dataclass(frozen=True)
+class SplitWorkspace:
+    sums: torch.Tensor    # float32, a slice of M x N per split; any contents between launches
+    counts: torch.Tensor  # int32 arrival counters, one per output tile; zeros between launches
+
+    def holds(self, floats: int, counters: int) -> bool:
+        return self.sums.numel() >= floats and self.counts.numel() >= counters
 
 
-def zeroed(device: torch.device, stream: int, floats: int, allocate) -> torch.Tensor:
-    """A float32 workspace of at least `floats` zeros on `device` for `stream`; `allocate(n,
-    device)` makes a new one (outside any CUDA graph's memory pool: see ops)."""
-    held = _WORKSPACES.setdefault((device.index or 0, stream), [])
-    if held and held[-1].numel() >= floats:
-        return held[-1]
-    size = max(floats, 2 * held[-1].numel() if held else 0)  # doubling: few generations kept
-    with allocating("a split-K workspace (float32 partial sums)", 4 * size):
-        held.append(allocate(size, device))
-    return held[-1]
+_WORKSPACES: dict[tuple[int, int], list[SplitWorkspace]] = {}
 
 
-def current(device: torch.device, stream: int) -> torch.Tensor | None:
+def held(device: torch.device, stream: int, floats: int, counters: int, allocate) -> SplitWorkspace:
+    """A workspace on `device` for `stream` of at least `floats` sums and `counters` zeroed
+    counters; `allocate(n, dtype, device)` makes a zeroed tensor (outside any CUDA graph's
+    memory pool: see semi24.ops)."""
+    kept = _WORKSPACES.setdefault((device.index or 0, stream), [])
+    if kept and kept[-1].holds(floats, counters):
+        return kept[-1]
+    # doubling: few generations kept
+    floats = max(floats, 2 * kept[-1].sums.numel() if kept else 0)
+    counters = max(counters, 2 * kept[-1].counts.numel() if kept else 0)
+    with allocating("a split-K workspace (float32 partial sums, int32 tile counters)", 4 * (floats + counters)):
+        kept.append(SplitWorkspace(allocate(floats, torch.float32, device), allocate(counters, torch.int32, device)))
+    return kept[-1]
+
+
+def current(device: torch.device, stream: int) -> SplitWorkspace | None:
     """The workspace kept for (device, stream), if any."""
-    held = _WORKSPACES.get((device.index or 0, stream))
-    return held[-1] if held else None
+    kept = _WORKSPACES.get((device.index or 0, stream))
+    return kept[-1] if kept else None

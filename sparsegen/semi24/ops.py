@@ -142,8 +142,8 @@ class _Sp24Plan:
     kern: runtime.Kernel
     launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, bias, Y, sums, counts
     keep: tuple[torch.Tensor, ...]    # copies W's pointers or maps point into (aligned ones made for it)
-    workspace: int                    # float32 words of split-K sums and tile counts (0: no split)
-    counts_at: int                    # bytes from the sums (splits x M x N float32) to the tile counts
+    workspace: int                    # float32 split-K sums, splits x M x N (0: no split)
+    counters: int                     # int32 split-K tile counters
     width: int                        # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False         # and outside them (not host-bound: calls.dense_outside_graphs)
@@ -151,13 +151,13 @@ class _Sp24Plan:
     def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor) -> None:
         """Launch on these operands (of the plan's signature, W as the plan bound it; Y
         contiguous, 16-byte aligned)."""
-        sums = _split_sums(self, x2.device) if self.workspace else None
+        space = _split_workspace(self, x2.device) if self.workspace else None
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
             launch.bind(0, x2.data_ptr())
             pointers[-4], pointers[-3] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
-            if sums is not None:  # the tile counts follow the sums
-                pointers[-2], pointers[-1] = sums.data_ptr(), sums.data_ptr() + self.counts_at
+            if space is not None:
+                pointers[-2], pointers[-1] = space.sums.data_ptr(), space.counts.data_ptr()
             launch.run()
 
 
@@ -168,33 +168,34 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
     kern = dispatch.forward_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
                         dispatch.narrow_tiles(m, out_features, device_index), epilogue)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
-    sums = grid[2] * m * out_features  # a slice of partial sums per split (templates/sg_split_k.cuh)
-    workspace = sums + dispatch.tile_counts(kern.spec, m, out_features) if grid[2] > 1 else 0
+    split = grid[2] > 1  # a slice of partial sums per split (templates/common/sg_split_k.cuh)
+    sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
     dense = (calls.kernel_left_to_dispatch(tile, instr) and x2.dtype in calls.SIXTEEN_BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
-    return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), workspace,
-                     4 * sums, epilogues.output_features(epilogue, out_features), dense,
+    return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), sums,
+                     counters, epilogues.output_features(epilogue, out_features), dense,
                      dense and calls.dense_outside_graphs(m, k, out_features))
 
 
-def _split_sums(plan: _Sp24Plan, device: torch.device) -> torch.Tensor | None:
-    """The zeroed workspace a split-K launch adds into (None: no split). During CUDA graph
-    capture with none big enough, one zeroed inside the graph, used by this call only."""
-    if not plan.workspace:
-        return None
+def _split_workspace(plan: _Sp24Plan, device: torch.device) -> workspace.SplitWorkspace:
+    """The sums and zeroed counters of a split-K launch. During CUDA graph capture with none
+    big enough, ones allocated inside the graph, used by this call only."""
     stream = runtime.current_stream(device.index or 0)
     if torch.cuda.is_current_stream_capturing():
         held = workspace.current(device, stream)
-        return held if held is not None and held.numel() >= plan.workspace else _zeros(plan.workspace, device)
-    return workspace.zeroed(device, stream, plan.workspace, _zeros_outside_graph_pools)
+        if held is not None and held.holds(plan.workspace, plan.counters):
+            return held
+        return workspace.SplitWorkspace(_zeros(plan.workspace, torch.float32, device),
+                                        _zeros(plan.counters, torch.int32, device))
+    return workspace.held(device, stream, plan.workspace, plan.counters, _zeros_outside_graph_pools)
 
 
-def _zeros(floats: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(floats, dtype=torch.float32, device=device)
+def _zeros(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(count, dtype=dtype, device=device)
 
 
-def _zeros_outside_graph_pools(floats: int, device: torch.device) -> torch.Tensor:
-    return outside_graphs.run(_zeros, (floats, device), device)
+def _zeros_outside_graph_pools(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return outside_graphs.run(_zeros, (count, dtype, device), device)
 
 
 _MAGNITUDE, _MASKED, _MVUE = 0, 1, 2  # sp24_compress's modes

@@ -2,9 +2,10 @@
 // sums to its own slice of a workspace (split s at sums + s * M * N); the split that arrives
 // last at a tile (one counter per tile) adds the slices in split order - the same additions
 // in the same order whichever split ran first, so Y's bits do not depend on timing - adds the
-// bias, rounds into Y and puts the slices and the counter back to zero. A call is then one
-// launch: no memset before it and no finishing pass after it (each costs the host as much as
-// the launch itself).
+// bias, rounds into Y and puts the counter back to zero. Every split writes its whole slice
+// before it counts itself in, so the slices need no zeroing: only the counters (a buffer of
+// their own) are zeros between launches. A call is then one launch: no memset before it and
+// no finishing pass after it (each costs the host as much as the launch itself).
 //
 // A group is GROUP threads that own one tile: a whole block (barrier 0, __syncthreads), or a
 // warpgroup with a named barrier of its own.
@@ -42,17 +43,14 @@ struct SplitK {
     __stcg(sums + (long long)blockIdx.z * M * N + (long long)t * N + f, v);
   }
 
-  // Output (t, f)'s splits added in split order, read from L2 (__ldcg: L1 is not coherent),
-  // each slice zeroed after it is read: the workspace is all zeros between launches again (a
-  // later launch of another shape may put its counters where these sums were).
-  __device__ static float total(float* sums, int t, int f, int M, int N) {
-    float* sum = sums + (long long)t * N + f;
+  // Output (t, f)'s splits added in split order, read from L2 (__ldcg: L1 is not coherent).
+  // Nothing is written here, so the loads of several splits are in flight at once.
+  __device__ static float total(const float* sums, int t, int f, int M, int N) {
+    const float* sum = sums + (long long)t * N + f;
+    const long long slice = (long long)M * N;
     float acc = 0.f;
-    for (int s = 0; s < (int)gridDim.z; ++s) {
-      float* slice = sum + (long long)s * M * N;
-      acc += __ldcg(slice);
-      __stcg(slice, 0.f);
-    }
+#pragma unroll 4
+    for (int s = 0; s < (int)gridDim.z; ++s) acc += __ldcg(sum + s * slice);
     return acc;
   }
 
