@@ -1,5 +1,8 @@
 """What the GPU reliability tests rest on, checked without a GPU: out-of-memory errors name
 what sparsegen was allocating and keep nothing half-made; deterministic mode keeps split K."""
+import ast
+import pathlib
+
 import pytest
 import torch
 
@@ -70,3 +73,13 @@ def test_k_splits_are_kept_in_deterministic_mode_and_int8_never_splits():
     finally:
         torch.use_deterministic_algorithms(False)
     assert dispatch.wanted_splits(4, torch.int8) == 1  # (its int32 sums must not pass through float32)
+
+
+def test_every_test_the_sanitize_step_names_exists():
+    """tools/sanitize_tests.txt names test functions; a renamed one would make pytest stop
+    with 'not found' under every tool (the step then checks nothing)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    lines = (root / "tools" / "sanitize_tests.txt").read_text().splitlines()
+    for path, name in (line.split("::") for line in lines if line.strip() and not line.startswith("#")):
+        tree = ast.parse((root / path).read_text())
+        assert name in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, f"{path}::{name}"

@@ -54,14 +54,42 @@ struct SplitK {
     return acc;
   }
 
+  // Four neighbouring outputs (t, f..f+3) at once: one 16-byte load per split (N and f a
+  // multiple of 4), each output's splits still added in split order.
+  __device__ static float4 total4(const float* sums, int t, int f, int M, int N) {
+    const float4* sum = reinterpret_cast<const float4*>(sums + (long long)t * N + f);
+    const long long slice = (long long)M * N / 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = 0; s < (int)gridDim.z; ++s) {
+      const float4 v = __ldcg(sum + s * slice);
+      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+    }
+    return acc;
+  }
+
   // The last split: Y[t, f] = out(total(t, f) + bias(f)) over tokens t0.. and features f0..
-  // of the tile (features fastest: whole rows of each slice per warp); then the counter is zero too.
+  // of the tile (features fastest: whole rows of each slice per warp), four features a thread
+  // where N allows (fewer loads in flight for the same bytes: this loop is the launch's tail);
+  // then the counter is zero too.
   template <class Elem, class Bias, class Out>
   __device__ static void finish(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
                                 int M, int N, Bias bias, Out out) {
-    for (int i = threadIdx.x % GROUP; i < tokens * features; i += GROUP) {
-      const int t = t0 + i / features, f = f0 + i % features;
-      if (t < M && f < N) y[(long long)t * N + f] = out(total(sums, t, f, M, N) + bias(f));
+    if (N % 4 == 0 && f0 % 4 == 0 && features % 4 == 0) {
+      const int quads = features / 4;
+      for (int i = threadIdx.x % GROUP; i < tokens * quads; i += GROUP) {
+        const int t = t0 + i / quads, f = f0 + 4 * (i % quads);
+        if (t >= M || f >= N) continue;
+        const float4 v = total4(sums, t, f, M, N);
+        Elem* row = y + (long long)t * N + f;
+        row[0] = out(v.x + bias(f)), row[1] = out(v.y + bias(f + 1));
+        row[2] = out(v.z + bias(f + 2)), row[3] = out(v.w + bias(f + 3));
+      }
+    } else {
+      for (int i = threadIdx.x % GROUP; i < tokens * features; i += GROUP) {
+        const int t = t0 + i / features, f = f0 + i % features;
+        if (t < M && f < N) y[(long long)t * N + f] = out(total(sums, t, f, M, N) + bias(f));
+      }
     }
     if (threadIdx.x % GROUP == 0) *count = 0;
   }
