@@ -214,27 +214,34 @@ def deterministic_table(weights=DECODE_WEIGHTS[:3], tokens=(1, 16, 64, 128)) -> 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     table = Table("Reliability", "Deterministic mode: 2:4 decode, bf16, CUDA graphs, weights read from HBM", [
         ("weight N x K", ""), ("M", ""), ("dense ms", ".4f"), ("default ms", ".4f"), ("deterministic ms", ".4f"),
-        ("default vs dense", "x"), ("deterministic vs dense", "x"), ("deterministic time / default", ".2f")],
+        ("deterministic, no NaN fill ms", ".4f"), ("default vs dense", "x"), ("deterministic vs dense", "x"),
+        ("deterministic time / default", ".2f")],
         "sparsegen launches the same kernels in both modes (split K adds its splits in a fixed order); "
-        "this measures that, on the 2:4 decode products that split K.")
+        "this measures that, on the 2:4 decode products that split K. Deterministic mode's time includes "
+        "what PyTorch adds there: it fills each new tensor (here Y) with NaN, unless "
+        "torch.utils.deterministic.fill_uninitialized_memory is False (the 'no NaN fill' column).")
     for n, k in weights:
         dense_ws, sparse = decode_weights(n, k)
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dense = [lambda w=w: F.linear(x, w) for w in dense_ws]
             ours = [lambda s=s: sp24_ops.sp24_dds(x, s.values, s.metadata, None, n) for s in sparse]
-            times = interleaved(lambda: graph_ms(dense), lambda: graph_ms(ours), lambda: _deterministic(graph_ms, ours))
+            times = interleaved(lambda: graph_ms(dense), lambda: graph_ms(ours), lambda: _deterministic(graph_ms, ours),
+                                lambda: _deterministic(graph_ms, ours, fill=False))
             table.add(f"{n}x{k}", m, *times, times[0] / times[1], times[0] / times[2], times[2] / times[1])
         del dense_ws, sparse
     return table
 
 
-def _deterministic(fn, *args):
+def _deterministic(fn, *args, fill=True):
+    filled = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
     try:
         return fn(*args)
     finally:
         torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = filled
 
 
 def random_bytes(shape, dtype) -> torch.Tensor:
