@@ -3,6 +3,8 @@ from .errors import CompileError, InputError, SparsegenError, SpecError
 from .bsr.nn import BlockSparseLinear
 from .factory import linear
 from .semi24.nn import Sparse24Linear
+from .semi24.scaled import ScaledSparse24Linear
+from .compressed import load_compressed
 from . import inductor  # noqa: F401 (the compiled graphs' lowerings)
 from .bsr import topology
 from .patching import GatedMLP, dense_copy, patch
@@ -12,5 +14,5 @@ from .semi24.train import Sparse24TrainingLinear, dense_finetune_, masked_decay_
 
 __version__ = "0.1.0"
 __all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "GatedMLP", "topology", "KernelSpec", "TileConfig", "SparsegenError",
-           "SpecError", "CompileError", "InputError", "Sparse24Linear", "Sparse24Tensor", "Sparse24TrainingLinear", "to_sparse24",
+           "SpecError", "CompileError", "InputError", "Sparse24Linear", "ScaledSparse24Linear", "load_compressed", "Sparse24Tensor", "Sparse24TrainingLinear", "to_sparse24",
            "masked_decay_", "dense_finetune_", "__version__"]

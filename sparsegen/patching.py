@@ -14,9 +14,10 @@ from .bdiag.nn import BlockDiagonalLinear
 from .bsr.nn import BlockSparseLinear
 from .gathered import FixedRowsLinear
 from .semi24.nn import Sparse24Linear
+from .semi24.scaled import ScaledSparse24Linear
 from .semi24.train import Sparse24TrainingLinear
 
-_SETTINGS = ("block", "density", "layout", "sparsity", "method", "training", "nblocks")
+_SETTINGS = ("block", "density", "layout", "sparsity", "method", "training", "nblocks", "weight_dtype")
 
 
 def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = True) -> list[str]:
@@ -25,7 +26,9 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     settings ({"block": (32, 32), "density": 0.5} or {"layout": mask}), or by a
     Sparse24Linear for {"sparsity": "2:4"} (optional "method": "magnitude" or
     "transposable"; always pruned from the dense weights), or a Sparse24TrainingLinear for
-    {"sparsity": "2:4", "training": {options}}; the first matching pattern wins.
+    {"sparsity": "2:4", "training": {options}}, or a ScaledSparse24Linear for {"sparsity":
+    "2:4", "weight_dtype": "e4m3" or "int8"} (weights quantized per output channel,
+    activations per token); the first matching pattern wins.
     With from_dense, the blocks of largest norm keep their pretrained values.
 
     With `fuse`, the kernels also take over what follows the replaced layers in recognised
@@ -136,7 +139,7 @@ def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
     return (type(gate) is nn.Linear and type(up) is nn.Linear and gate.weight.shape == up.weight.shape
             and (gate.bias is None) == (up.bias is None) and gate.out_features % epilogues.GATE_GROUP == 0
             and hasattr(mlp, "down_proj") and activation_of(getattr(mlp, "act_fn", None)) in _GATES
-            and "layout" not in settings and "training" not in settings
+            and "layout" not in settings and "training" not in settings and "weight_dtype" not in settings
             and settings.get("sparsity") != "block-diagonal")
 
 
@@ -196,6 +199,8 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
         if settings.get("sparsity", "block") == "2:4":  # 2:4 always prunes the given weights
             if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products
                 return Sparse24TrainingLinear.from_dense(linear, **dict(settings["training"]))
+            if "weight_dtype" in settings:  # one-byte weights and activations, scaled
+                return ScaledSparse24Linear.from_dense(linear, settings["weight_dtype"], settings.get("method", "magnitude"))
             return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
         if settings.get("sparsity") == "block-diagonal":  # from_dense keeps the diagonal blocks
             nblocks = settings.get("nblocks", max(1, round(1 / settings.get("density", 0.5))))

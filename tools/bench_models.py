@@ -31,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
 from bench_record import meta as run_meta  # noqa: E402
+from quantized_dense import quantize_linears  # noqa: E402
 
 # Which linears a variant replaces, per model family: every projection, or the MLP's.
 PATTERNS = {
@@ -53,11 +54,18 @@ VARIANTS = {
     "2:4t-mlp": ("mlp", {"sparsity": "2:4", "method": "transposable"}),  # dX on the 2:4 kernel too
     "2:4-recipe": ("mlp", {"sparsity": "2:4", "training": {"mask_interval": 100}}),
     "peer-2:4": ("all", {"sparsity": "2:4"}),
+    # One-byte weights and per-token activations (issue 30): sparsegen's scaled 2:4 layers, and
+    # the same quantization on PyTorch's dense one-byte products (tools/quantized_dense.py).
+    "fp8-dense": ("all", "e4m3"),
+    "fp8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "e4m3"}),
+    "int8-dense": ("all", "int8"),
+    "int8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "int8"}),
 }
 # The same variants patched with fuse=False: activations and gated products left to PyTorch
 # (on request only, to measure what the fused epilogues give).
 VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25")})
 INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
+BYTE_VARIANTS = ["dense", "2:4", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4"]
 OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
 TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
 TRAINING_STEPS = 4  # warm-up steps of a training case; the last one's loss is checked (after 3 updates)
@@ -94,6 +102,17 @@ def llama_config(smoke: bool):
                            num_key_value_heads=2, vocab_size=512)
     return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=12, num_attention_heads=16,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+
+
+def llama8b_config(smoke: bool):
+    """Llama-3-8B's layer shapes (hidden 4096, MLP 14336, GQA 32/8) with 4 of its 32 layers
+    and a 32000-token vocabulary (the head is dense in every variant)."""
+    from transformers import LlamaConfig
+
+    if smoke:
+        return llama_config(smoke)
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
 
 
 def llama_train_config(smoke: bool):
@@ -135,26 +154,28 @@ def bert_case(batch: int, device, dtype, smoke: bool) -> Case:
                 lambda model: lambda: model(input_ids=ids).last_hidden_state)
 
 
-def llama_prefill_case(device, dtype, smoke: bool) -> Case:
+def llama_prefill_case(device, dtype, smoke: bool, config=None, label="Llama-shaped", variants=INFERENCE_VARIANTS) -> Case:
     from transformers import LlamaForCausalLM
 
-    config = llama_config(smoke)
+    config = config or llama_config(smoke)
     tokens = 32 if smoke else 2048
     ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
     # As generate's prefill: logits of the last position only, no cache kept.
-    return Case(f"Llama-shaped prefill 1 x {tokens}", "llama", lambda: built(LlamaForCausalLM, config, device, dtype),
-                lambda model: lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits)
+    return Case(f"{label} prefill 1 x {tokens}", "llama", lambda: built(LlamaForCausalLM, config, device, dtype),
+                lambda model: lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits,
+                variants=tuple(variants))
 
 
-def llama_decode_case(batch: int, device, dtype, smoke: bool) -> Case:
+def llama_decode_case(batch: int, device, dtype, smoke: bool, config=None, label="Llama-shaped",
+                      variants=INFERENCE_VARIANTS) -> Case:
     from transformers import LlamaForCausalLM
 
-    config = llama_config(smoke)
+    config = config or llama_config(smoke)
     context = 16 if smoke else 512
     prompt = torch.randint(0, config.vocab_size, (batch, context + 1), device=device)
-    return Case(f"Llama-shaped decode {batch} seq, {context}-token KV cache", "llama",
+    return Case(f"{label} decode {batch} seq, {context}-token KV cache", "llama",
                 lambda: built(LlamaForCausalLM, config, device, dtype),
-                lambda model: decode_step(model, config, prompt))
+                lambda model: decode_step(model, config, prompt), variants=tuple(variants))
 
 
 def decode_step(model: nn.Module, config, prompt: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -246,6 +267,10 @@ def cases(names: list[str], device, smoke: bool) -> list[Case]:
               "llama_decode1": lambda: llama_decode_case(1, device, bf16, smoke),
               "llama_decode8": lambda: llama_decode_case(8, device, bf16, smoke),
               "gpt2_train": lambda: gpt2_train_case(device, smoke)}
+    eight_b = dict(config=llama8b_config(smoke), label="Llama-3-8B-shaped (4 layers)", variants=BYTE_VARIANTS)
+    makers["llama8b_prefill"] = lambda: llama_prefill_case(device, bf16, smoke, **eight_b)
+    for batch in (1, 8, 64):
+        makers[f"llama8b_decode{batch}"] = lambda b=batch: llama_decode_case(b, device, bf16, smoke, **eight_b)
     for kilotokens in (8, 32):
         for ckpt in ("", "_ckpt"):
             makers[f"llama_train{kilotokens}k{ckpt}"] = (
@@ -261,6 +286,8 @@ def patched(model: nn.Module, family: str, variant: str) -> nn.Module:
     if VARIANTS[variant] is None:
         return model
     which, settings = VARIANTS[variant]
+    if isinstance(settings, str):  # a dense one-byte baseline
+        return quantize_linears(model, PATTERNS[family][which], settings)
     sparsegen.patch(model, {PATTERNS[family][which]: settings}, fuse=not variant.endswith("-unfused"))
     return model
 
@@ -315,7 +342,7 @@ def measure(case: Case, variant: str, modes: list[str], dense: "DenseSteps", dev
     """One model of `variant`: its time in every mode beside the dense model's, and its output
     against the masked dense model."""
     model = patched(case.make_model(), case.family, variant)
-    expected = expected_output(case, model)
+    expected = expected_output(case, reference_model(case, variant, model), model)
     try:
         model = peer_semi_structured(model) if variant == "peer-2:4" else model
     except Exception as error:  # a peer that refuses the device or the shapes: recorded, the run goes on
@@ -323,11 +350,22 @@ def measure(case: Case, variant: str, modes: list[str], dense: "DenseSteps", dev
     return [measure_mode(case, variant, model, mode, expected, dense, device, reps) for mode in modes]
 
 
-def expected_output(case: Case, model: nn.Module) -> list[torch.Tensor]:
-    """The case's outputs over its warm-up steps on the dense model with the sparse model's
-    (masked) weights, eagerly; in training that twin's pruned weights stay zero (their
-    gradients masked), so it takes the steps a sparse model with a fixed mask takes."""
-    reference = sparsegen.dense_copy(model)
+def reference_model(case: Case, variant: str, model: nn.Module) -> nn.Module:
+    """The dense model with the sparse model's (masked) weights; for one-byte variants the
+    16-bit model they quantize (for 2:4 ones pruned by the same magnitude masks), so their
+    error is the quantization's."""
+    settings = VARIANTS[variant][1] if VARIANTS[variant] else None
+    if isinstance(settings, str):
+        return case.make_model()
+    if isinstance(settings, dict) and "weight_dtype" in settings:
+        return sparsegen.dense_copy(patched(case.make_model(), case.family, "2:4"))
+    return sparsegen.dense_copy(model)
+
+
+def expected_output(case: Case, reference: nn.Module, model: nn.Module) -> list[torch.Tensor]:
+    """The case's outputs over its warm-up steps on the reference model, eagerly; in training
+    that twin's pruned weights stay zero (their gradients masked), so it takes the steps a
+    sparse model with a fixed mask takes."""
     if case.training:
         mask_gradients(reference, model)
     with torch.set_grad_enabled(case.training):
@@ -512,8 +550,8 @@ def errors_line(rows: list[dict]) -> str:
     lines = []
     inference = [r["error"] for r in rows if r.get("error") is not None and "loss" not in r]
     if inference:
-        lines.append(f"Output against the dense model with the same (masked) weights: relative error "
-                     f"{min(inference):.1e} - {max(inference):.1e} over {len(inference)} cells.")
+        lines.append(f"Output against the dense model with the same (masked) weights (one-byte variants: "
+                     f"the 16-bit model they quantize): relative error {min(inference):.1e} - {max(inference):.1e} over {len(inference)} cells.")
     training = [r["error"] for r in rows if r.get("error") is not None and "loss" in r]
     if training:
         lines.append(f"Training: the loss after {TRAINING_STEPS - 1} optimizer steps against the dense twin's "

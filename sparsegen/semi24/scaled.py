@@ -1,0 +1,137 @@
+"""ScaledSparse24Linear: 2:4 weights stored in one byte (float8 e4m3 or int8) with a float32
+scale per output channel, activations quantized per token on the fly (or by a static
+per-tensor scale), bf16/fp16 in and out - the scheme of llm-compressor's FP8 2:4 models.
+
+Y[t, f] = x_scale[t] * w_scale[f] * sum_k Xq[t, k] Wq[f, k] + bias[f]. The one-byte product
+runs the generated 2:4 kernel (e4m3 writes bfloat16, int8 exact int32); the quantization
+before it and the scaling after it are PyTorch ops, which torch.compile fuses into one
+kernel each around the product.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import checkpoint
+from ..errors import expect
+from ..launch import library
+from . import format as semi24
+from . import ops
+from .tensor import byte_reference
+
+WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+_LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+_ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
+_TINY = 1e-12  # an all-zero row's scale (its values quantize to 0 whatever the scale)
+
+
+def weight_dtype_of(name: str) -> torch.dtype:
+    expect(name in WEIGHT_DTYPES, f"weight_dtype one of {sorted(WEIGHT_DTYPES)}", repr(name))
+    return WEIGHT_DTYPES[name]
+
+
+def row_scales(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """float32 [rows]: each row's largest magnitude over the type's largest value."""
+    return (t.detach().abs().amax(-1).float() / _LARGEST[dtype]).clamp_min(_TINY)
+
+
+def quantize(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """t / scale (scale per row, [rows], or one for all) in `dtype`: saturated to its range,
+    rounded to the nearest integer for int8."""
+    q = t.float() / (scale.unsqueeze(-1) if scale.dim() else scale)
+    largest = _LARGEST[dtype]
+    q = q.clamp(-largest, largest)
+    return (q.round() if dtype == torch.int8 else q).to(dtype)
+
+
+def _raw_product(xq: Tensor, values: Tensor, metadata: Tensor, out_features: int) -> Tensor:
+    """X W^T of one-byte operands in the kernel's output type (bfloat16 for e4m3, int32 for
+    int8): the generated kernel on the GPU, the float64 reference elsewhere."""
+    if ops.runs_byte_kernels(values):
+        return ops.sp24_dds(xq, values, metadata, None, out_features)
+    return byte_reference(xq, values, metadata, None, out_features)
+
+
+_raw_product_op = library.define(
+    "sp24_byte_dds(Tensor x, Tensor values, Tensor metadata, int out_features) -> Tensor", _raw_product,
+    lambda x, values, metadata, out_features: library.rows_by(x, out_features).to(ops.sp24_output_dtype(x.dtype)))
+raw_product = library.eager_or_op(_raw_product_op, _raw_product)
+
+
+def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor, bias: Tensor | None,
+                   input_scale: Tensor | None = None) -> Tensor:
+    """x [..., K] (bf16/fp16) times the stored one-byte 2:4 weight, scales and bias applied,
+    in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_scale = row_scales(x2, values.dtype) if input_scale is None else input_scale.float()
+    raw = raw_product(quantize(x2, x_scale, values.dtype), values, metadata, values.shape[0])
+    y = raw.float() * (x_scale.unsqueeze(-1) if x_scale.dim() else x_scale) * w_scale.float()
+    y = y if bias is None else y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])
+
+
+class ScaledSparse24Linear(checkpoint.CheckedLoad, nn.Module):
+    """Inference layer: `values` [out, in/2] one-byte (the kept 2:4 weights quantized with
+    `weight_scale` [out], float32, one per output channel), `metadata` as mma.sp reads it,
+    `bias` in the activations' dtype, and optionally `input_scale` (a static per-tensor
+    activation scale; without it each token is scaled by its own largest magnitude)."""
+
+    def __init__(self, values: Tensor, metadata: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                 input_scale: Tensor | None = None):
+        super().__init__()
+        expect(values.dtype in _LARGEST, "one-byte values (float8_e4m3fn or int8)", values.dtype)
+        self.out_features, self.in_features = values.shape[0], 2 * values.shape[1]
+        semi24.check_shape((self.out_features, self.in_features), cols=semi24.BYTE_COL_GRANULE)
+        semi24.check_metadata(metadata, (self.out_features, self.in_features))
+        _check_vector(weight_scale, self.out_features, "weight_scale")
+        self.register_buffer("values", values)
+        self.register_buffer("metadata", metadata)
+        self.register_buffer("weight_scale", weight_scale.float().reshape(-1))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, weight_dtype: str = "e4m3", method: str = "magnitude",
+                   mask: Tensor | None = None, input_scale: float | Tensor | None = None):
+        """Prune `linear` to 2:4 (by `method` or `mask`), quantize the kept weights per output
+        channel to `weight_dtype` ("e4m3" or "int8") and compress them."""
+        expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
+        dtype, w = weight_dtype_of(weight_dtype), linear.weight.detach()
+        semi24.check_shape(tuple(w.shape), cols=semi24.BYTE_COL_GRANULE)
+        pruned, keep = semi24.prune(w, method, mask)
+        scale = row_scales(pruned, dtype)
+        values, metadata = semi24.compress(quantize(pruned, scale, dtype).contiguous(), keep.contiguous())
+        static = None if input_scale is None else torch.as_tensor(input_scale, dtype=torch.float32, device=w.device)
+        return cls(values, metadata, scale, linear.bias, static)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.values, self.in_features)
+        return scaled_product(x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale)
+
+    def to_dense_weight(self) -> Tensor:
+        """The dequantized 2:4 weight, float32 [out, in]."""
+        dense = semi24.decompress(self.values, self.metadata, (self.out_features, self.in_features))
+        return dense.float() * self.weight_scale.unsqueeze(-1)
+
+    def _check_state(self, state_dict: dict, prefix: str) -> None:
+        metadata = state_dict.get(prefix + "metadata")
+        if metadata is not None:
+            semi24.check_metadata(metadata, (self.out_features, self.in_features))
+
+    def extra_repr(self) -> str:
+        scale = "per token" if self.input_scale is None else "static"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "
+                f"weight_dtype={self.values.dtype}, activations {scale}, bias={self.bias is not None}")
+
+
+def _check_input(x, values: Tensor, in_features: int) -> None:
+    expect(isinstance(x, Tensor), "input to be a torch.Tensor", type(x).__name__)
+    expect(x.dtype in _ACTIVATIONS, f"an input in {list(_ACTIVATIONS)} (quantized by the layer)", x.dtype)
+    expect(x.dim() >= 1 and x.shape[-1] == in_features, f"input of shape (..., {in_features})", tuple(x.shape))
+    expect(x.device == values.device, f"input on {values.device} (the layer's device)", x.device)
+
+
+def _check_vector(t, n: int, what: str) -> None:
+    expect(isinstance(t, Tensor) and t.numel() == n and t.is_floating_point(),
+           f"{what} of {n} floats (one per output channel)",
+           f"{tuple(t.shape)}, {t.dtype}" if isinstance(t, Tensor) else type(t).__name__)

@@ -1,0 +1,164 @@
+"""2:4 checkpoints as llm-compressor saves them (compressed-tensors' sparse-24-bitmask,
+sparse-only and with FP8 / int8 weights) loaded by sparsegen.load_compressed, against the
+same checkpoint decompressed to dense by compressed-tensors itself."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen.compressed import scatter_kept, unpack_bitmask
+from sparsegen.errors import InputError
+from sparsegen.semi24 import format as semi24
+
+ct = pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+QUANTIZED = {"fp8": ("float", "float-quantized"), "int8": ("int", "int-quantized")}
+
+
+def tiny_llama(seed: int):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=311)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def prune_in_place(model) -> None:
+    """Magnitude 2:4 on every projection (the decompressed model is then the pruned one)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            module.weight.data.mul_(semi24.magnitude_mask(module.weight.data))
+
+
+def quantize_weights(model, kind: str) -> None:
+    """compressed-tensors' scheme: weights per output channel (scales set as a min-max
+    observer would), activations dynamic per token."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    type_, _ = QUANTIZED[kind]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=8, type=type_, strategy="channel", symmetric=True, dynamic=False),
+        input_activations=QuantizationArgs(num_bits=8, type=type_, strategy="token", symmetric=True, dynamic=True))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    largest = 448.0 if kind == "fp8" else 127.0
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            scale = module.weight.detach().abs().amax(-1, keepdim=True).float() / largest
+            module.weight_scale.data = scale.to(module.weight_scale.dtype)
+
+
+def save_checkpoint(model, folder, kind: str) -> None:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.config import Sparse24BitMaskConfig
+    sparsity = Sparse24BitMaskConfig(targets=["Linear"], ignore=["lm_head"])
+    compressor = ModelCompressor.from_pretrained_model(
+        model, sparsity_config_or_format=sparsity, quantization_format=QUANTIZED[kind][1] if kind != "bf16" else None)
+    state = compressor.compress(model)
+    safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    model.config.save_pretrained(str(folder))
+    compressor.update_config(str(folder))
+
+
+def checkpoint(tmp_path, kind: str):
+    model = tiny_llama(0)
+    prune_in_place(model)
+    if kind != "bf16":
+        quantize_weights(model, kind)
+    save_checkpoint(model, tmp_path, kind)
+    return tmp_path
+
+
+def decompressed(folder):
+    """The checkpoint as transformers + compressed-tensors give it: a dense bf16 model."""
+    from compressed_tensors.compressors import ModelCompressor
+    model = tiny_llama(1)
+    stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    model.load_state_dict({k: v for k, v in stored.items() if k in model.state_dict()}, strict=False)
+    ModelCompressor.from_pretrained(str(folder)).decompress(str(folder), model)
+    return model.to(torch.bfloat16)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+def test_sparse_only_checkpoint_loads_into_sparse24_layers_exactly(tmp_path):
+    folder = checkpoint(tmp_path, "bf16")
+    model = tiny_llama(2)  # other random weights: everything must come from the file
+    names = sparsegen.load_compressed(model, folder)
+    assert len(names) == 14 and all(isinstance(model.get_submodule(n), sparsegen.Sparse24Linear) for n in names)
+    reference = decompressed(folder)
+    for name in names:
+        assert torch.equal(model.get_submodule(name).to_dense_weight(), reference.get_submodule(name).weight)
+    ids = torch.randint(0, 311, (2, 19))
+    assert torch.equal(logits(model, ids), logits(reference, ids))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
+    folder = checkpoint(tmp_path, kind)
+    model = tiny_llama(2)
+    names = sparsegen.load_compressed(model, folder)
+    reference = decompressed(folder)
+    stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    for name in names:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, sparsegen.ScaledSparse24Linear)
+        mask = unpack_bitmask(stored[f"{name}.bitmask"], layer.in_features)
+        kept = semi24.decompress(layer.values, layer.metadata, (layer.out_features, layer.in_features))
+        assert torch.equal(kept.view(torch.uint8), scatter_kept(stored[f"{name}.compressed"], mask).view(torch.uint8))
+        want = reference.get_submodule(name).weight.float()
+        assert torch.allclose(layer.to_dense_weight(), want, rtol=2 ** -7, atol=0)
+    ids = torch.randint(0, 311, (4, 23))
+    ours, dense = logits(model, ids), logits(reference, ids)
+    assert (ours - dense).norm() / dense.norm() < (0.1 if kind == "fp8" else 0.03)
+    assert (ours.argmax(-1) == dense.argmax(-1)).double().mean() > 0.8
+
+
+def test_bad_bitmask_is_refused_before_the_model_changes(tmp_path):
+    folder = checkpoint(tmp_path, "bf16")
+    stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj"
+    stored[f"{name}.bitmask"][3, 2] |= 0xFF  # 4 kept in two groups
+    safetensors_torch.save_file(stored, str(folder / "model.safetensors"))
+    model = tiny_llama(2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(InputError, match=f"{name}: Expected a bitmask with 2 kept in every group of 4"):
+        sparsegen.load_compressed(model, folder)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("part, value, message", [
+    ("shape", torch.tensor([[320], [64]]), "Expected shape \\[320, 128\\]"),
+    ("compressed", torch.zeros(320, 60, dtype=torch.bfloat16), "compressed values of shape \\(320, 64\\)"),
+    ("bitmask", torch.zeros(320, 16, dtype=torch.int8), "a uint8 bitmask"),
+])
+def test_bad_layer_tensors_are_refused(tmp_path, part, value, message):
+    folder = checkpoint(tmp_path, "bf16")
+    stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    stored[f"model.layers.0.mlp.up_proj.{part}"] = value
+    safetensors_torch.save_file(stored, str(folder / "model.safetensors"))
+    with pytest.raises(InputError, match=message):
+        sparsegen.load_compressed(tiny_llama(2), folder)
+
+
+def test_other_formats_are_refused(tmp_path):
+    folder = checkpoint(tmp_path, "bf16")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["sparsity_config"]["format"] = "sparse-bitmask"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="sparsity_config.format 'sparse-24-bitmask'.*Got 'sparse-bitmask'"):
+        sparsegen.load_compressed(tiny_llama(2), folder)
+    with pytest.raises(InputError, match="a checkpoint directory with config.json"):
+        sparsegen.load_compressed(tiny_llama(2), tmp_path / "missing")
+
+
+def test_unpack_bitmask_is_numpy_little_order():
+    numpy = pytest.importorskip("numpy")
+    bits = torch.rand(5, 37) < 0.5
+    packed = torch.from_numpy(numpy.packbits(bits.numpy(), axis=-1, bitorder="little"))
+    assert torch.equal(unpack_bitmask(packed, 37), bits)

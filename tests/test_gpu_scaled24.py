@@ -1,0 +1,68 @@
+"""ScaledSparse24Linear on the GPU: the generated one-byte 2:4 kernels (e4m3 on sm_89+,
+int8 on sm_80+) with the layer's per-token quantization, against the float64 product of the
+same quantized operands (tests/test_scaled24.py's reference), eagerly, compiled and graphed."""
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from test_scaled24 import reference, relative_error
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU", allow_module_level=True)
+
+ARCH = torch.cuda.get_device_capability()
+WEIGHT_DTYPES = ["int8"] + (["e4m3"] if ARCH >= (8, 9) else [])
+
+
+def gpu_layer(k, n, weight_dtype, dtype=torch.bfloat16, **kw):
+    linear = nn.Linear(k, n, dtype=dtype, device="cuda")
+    return sparsegen.ScaledSparse24Linear.from_dense(linear, weight_dtype, **kw)
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("m, k, n", [(1, 4096, 1024), (7, 640, 336), (133, 1024, 2048), (4133, 512, 1040)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_forward_matches_float64(weight_dtype, m, k, n, dtype):
+    layer = gpu_layer(k, n, weight_dtype, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype) * 2
+    y = layer(x)
+    assert y.dtype == dtype and not y.isnan().any()
+    assert relative_error(y, reference(layer, x)) < 1e-2
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_static_scale_and_batch_dims(weight_dtype):
+    layer = gpu_layer(1024, 512, weight_dtype, input_scale=0.02)
+    x = torch.randn(3, 5, 1024, device="cuda", dtype=torch.bfloat16)
+    assert relative_error(layer(x), reference(layer, x)) < 1e-2
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_and_graphed_match_eager(weight_dtype, mode):
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.SiLU(), nn.Linear(2048, 1024)).to("cuda", torch.bfloat16)
+    sparsegen.patch(model, {r"\d": {"sparsity": "2:4", "weight_dtype": weight_dtype}})
+    compiled = torch.compile(model, mode=mode)
+    for m in (8, 8, 64, 8):  # replays, a new shape, a replay again
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        eager = model(x)
+        got = compiled(x).clone()
+        assert relative_error(got, eager.double()) < 2e-2
+
+
+def test_checkpoint_layers_run_on_the_gpu(tmp_path):
+    """A loaded FP8 checkpoint (tests/test_compressed.py builds it) moved to the GPU."""
+    pytest.importorskip("compressed_tensors")
+    from test_compressed import checkpoint, decompressed, logits, tiny_llama
+    kind = "fp8" if ARCH >= (8, 9) else "int8"
+    folder = checkpoint(tmp_path, kind)
+    model = tiny_llama(2)
+    sparsegen.load_compressed(model, folder)
+    ids = torch.randint(0, 311, (2, 40))
+    cpu = logits(model, ids)
+    gpu = logits(model.cuda(), ids.cuda()).cpu()
+    assert relative_error(gpu, cpu) < 2e-2
+    dense = logits(decompressed(folder), ids)
+    assert relative_error(gpu, dense) < 0.1

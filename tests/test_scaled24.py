@@ -1,0 +1,107 @@
+"""ScaledSparse24Linear: one-byte 2:4 weights with per-channel scales, activations quantized
+per token (or by a static scale), against the float64 product of the same quantized
+operands. CPU here; tests/test_gpu_scaled24.py runs the kernels."""
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen.errors import InputError
+from sparsegen.semi24 import format as semi24
+from sparsegen.semi24.scaled import WEIGHT_DTYPES, quantize, row_scales
+
+
+def reference(layer, x: torch.Tensor) -> torch.Tensor:
+    """float64: x quantized as the layer quantizes it, times the dequantized weight."""
+    x2 = x.reshape(-1, x.shape[-1])
+    scale = row_scales(x2, layer.values.dtype) if layer.input_scale is None else layer.input_scale
+    xq = quantize(x2, scale, layer.values.dtype).double() * (scale.unsqueeze(-1) if scale.dim() else scale).double()
+    y = xq @ layer.to_dense_weight().double().t()
+    y = y if layer.bias is None else y + layer.bias.double()
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def relative_error(got, want) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def make_layer(k=192, n=48, weight_dtype="e4m3", bias=True, dtype=torch.bfloat16, **kw):
+    linear = nn.Linear(k, n, bias=bias, dtype=dtype)
+    return sparsegen.ScaledSparse24Linear.from_dense(linear, weight_dtype, **kw), linear
+
+
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5)])
+def test_forward_matches_float64(weight_dtype, dtype, shape):
+    layer, _ = make_layer(weight_dtype=weight_dtype, dtype=dtype)
+    x = torch.randn(*shape, 192, dtype=dtype) * 3
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (*shape, 48)
+    assert relative_error(y, reference(layer, x)) < 1e-2
+
+
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+def test_quantization_error_against_the_bf16_layer_is_small(weight_dtype):
+    layer, linear = make_layer(weight_dtype=weight_dtype, bias=False)
+    dense = sparsegen.Sparse24Linear.from_dense(linear)
+    x = torch.randn(16, 192, dtype=torch.bfloat16)
+    want = x.double() @ dense.to_dense_weight().double().t()
+    assert relative_error(layer(x), want) < (0.08 if weight_dtype == "e4m3" else 0.03)
+
+
+def test_static_input_scale_and_saturation():
+    layer, _ = make_layer(weight_dtype="int8", input_scale=0.01)
+    x = torch.randn(9, 192, dtype=torch.bfloat16)
+    x[0, :5] = 100.0  # past 127 * 0.01: saturates, as the reference does
+    assert relative_error(layer(x), reference(layer, x)) < 1e-2
+    assert "static" in repr(layer)
+
+
+def test_zero_rows_give_the_bias():
+    layer, _ = make_layer()
+    y = layer(torch.zeros(2, 192, dtype=torch.bfloat16))
+    assert torch.equal(y, layer.bias.to(y.dtype).expand(2, -1))
+
+
+def test_weights_are_quantized_per_output_channel_after_pruning():
+    layer, linear = make_layer(weight_dtype="int8")
+    pruned = linear.weight.detach().float() * semi24.magnitude_mask(linear.weight.detach())
+    assert torch.allclose(layer.weight_scale, pruned.abs().amax(-1) / 127)
+    assert (layer.to_dense_weight() - pruned).abs().max() <= layer.weight_scale.max() / 2 + 1e-7
+
+
+def test_state_dict_round_trip_and_checked_metadata():
+    layer, _ = make_layer()
+    twin, _ = make_layer()
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 192, dtype=torch.bfloat16)
+    assert torch.equal(twin(x), layer(x))
+    bad = layer.state_dict()
+    bad["metadata"] = torch.full_like(bad["metadata"], -1)  # 0xF nibbles: no valid selection
+    with pytest.raises(InputError, match="metadata"):
+        twin.load_state_dict(bad)
+    assert torch.equal(twin(x), layer(x))
+
+
+def test_factory_and_patch_build_scaled_layers():
+    layer = sparsegen.linear(128, 64, sparsity="2:4", weight_dtype="int8", dtype=torch.bfloat16)
+    assert isinstance(layer, sparsegen.ScaledSparse24Linear) and layer.values.dtype == torch.int8
+    model = nn.Sequential(nn.Linear(128, 64, dtype=torch.bfloat16), nn.ReLU(), nn.Linear(64, 32, dtype=torch.bfloat16))
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    dense = model(x).double()
+    assert sparsegen.patch(model, {"0": {"sparsity": "2:4", "weight_dtype": "e4m3"}}) == ["0"]
+    assert isinstance(model[0], sparsegen.ScaledSparse24Linear) and type(model[2]) is nn.Linear
+    assert relative_error(model(x), dense) < 0.8  # (pruning half the weights moves a random layer this much)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: sparsegen.linear(128, 64, sparsity="2:4", weight_dtype="fp4"), "weight_dtype one of"),
+    (lambda: sparsegen.linear(128, 64, weight_dtype="int8"), "weight_dtype only for sparsity='2:4'"),
+    (lambda: sparsegen.linear(96, 64, sparsity="2:4", weight_dtype="int8"), "columns of 64"),
+    (lambda: make_layer()[0](torch.randn(2, 192, dtype=torch.float64)), "an input in"),
+    (lambda: make_layer()[0](torch.randn(2, 190, dtype=torch.bfloat16)), r"input of shape \(\.\.\., 192\)"),
+])
+def test_bad_input_errors(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
