@@ -22,7 +22,7 @@ def reference(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 def relative_error(got, want) -> float:
-    return float((got.double() - want).norm() / want.norm())
+    return float((got.detach().double() - want).norm() / want.norm())
 
 
 def make_layer(k=192, n=48, weight_dtype="e4m3", bias=True, dtype=torch.bfloat16, **kw):
@@ -82,6 +82,18 @@ def test_state_dict_round_trip_and_checked_metadata():
     with pytest.raises(InputError, match="metadata"):
         twin.load_state_dict(bad)
     assert torch.equal(twin(x), layer(x))
+
+
+def test_casting_the_model_keeps_the_stored_bytes_and_scales():
+    layer, _ = make_layer(input_scale=0.05)
+    values, scale = layer.values.clone(), layer.weight_scale.clone()
+    model = nn.Sequential(layer).to(torch.float16)
+    assert layer.values.dtype == torch.float8_e4m3fn and torch.equal(layer.values.view(torch.uint8),
+                                                                      values.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, scale) and layer.input_scale.dtype == torch.float32
+    assert layer.bias.dtype == torch.float16
+    x = torch.randn(3, 192, dtype=torch.float16)
+    assert relative_error(model(x), reference(layer, x)) < 1e-2
 
 
 def test_factory_and_patch_build_scaled_layers():

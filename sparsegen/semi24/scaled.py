@@ -22,7 +22,8 @@ from .tensor import byte_reference
 WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
-_TINY = 1e-12  # an all-zero row's scale (its values quantize to 0 whatever the scale)
+_TINY = 1e-12
+_OWN_DTYPES = ("values", "weight_scale", "input_scale")  # tensors no cast of the model changes  # an all-zero row's scale (its values quantize to 0 whatever the scale)
 
 
 def weight_dtype_of(name: str) -> torch.dtype:
@@ -103,6 +104,17 @@ class ScaledSparse24Linear(checkpoint.CheckedLoad, nn.Module):
         values, metadata = semi24.compress(quantize(pruned, scale, dtype).contiguous(), keep.contiguous())
         static = None if input_scale is None else torch.as_tensor(input_scale, dtype=torch.float32, device=w.device)
         return cls(values, metadata, scale, linear.bias, static)
+
+    def _apply(self, fn, recurse=True):
+        """Casts (model.half(), model.to(torch.bfloat16)) would turn the float8 values and the
+        float32 scales into the cast's dtype: they keep their own (moves still move them)."""
+        fixed = {name: getattr(self, name) for name in _OWN_DTYPES if getattr(self, name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in fixed.items():
+            after = getattr(self, name)
+            if after.dtype != before.dtype:
+                setattr(self, name, before.to(after.device))
+        return self
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.values, self.in_features)
