@@ -84,7 +84,8 @@ def _layer(model: nn.Module, name: str, tensors: dict, config: dict) -> nn.Modul
     try:
         linear = model.get_submodule(name)
     except AttributeError:
-        raise InputError(f"Expected {name!r}, a 2:4 layer of the checkpoint, in the model. Got no such module.") from None
+        raise InputError(f"Expected {name!r}, a 2:4 layer of the checkpoint, in the model. "
+                         "Got no such module.") from None
     expect(isinstance(linear, nn.Linear), f"{name} to be an nn.Linear in the model", type(linear).__name__)
     try:
         dense, mask = _unpacked(name, tensors, tuple(linear.weight.shape))

@@ -154,7 +154,8 @@ def bert_case(batch: int, device, dtype, smoke: bool) -> Case:
                 lambda model: lambda: model(input_ids=ids).last_hidden_state)
 
 
-def llama_prefill_case(device, dtype, smoke: bool, config=None, label="Llama-shaped", variants=INFERENCE_VARIANTS) -> Case:
+def llama_prefill_case(device, dtype, smoke: bool, config=None, label="Llama-shaped",
+                       variants=INFERENCE_VARIANTS) -> Case:
     from transformers import LlamaForCausalLM
 
     config = config or llama_config(smoke)
@@ -551,7 +552,8 @@ def errors_line(rows: list[dict]) -> str:
     inference = [r["error"] for r in rows if r.get("error") is not None and "loss" not in r]
     if inference:
         lines.append(f"Output against the dense model with the same (masked) weights (one-byte variants: "
-                     f"the 16-bit model they quantize): relative error {min(inference):.1e} - {max(inference):.1e} over {len(inference)} cells.")
+                     f"the 16-bit model they quantize): relative error {min(inference):.1e} - "
+                     f"{max(inference):.1e} over {len(inference)} cells.")
     training = [r["error"] for r in rows if r.get("error") is not None and "loss" in r]
     if training:
         lines.append(f"Training: the loss after {TRAINING_STEPS - 1} optimizer steps against the dense twin's "

@@ -28,8 +28,9 @@ class QuantizedDenseLinear(nn.Module):
         if self.weight.dtype == torch.int8:
             y = self._int8(xq, x_scale).to(x.dtype)
         else:
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.unsqueeze(-1), scale_b=self.weight_scale.unsqueeze(0),
-                                 out_dtype=x.dtype, bias=None if self.bias is None else self.bias.to(x.dtype))
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.unsqueeze(-1),
+                                 scale_b=self.weight_scale.unsqueeze(0), out_dtype=x.dtype, bias=bias)
         return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
     def _int8(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:

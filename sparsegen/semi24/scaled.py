@@ -22,8 +22,8 @@ from .tensor import byte_reference
 WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
-_TINY = 1e-12
-_OWN_DTYPES = ("values", "weight_scale", "input_scale")  # tensors no cast of the model changes  # an all-zero row's scale (its values quantize to 0 whatever the scale)
+_TINY = 1e-12  # an all-zero row's scale (its values quantize to 0 whatever the scale)
+_OWN_DTYPES = ("values", "weight_scale", "input_scale")  # tensors no cast of the model changes
 
 
 def weight_dtype_of(name: str) -> torch.dtype:
