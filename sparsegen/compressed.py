@@ -33,16 +33,19 @@ def load_compressed(model: nn.Module, path) -> list[str]:
     built from the same config: each 2:4 layer becomes a Sparse24Linear (16-bit weights) or
     a ScaledSparse24Linear (FP8 / int8 weights, per-channel scales), every other tensor is
     loaded as it is. Returns the names of the 2:4 layers."""
+    expect(isinstance(model, nn.Module), "a torch.nn.Module built from the checkpoint's config",
+           type(model).__name__)
     folder = pathlib.Path(path)
+    device = _device_of(model)
     config = _quantization_config(folder)
     tensors = _read_tensors(folder)
     names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith(".bitmask")})
     layers = {name: _layer(model, name, tensors, config) for name in names}
     rest = {key: value for key, value in tensors.items() if key.rsplit(".", 1)[0] not in layers}
-    _check_rest(model, rest, layers)
+    _check_rest(model, rest)
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer.to(_device_of(model)))
+        setattr(model.get_submodule(parent), child, layer.to(device))
     model.load_state_dict(rest, strict=False)
     return names
 
@@ -76,8 +79,12 @@ def _read_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
 
 
 def _device_of(model: nn.Module) -> torch.device:
+    """The model's device; a model on the meta device is refused (the layers built here would
+    be moved there and lose the checkpoint's values)."""
     first = next(iter(model.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
+    device = first.device if first is not None else torch.device("cpu")
+    expect(device.type != "meta", "a model with its tensors allocated (on the CPU or a GPU)", "the meta device")
+    return device
 
 
 def _layer(model: nn.Module, name: str, tensors: dict, config: dict) -> nn.Module:
@@ -154,7 +161,7 @@ def _scaled(name: str, dense: torch.Tensor, mask: torch.Tensor, bias, tensors: d
     return ScaledSparse24Linear(values, metadata, scale, bias, input_scale)
 
 
-def _check_rest(model: nn.Module, rest: dict, layers: dict) -> None:
+def _check_rest(model: nn.Module, rest: dict) -> None:
     """The checkpoint's other tensors name the model's own, of the model's shapes."""
     own = model.state_dict()
     for key, value in rest.items():

@@ -167,6 +167,12 @@ def test_other_formats_are_refused(tmp_path):
         sparsegen.load_compressed(tiny_llama(2), folder)
     with pytest.raises(InputError, match="a checkpoint directory with config.json"):
         sparsegen.load_compressed(tiny_llama(2), tmp_path / "missing")
+    with torch.device("meta"):
+        on_meta = nn.Linear(4, 4)
+    with pytest.raises(InputError, match="Got the meta device"):
+        sparsegen.load_compressed(on_meta, folder)
+    with pytest.raises(InputError, match="Expected a torch.nn.Module"):
+        sparsegen.load_compressed({"not": "a model"}, folder)
 
 
 def test_unpack_bitmask_is_numpy_little_order():

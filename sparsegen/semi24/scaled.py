@@ -66,8 +66,12 @@ def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     x_scale = row_scales(x2, values.dtype) if input_scale is None else input_scale.float()
     raw = raw_product(quantize(x2, x_scale, values.dtype), values, metadata, values.shape[0])
-    y = raw.float() * (x_scale.unsqueeze(-1) if x_scale.dim() else x_scale) * w_scale.float()
-    y = y if bias is None else y + bias.float()
+    # float32 from the first product on (int32 or bfloat16 times float32), then in place:
+    # each pass over Y counts in eager mode
+    y = raw * (x_scale.unsqueeze(-1) if x_scale.dim() else x_scale)
+    y.mul_(w_scale)
+    if bias is not None:
+        y.add_(bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])
 
 
