@@ -5,7 +5,7 @@
 # (the device's copy has no .git). Usage: tools/gpu_run.sh STEP... (steps: the case labels below)
 set -uo pipefail
 OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$OUT" "$R"
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, if any are carried
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, if carried (tools/device_wheels.sh)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
