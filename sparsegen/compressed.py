@@ -117,11 +117,19 @@ def _unpacked(name: str, tensors: dict, want: tuple[int, int]) -> tuple[torch.Te
     expect(bits.dtype == torch.uint8 and tuple(bits.shape) == (n, -(-k // 8)),
            f"a uint8 bitmask of shape {(n, -(-k // 8))}", f"{bits.dtype} {tuple(bits.shape)}")
     mask = unpack_bitmask(bits, k)
-    kept = mask.reshape(n, k // 4, 4).sum(-1)
-    expect(bool((kept == 2).all()), "a bitmask with 2 kept in every group of 4 columns",
-           f"{int(kept.flatten()[(kept != 2).flatten().nonzero()[0, 0]])} kept in a group" if not (kept == 2).all()
-           else "")
+    _check_pairs(mask)
     return scatter_kept(values, mask), mask
+
+
+def _check_pairs(mask: torch.Tensor) -> None:
+    """Exactly 2 kept of every 4 columns (the compressed values hold in/2 per row); the
+    error names the first group that is not."""
+    kept = mask.reshape(mask.shape[0], -1, 4).sum(-1)
+    bad = (kept != 2).nonzero()
+    if bad.numel():
+        row, group = (int(i) for i in bad[0])
+        expect(False, "a bitmask with 2 kept in every group of 4 columns",
+               f"{int(kept[row, group])} kept at row {row}, columns {4 * group}..{4 * group + 3}")
 
 
 def unpack_bitmask(bits: torch.Tensor, columns: int) -> torch.Tensor:
