@@ -118,7 +118,7 @@ def _unpacked(name: str, tensors: dict, want: tuple[int, int]) -> tuple[torch.Te
            f"a uint8 bitmask of shape {(n, -(-k // 8))}", f"{bits.dtype} {tuple(bits.shape)}")
     mask = unpack_bitmask(bits, k)
     _check_pairs(mask)
-    return scatter_kept(values, mask), mask
+    return semi24.scatter_kept(values, mask), mask
 
 
 def _check_pairs(mask: torch.Tensor) -> None:
@@ -137,14 +137,6 @@ def unpack_bitmask(bits: torch.Tensor, columns: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     unpacked = (bits.unsqueeze(-1) >> shifts) & 1
     return unpacked.reshape(bits.shape[0], -1)[:, :columns].bool()
-
-
-def scatter_kept(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The dense tensor with `values` (row by row, in column order) where `mask` holds."""
-    raw = values.view(torch.uint8) if values.element_size() == 1 else values
-    dense = torch.zeros(mask.shape, dtype=raw.dtype, device=values.device)
-    dense[mask] = raw.reshape(-1)
-    return dense.view(values.dtype) if raw.dtype != values.dtype else dense
 
 
 def _sixteen_bit(linear: nn.Linear, dense: torch.Tensor, mask: torch.Tensor, bias) -> Sparse24Linear:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import sparsegen
-from sparsegen.compressed import scatter_kept, unpack_bitmask
+from sparsegen.compressed import unpack_bitmask
 from sparsegen.errors import InputError
 from sparsegen.semi24 import format as semi24
 
@@ -111,6 +111,7 @@ def test_sparse_only_checkpoint_loads_into_sparse24_layers_exactly(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fp8", "int8", "fp8-static"])
 def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
+    from compressed_tensors.compressors.sparse_compressors.sparse_24_bitmask import sparse24_bitmask_decompress
     folder = checkpoint(tmp_path, kind)
     model = tiny_llama(2)
     names = sparsegen.load_compressed(model, folder)
@@ -120,9 +121,10 @@ def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
         layer = model.get_submodule(name)
         assert isinstance(layer, sparsegen.ScaledSparse24Linear)
         assert (layer.input_scale is not None) == kind.endswith("-static")
-        mask = unpack_bitmask(stored[f"{name}.bitmask"], layer.in_features)
-        kept = semi24.decompress(layer.values, layer.metadata, (layer.out_features, layer.in_features))
-        assert torch.equal(kept.view(torch.uint8), scatter_kept(stored[f"{name}.compressed"], mask).view(torch.uint8))
+        shape = (layer.out_features, layer.in_features)
+        kept = semi24.decompress(layer.values, layer.metadata, shape)  # compressed-tensors' own unpacking:
+        want_bytes = sparse24_bitmask_decompress(stored[f"{name}.compressed"], stored[f"{name}.bitmask"], shape)
+        assert torch.equal(kept.view(torch.uint8), want_bytes.view(torch.uint8))
         want = reference.get_submodule(name).weight.float()
         assert torch.allclose(layer.to_dense_weight(), want, rtol=2 ** -7, atol=0)
     ids = torch.randint(0, 311, (4, 23))

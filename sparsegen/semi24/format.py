@@ -195,6 +195,23 @@ def compress(w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return _from_raw(values, w.dtype).contiguous(), pack_metadata(positions)
 
 
+def scatter_kept(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """compress's inverse at a mask with exactly 2 kept of every 4: the dense tensor with
+    `values` (row by row, in column order) where `mask` holds."""
+    raw = _raw(values)
+    dense = torch.zeros(mask.shape, dtype=raw.dtype, device=values.device)
+    dense[mask] = raw.reshape(-1)
+    return _from_raw(dense, values.dtype)
+
+
+def check_loaded_metadata(state_dict: dict, prefix: str, shape) -> None:
+    """A layer's _check_state: metadata from a file is checked before it is copied (a nibble
+    mma.sp cannot read never reaches a kernel, and the layer is never left half-loaded)."""
+    metadata = state_dict.get(prefix + "metadata")
+    if metadata is not None:
+        check_metadata(metadata, shape)
+
+
 def _nibbles(positions: torch.Tensor) -> torch.Tensor:
     return (positions[..., 0] | (positions[..., 1] << 2)).to(torch.int64)
 

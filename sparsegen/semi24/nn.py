@@ -64,11 +64,7 @@ class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         return layer
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
-        """Metadata from a file is checked before it is copied: a nibble mma.sp cannot read
-        never reaches a kernel, and the layer is never left half-loaded."""
-        metadata = state_dict.get(prefix + "metadata")
-        if metadata is not None:
-            semi24.check_metadata(metadata, (self.out_features, self.in_features))
+        semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))
 
     def _after_load(self) -> None:
         self._forget_lean_calls()

@@ -36,10 +36,15 @@ def row_scales(t: Tensor, dtype: torch.dtype) -> Tensor:
     return (t.detach().abs().amax(-1).float() / _LARGEST[dtype]).clamp_min(_TINY)
 
 
+def _by_row(scale: Tensor) -> Tensor:
+    """A scale per row ([rows]) as a column that broadcasts over each row; one for all as is."""
+    return scale.unsqueeze(-1) if scale.dim() else scale
+
+
 def quantize(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """t / scale (scale per row, [rows], or one for all) in `dtype`: saturated to its range,
     rounded to the nearest integer for int8."""
-    q = t.float() / (scale.unsqueeze(-1) if scale.dim() else scale)
+    q = t.float() / _by_row(scale)
     largest = _LARGEST[dtype]
     q = q.clamp(-largest, largest)
     return (q.round() if dtype == torch.int8 else q).to(dtype)
@@ -68,7 +73,7 @@ def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor,
     raw = raw_product(quantize(x2, x_scale, values.dtype), values, metadata, values.shape[0])
     # float32 from the first product on (int32 or bfloat16 times float32), then in place:
     # each pass over Y counts in eager mode
-    y = raw * (x_scale.unsqueeze(-1) if x_scale.dim() else x_scale)
+    y = raw * _by_row(x_scale)
     y.mul_(w_scale)
     if bias is not None:
         y.add_(bias)
@@ -130,9 +135,7 @@ class ScaledSparse24Linear(checkpoint.CheckedLoad, nn.Module):
         return dense.float() * self.weight_scale.unsqueeze(-1)
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
-        metadata = state_dict.get(prefix + "metadata")
-        if metadata is not None:
-            semi24.check_metadata(metadata, (self.out_features, self.in_features))
+        semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))
 
     def extra_repr(self) -> str:
         scale = "per token" if self.input_scale is None else "static"

@@ -70,26 +70,20 @@ struct SplitK {
 
   // The last split: Y[t, f] = out(total(t, f) + bias(f)) over tokens t0.. and features f0..
   // of the tile (features fastest: whole rows of each slice per warp), four features a thread
-  // where N allows (fewer loads in flight for the same bytes: this loop is the launch's tail);
-  // then the counter is zero too.
+  // (fewer loads in flight for the same bytes: this loop is the launch's tail); then the
+  // counter is zero too. N, f0 and `features` are multiples of 4 (2:4 weights have rows in 16s,
+  // tiles start at multiples of 64).
   template <class Elem, class Bias, class Out>
   __device__ static void finish(float* sums, int* count, Elem* y, int t0, int tokens, int f0, int features,
                                 int M, int N, Bias bias, Out out) {
-    if (N % 4 == 0 && f0 % 4 == 0 && features % 4 == 0) {
-      const int quads = features / 4;
-      for (int i = threadIdx.x % GROUP; i < tokens * quads; i += GROUP) {
-        const int t = t0 + i / quads, f = f0 + 4 * (i % quads);
-        if (t >= M || f >= N) continue;
-        const float4 v = total4(sums, t, f, M, N);
-        Elem* row = y + (long long)t * N + f;
-        row[0] = out(v.x + bias(f)), row[1] = out(v.y + bias(f + 1));
-        row[2] = out(v.z + bias(f + 2)), row[3] = out(v.w + bias(f + 3));
-      }
-    } else {
-      for (int i = threadIdx.x % GROUP; i < tokens * features; i += GROUP) {
-        const int t = t0 + i / features, f = f0 + i % features;
-        if (t < M && f < N) y[(long long)t * N + f] = out(total(sums, t, f, M, N) + bias(f));
-      }
+    const int quads = features / 4;
+    for (int i = threadIdx.x % GROUP; i < tokens * quads; i += GROUP) {
+      const int t = t0 + i / quads, f = f0 + 4 * (i % quads);
+      if (t >= M || f >= N) continue;
+      const float4 v = total4(sums, t, f, M, N);
+      Elem* row = y + (long long)t * N + f;
+      row[0] = out(v.x + bias(f)), row[1] = out(v.y + bias(f + 1));
+      row[2] = out(v.z + bias(f + 2)), row[3] = out(v.w + bias(f + 3));
     }
     if (threadIdx.x % GROUP == 0) *count = 0;
   }
