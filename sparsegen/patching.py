@@ -139,7 +139,7 @@ def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
     return (type(gate) is nn.Linear and type(up) is nn.Linear and gate.weight.shape == up.weight.shape
             and (gate.bias is None) == (up.bias is None) and gate.out_features % epilogues.GATE_GROUP == 0
             and hasattr(mlp, "down_proj") and activation_of(getattr(mlp, "act_fn", None)) in _GATES
-            and "layout" not in settings and "training" not in settings and "weight_dtype" not in settings
+            and "layout" not in settings and "training" not in settings
             and settings.get("sparsity") != "block-diagonal")
 
 

@@ -12,6 +12,7 @@ import jinja2
 import jinja2.meta
 import pytest
 
+import sparsegen
 from sparsegen.jit import codegen, epilogues
 from sparsegen.jit import registry, spec as specmod
 from sparsegen.jit.spec import INSTRS, KernelSpec, TileConfig
@@ -38,6 +39,10 @@ OTHER_GOLDEN = [
                instr="tma", epilogue="swiglu"),
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="fp16", trans="nt", arch=80, tile=TileConfig(64, 2, 2, 3),
                epilogue="gelu"),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="int8", trans="nt", arch=90,
+               tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma", epilogue="swiglu", params={"scales": 1}),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="e4m3", trans="nt", arch=89, tile=TileConfig(64, 2, 2, 2),
+               params={"scales": 2}),
     KernelSpec(op="sp24_compress", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_mask", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_expand", block=(16, 32), dtype="bf16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
@@ -148,16 +153,28 @@ def test_other_ops_name_their_kernel(spec):
     cluster = rf"__cluster_dims__\({spec.tile.cluster}, 1, 1\) " if spec.tile.cluster > 1 else ""
     assert re.search(rf'extern "C" __global__ void {cluster}__launch_bounds__\({spec.threads}(, 1)?\)\s*{spec.name}\(',
                      source)
-    ptx = {"bf16": "bf16", "fp16": "f16"}[spec.dtype]
-    epilogue = re.escape(epilogues.device_struct(spec.epilogue))
-    if spec.op == "sp24_dds" and spec.instr == "tma":
-        assert f"wgmma.mma_async.sp.sync.aligned.m64n{spec.tile.tile_m}k32.f32.{ptx}.{ptx} " in source
-        assert re.search(rf"sg::Sp24DdsTma<WgmmaSp, sg::{MMA[spec.dtype]}, unsigned short, {spec.tile.tile_m}, "
-                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}, 2, {epilogue}>", source)
-    elif spec.op == "sp24_dds":
-        assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ptx}.{ptx}.f32" in source
-        assert re.search(rf"sg::Sp24Dds<SpMma, sg::FloatOut<sg::{MMA[spec.dtype]}>, unsigned short, {spec.tile.tile_m}, "
-                         rf"{spec.tile.warps_m}, {spec.tile.warps_n}, {spec.tile.stages}, {epilogue}>", source)
+    if spec.op == "sp24_dds":
+        check_sp24_product(spec, source)
+
+
+def check_sp24_product(spec, source: str) -> None:
+    """The 2:4 forward's instruction, its input, accumulator and output types, and whether it
+    scales (one-byte inputs: k64 products; scaled ones write the scales' 16-bit type)."""
+    ptx = {"bf16": "bf16", "fp16": "f16", "int8": "s8", "e4m3": "e4m3"}[spec.dtype]
+    one_byte, scales = spec.dtype in specmod.BYTE_DTYPES, spec.param_values.get("scales", 0)
+    k, acc = 64 if one_byte else 32, "s32" if spec.dtype == "int8" else "f32"
+    out = sparsegen.semi24.specs.SCALED_OUTPUTS.get(scales, "bf16" if one_byte else spec.dtype)
+    tail = rf"{re.escape(epilogues.device_struct(spec.epilogue))}, {'true' if scales else 'false'}>"
+    if spec.instr == "tma":
+        assert f"wgmma.mma_async.sp.sync.aligned.m64n{spec.tile.tile_m}k{k}.{acc}.{ptx}.{ptx} " in source
+        assert re.search(rf"sg::Sp24DdsTma<WgmmaSp, sg::{MMA[out]}, unsigned short, {spec.tile.tile_m}, "
+                         rf"{spec.tile.warps_m // 4}, {spec.tile.stages}, {spec.tile.cluster}, {1 if one_byte else 2}, "
+                         + tail, source)
+    else:
+        elem = {"int8": "signed char", "e4m3": "unsigned char"}.get(spec.dtype, "unsigned short")
+        assert f"mma.sp::ordered_metadata.sync.aligned.m16n8k{k}.row.col.{acc}.{ptx}.{ptx}.{acc}" in source
+        assert re.search(rf"sg::Sp24Dds<SpMma, sg::FloatOut<sg::{MMA[out]}>, {elem}, {spec.tile.tile_m}, "
+                         rf"{spec.tile.warps_m}, {spec.tile.warps_n}, {spec.tile.stages}, " + tail, source)
 
 
 def test_render_is_deterministic():

@@ -6,6 +6,9 @@ import torch
 from torch import nn
 
 import sparsegen
+from sparsegen.jit import epilogues
+from sparsegen.semi24 import ops
+from sparsegen.semi24.scaled import quantize, row_scales, scaled_reference
 from test_scaled24 import reference, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -14,6 +17,36 @@ if not torch.cuda.is_available():
 
 ARCH = torch.cuda.get_device_capability()
 WEIGHT_DTYPES = ["int8"] + (["e4m3"] if ARCH >= (8, 9) else [])
+
+
+def scaled_operands(m, k, n, weight_dtype, bias_dtype=None):
+    """Fresh one-byte operands and float32 scales of a scaled 2:4 product, on the GPU."""
+    linear = nn.Linear(k, n, bias=bias_dtype is not None, device="cuda", dtype=bias_dtype or torch.bfloat16)
+    layer = sparsegen.ScaledSparse24Linear.from_dense(linear, weight_dtype)
+    x = torch.randn(m, k, device="cuda") * 2
+    x_scale = row_scales(x, layer.values.dtype) * torch.rand(m, device="cuda").add(0.5)  # not only amax-derived
+    return quantize(x, x_scale, layer.values.dtype), layer, x_scale
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("m, k, n, splits, instr", [
+    (1, 4096, 1024, None, None), (7, 640, 336, None, None), (7, 1024, 464, 4, None),  # decode: K split
+    (77, 1024, 2048, None, None), (333, 512, 1040, None, None), (4133, 256, 208, None, None),
+    (45, 512, 272, None, "mma")])  # mma.sp on Hopper too (int8 only: sm_90 has no fp8 mma.sync)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "swiglu"])
+def test_scaled_kernel_applies_scales_bias_and_epilogue(weight_dtype, m, k, n, splits, instr, out_dtype, epilogue):
+    """The kernel's epilogue: x_scale[t] w_scale[f] sum + bias[f], then the activation, rounded
+    once into Y - against float64, Y poisoned first."""
+    if instr == "mma" and weight_dtype == "e4m3" and ARCH >= (9, 0):
+        pytest.skip("e4m3 runs on wgmma.sp alone on sm_90")
+    xq, layer, x_scale = scaled_operands(m, k, n, weight_dtype, out_dtype)
+    out = torch.full((m, epilogues.output_features(epilogue, n)), float("nan"), device="cuda", dtype=out_dtype)
+    ops.sp24_scaled_dds(xq, layer.values, layer.metadata, x_scale, layer.weight_scale, layer.bias, n, out_dtype,
+                        out=out, splits=splits, instr=instr, epilogue=epilogue)
+    want = scaled_reference(xq, layer.values, layer.metadata, x_scale, layer.weight_scale, layer.bias, epilogue)
+    assert not out.isnan().any()
+    assert relative_error(out, want) < 5e-3
 
 
 def gpu_layer(k, n, weight_dtype, dtype=torch.bfloat16, **kw):

@@ -7,6 +7,7 @@ from torch import nn
 
 import sparsegen
 from sparsegen.errors import InputError
+from sparsegen.jit import epilogues
 from sparsegen.semi24 import format as semi24
 from sparsegen.semi24.scaled import WEIGHT_DTYPES, quantize, row_scales
 
@@ -17,8 +18,8 @@ def reference(layer, x: torch.Tensor) -> torch.Tensor:
     scale = row_scales(x2, layer.values.dtype) if layer.input_scale is None else layer.input_scale
     xq = quantize(x2, scale, layer.values.dtype).double() * (scale.unsqueeze(-1) if scale.dim() else scale).double()
     y = xq @ layer.to_dense_weight().double().t()
-    y = y if layer.bias is None else y + layer.bias.double()
-    return y.reshape(*x.shape[:-1], layer.out_features)
+    y = epilogues.reference(y if layer.bias is None else y + layer.bias.double(), layer.epilogue)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def relative_error(got, want) -> float:
@@ -105,6 +106,47 @@ def test_factory_and_patch_build_scaled_layers():
     assert sparsegen.patch(model, {"0": {"sparsity": "2:4", "weight_dtype": "e4m3"}}) == ["0"]
     assert isinstance(model[0], sparsegen.ScaledSparse24Linear) and type(model[2]) is nn.Linear
     assert relative_error(model(x), dense) < 0.8  # (pruning half the weights moves a random layer this much)
+
+
+@pytest.mark.parametrize("epilogue", ["relu", "gelu_tanh", "silu", "swiglu", "geglu"])
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+def test_fused_epilogues_match_float64(epilogue, weight_dtype):
+    layer, _ = make_layer(weight_dtype=weight_dtype)
+    layer.fuse(epilogue)
+    x = torch.randn(2, 3, 192, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (2, 3, layer.output_features) and epilogue in repr(layer)
+    assert relative_error(y, reference(layer, x)) < 1e-2
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden=128, inner=256):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(hidden, inner, bias=False), nn.Linear(hidden, inner, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(inner, hidden, bias=False), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+def test_patch_fuses_a_gated_mlp_into_one_scaled_layer(weight_dtype):
+    """gate and up become one scaled layer with the swiglu epilogue; each projection keeps its
+    own per-channel scales, so the fused model computes what the unfused one does."""
+    torch.manual_seed(0)
+    fused = nn.Sequential(GatedMLP()).to(torch.bfloat16)
+    unfused = nn.Sequential(GatedMLP()).to(torch.bfloat16)
+    unfused.load_state_dict(fused.state_dict())
+    rule = {r".*proj": {"sparsity": "2:4", "weight_dtype": weight_dtype}}
+    sparsegen.patch(fused, rule)
+    sparsegen.patch(unfused, rule, fuse=False)
+    gate_up = fused[0].gate_up
+    assert isinstance(gate_up, sparsegen.ScaledSparse24Linear) and gate_up.epilogue == "swiglu"
+    assert isinstance(unfused[0].gate_proj, sparsegen.ScaledSparse24Linear)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    assert relative_error(fused(x), unfused(x).double()) < 2e-2
 
 
 @pytest.mark.parametrize("call, message", [

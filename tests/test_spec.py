@@ -73,6 +73,28 @@ def test_cluster_changes_sp24_name_and_key_and_round_trips():
     assert KernelSpec.from_name(paired.name) == paired and KernelSpec.from_name(single.name) == single
 
 
+def test_sp24_scales_change_name_and_key_only_when_set():
+    # scales is named only where set: 2:4 kernels built before it existed keep names and keys
+    plain = sparsegen.semi24.specs.sp24_spec("int8", 90)
+    assert "scales" not in plain.name and specmod.fields_tuple(plain) == dataclasses.astuple(plain)[:-2]
+    for code in (1, 2):
+        scaled = sparsegen.semi24.specs.sp24_spec("int8", 90, scales=code)
+        assert scaled.name == plain.name + f"_xscales{code}" and scaled.key != plain.key
+        assert KernelSpec.from_name(scaled.name) == scaled
+    fused = sparsegen.semi24.specs.sp24_spec("int8", 80, scales=1, epilogue="swiglu")  # float Y: epilogues allowed
+    assert fused.name.endswith("_eswiglu_xscales1") and KernelSpec.from_name(fused.name) == fused
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(dtype="bf16", params={"scales": 1}), "a one-byte dtype .* for scales"),
+    (dict(dtype="e4m3", params={"scales": 3}), "scales one of"),
+    (dict(dtype="int8", epilogue="gelu"), "float outputs for an epilogue"),
+])
+def test_sp24_scales_need_one_byte_inputs(changes, message):
+    with pytest.raises(SpecError, match=message):
+        KernelSpec(op="sp24_dds", block=(16, 32), arch=90, instr="tma", tile=TileConfig(256, 8, 1, 4), **changes)
+
+
 FP16 = dataclasses.replace(BASE, dtype="fp16")
 
 

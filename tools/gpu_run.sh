@@ -69,6 +69,8 @@ for step in "${steps[@]}"; do
          python3 tools/sanitize_report.py "$OUT" --json "$R/60_sanitize.json" | tee -a "$OUT/sanitize.log" ;;
     reliability_tests) timeout ${RELIABILITY_TIMEOUT:-500} python3 -m pytest -q -m gpu tests/test_gpu_determinism.py \
            tests/test_gpu_nonfinite.py tests/test_gpu_graphs.py -rs 2>&1 | tee "$OUT/reliability_tests.log" | tail -40 ;;
+    precompile_bytes) # the one-byte 2:4 kernels (scaled ones included) on all cores, before the steps that use them
+         python3 -m sparsegen precompile --dtype int8 e4m3 -j 16 2>&1 | tail -2 | tee "$OUT/precompile_bytes.log" ;;
     scaled_tests) timeout 400 python3 -m pytest -q tests/test_gpu_scaled24.py tests/test_scaled24.py \
            tests/test_compressed.py -rs 2>&1 | tee "$OUT/scaled_tests.log" | tail -25 ;;
     deterministic) timeout 300 python3 tools/bench24.py --deterministic --json "$R/61_deterministic.json" 2>&1 \

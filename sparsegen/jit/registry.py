@@ -31,6 +31,10 @@ def _no_context(spec: Spec) -> dict:
     return {}
 
 
+def _not_int8(spec: Spec) -> bool:
+    return spec.dtype != "int8"
+
+
 @dataclass(frozen=True)
 class Param:
     """A parameter of a layout's op beyond the fields every KernelSpec has (V:N:M's V, a
@@ -41,6 +45,9 @@ class Param:
     default: int
     choices: tuple[int, ...] | None = None
     doc: str = ""
+    # False: left out of the name and the cache key at its default, so that adding the
+    # parameter to an op keeps the names (and cached kernels) its specs had before
+    named_at_default: bool = True
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class OpRules:
     params: tuple[Param, ...] = ()                  # the op's own typed parameters
     accs: tuple[str, ...] = ("f32",)                # accumulator types its templates implement (spec.ACCS)
     args: ProductArgs | None = None                 # a forward product op's arguments (its custom op's)
+    float_output: Callable[[Spec], bool] = _not_int8  # Y in a float type (epilogues need one): int8 sums are int32
 
     def __post_init__(self):
         for param in self.params:

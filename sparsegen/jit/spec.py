@@ -117,7 +117,7 @@ class KernelSpec:
         bm, bk = self.block
         epilogue = "" if self.epilogue == "none" else f"_e{epilogues.name_token(self.epilogue)}"
         acc = "" if self.acc == "f32" else f"_a{self.acc}"
-        params = "".join(f"_x{name}{value}" for name, value in self.params)
+        params = "".join(f"_x{name}{value}" for name, value in self.named_params)
         return (f"{self.op}_b{bm}x{bk}_{self.dtype}_{self.trans}_{self.target.replace('_', '')}"
                 f"_{self.instr}_{self.tile.tag}{epilogue}{acc}{params}")
 
@@ -164,6 +164,13 @@ class KernelSpec:
         return dict(self.params)
 
     @property
+    def named_params(self) -> tuple[tuple[str, int], ...]:
+        """The parameters the name and key carry: all but those declared unnamed at their default."""
+        declared = {p.name: p for p in registry.op_rules(self.op).params} if self.op in registry.ops() else {}
+        return tuple((name, value) for name, value in self.params
+                     if name not in declared or declared[name].named_at_default or value != declared[name].default)
+
+    @property
     def stage_k(self) -> int:
         """Elements of K one pipeline stage covers (128 bytes' worth)."""
         return STAGE_BYTES_PER_ROW // ELEMENT_BYTES[self.dtype]
@@ -180,7 +187,7 @@ class KernelSpec:
         check_choice("epilogue", self.epilogue, epilogues.EPILOGUES)
         if self.epilogue != "none":
             forward = tuple(r.op for layout in registry.layouts() for r in layout.ops if r.epilogues)
-            expect(rules.epilogues and self.trans == "nt" and self.dtype != "int8",
+            expect(rules.epilogues and self.trans == "nt" and rules.float_output(self),
                    f"a forward op {forward} with trans 'nt' and float outputs for an epilogue",
                    f"{self.op}, trans {self.trans!r}, {self.dtype}", SpecError)
         expect(len(self.block) == 2 and all(b in BLOCK_SIDES for b in self.block),
@@ -192,10 +199,11 @@ class KernelSpec:
 
 
 def fields_tuple(spec: KernelSpec) -> tuple:
-    """Every field's value; the op's parameters only where it has some and the accumulator
+    """Every field's value; the op's parameters only where it names some and the accumulator
     only where it is not f32 (so kernels that have neither keep the keys they had before
     either field existed)."""
-    *values, params, acc = dataclasses.astuple(spec)
+    *values, _, acc = dataclasses.astuple(spec)
+    params = spec.named_params
     return tuple(values) + ((params,) if params else ()) + ((acc,) if acc != "f32" else ())
 
 

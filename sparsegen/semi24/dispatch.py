@@ -18,10 +18,10 @@ DTYPE_NAMES = {**calls.DTYPE_NAMES, **BYTE_DTYPE_NAMES}
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
-                 narrow: bool = False, epilogue: str = "none"):
+                 narrow: bool = False, epilogue: str = "none", scales: int = 0):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     spec = sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow,
-                     epilogue=epilogue)
+                     epilogue=epilogue, scales=scales)
     return runtime.kernel(spec, device_index)
 
 
@@ -41,11 +41,12 @@ def k_splits(blocks: int, k: int, device_index: int, per_sm: int = 2, min_stages
     return max(1, min(stages // min_stages, (per_sm * runtime.sm_count(device_index)) // max(blocks, 1)))
 
 
-def wanted_splits(splits: int | None, dtype: torch.dtype) -> int | None:
-    """`splits` as asked (None: the grid decides), or 1 for int8: K splits add float32 partial
-    sums, which would round its int32 sums. (Splits are deterministic: the last split adds
-    every split's slice in split order, so torch.use_deterministic_algorithms needs no change.)"""
-    return 1 if dtype == torch.int8 else splits
+def wanted_splits(splits: int | None, dtype: torch.dtype, scales: int = 0) -> int | None:
+    """`splits` as asked (None: the grid decides), or 1 for unscaled int8: K splits add float32
+    partial sums, which would round its int32 sums (scaled ones are float anyway). (Splits are
+    deterministic: the last split adds every split's slice in split order, so
+    torch.use_deterministic_algorithms needs no change.)"""
+    return 1 if dtype == torch.int8 and not scales else splits
 
 
 def narrow_tiles(m: int, n: int, device_index: int) -> bool:

@@ -19,6 +19,8 @@ _PLANS = plans.PlanCache()
 
 # The dtype each one-byte product writes Y in.
 _SP24_OUTPUT_DTYPES = {torch.int8: torch.int32, torch.float8_e4m3fn: torch.bfloat16}
+# A scaled one-byte product's Y dtype -> its kernels' `scales` parameter (specs.SCALED_OUTPUTS).
+SCALED_OUTPUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def sp24_output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -66,10 +68,11 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
     """(The packed launch of a 2:4 product, the tensors it points into). X is bound per call
     (a TMA map or the first pointer); W's values and metadata are bound here, the same call
     after call: per stage, 32 kept values and 2 k32 tiles of metadata words per row (twice as
-    many of each for one-byte dtypes). Then bias, Y and the split-K sums and counts."""
+    many of each for one-byte dtypes). Then the scales (null but in scaled kernels), bias, Y and
+    the split-K sums and counts."""
     spec, (m, k), ints = kern.spec, x2.shape, (x2.shape[0], x2.shape[1], out_features, k_split)
     if spec.instr != "tma":
-        pointers = (0, values.data_ptr(), metadata.data_ptr(), 0, 0, 0, 0)
+        pointers = (0, values.data_ptr(), metadata.data_ptr(), 0, 0, 0, 0, 0, 0)
         return runtime.PackedLaunch(kern, grid, (), pointers, ints), ()
     given = (values, metadata)
     values, metadata = calls.aligned(values), calls.aligned(metadata)  # TMA reads from 16-byte aligned rows
@@ -77,7 +80,7 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
     maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte),
             (values.dtype, n, half_k, w_rows, 32 * per_byte),
             (torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False))
-    launch = runtime.PackedLaunch(kern, grid, maps, (0, 0, 0, 0), ints)
+    launch = runtime.PackedLaunch(kern, grid, maps, (0, 0, 0, 0, 0, 0), ints)
     launch.bind_map(1, values.data_ptr())
     launch.bind_map(2, metadata.data_ptr())
     # Only copies are kept: the caller's tensors live as long as the call, or (a kept plan) as
@@ -94,21 +97,40 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     split K across blocks (`splits` overrides how many; `tile` the TileConfig), which add
     their sums in a workspace and the last split of each tile writes Y: one launch.
     `epilogue` as in bsr.ops.bsr_dds."""
+    return _product(x, values, metadata, bias, out_features, out, tile, splits, instr, epilogue, None)
+
+
+def sp24_scaled_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, x_scale: torch.Tensor,
+                    w_scale: torch.Tensor, bias, out_features: int, out_dtype: torch.dtype, out=None,
+                    tile=None, splits: int | None = None, instr: str | None = None,
+                    epilogue: str = "none") -> torch.Tensor:
+    """Y[t, f] = x_scale[t] w_scale[f] (X W^T)[t, f] (+ bias[f]), epilogue applied, in
+    `out_dtype` (bfloat16 or float16), with X and W one-byte (int8 or float8_e4m3fn) and the
+    scales float32 [M] (X's rows) and [out_features], all applied in the kernel's epilogue.
+    The caller checks the operands (scaled.py)."""
+    scales = (x_scale, w_scale, SCALED_OUTPUT_CODES[out_dtype])
+    return _product(x, values, metadata, bias, out_features, out, tile, splits, instr, epilogue, scales)
+
+
+def _product(x, values, metadata, bias, out_features: int, out, tile, splits, instr, epilogue: str, scales):
+    """sp24_dds, scaled or not (scales: (x_scale, w_scale, the kernels' `scales` code))."""
     x2 = calls.rows_2d(x)
     m, k = x2.shape
+    code = scales[2] if scales else 0
+    y_dtype = specs.SCALED_DTYPES[code] if code else sp24_output_dtype(x.dtype)
     if m == 0 or out_features == 0 or k == 0:  # (no tensor map describes an empty tensor)
-        return calls.product_without_weight(x, x2, bias, out, out_features, epilogue, sp24_output_dtype(x.dtype))
-    splits = dispatch.wanted_splits(splits, x.dtype)
+        return calls.product_without_weight(x, x2, bias, out, out_features, epilogue, y_dtype)
+    splits = dispatch.wanted_splits(splits, x.dtype, code)
     if calls.kernel_left_to_dispatch(tile, instr) and calls.tma_ready(values) and calls.tma_ready(metadata):
-        plan = _kept_sp24_plan(x2, values, metadata, out_features, splits, epilogue)
+        plan = _kept_sp24_plan(x2, values, metadata, out_features, splits, epilogue, code)
     else:  # (a plan would keep aligned copies of W, which go stale when W is trained)
-        plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue)
+        plan = _sp24_plan(x2, values, metadata, out_features, splits, tile, instr, epilogue, code)
     if plan.dense:
         weight = _sp24_dense_weight(values, metadata, out_features, k)
         if weight is not None and calls.dense_now(plan):
             return calls.dense_result(x, x2, weight, bias, out, epilogue)
-    y, shaped = calls.output_for(x, x2, out, plan.width, sp24_output_dtype(x.dtype))
-    plan.run(x2, values, bias, y)
+    y, shaped = calls.output_for(x, x2, out, plan.width, y_dtype)
+    plan.run(x2, values, bias, y, scales)
     return shaped
 
 
@@ -127,10 +149,10 @@ def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none
     return plan
 
 
-def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str):
+def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str, scales: int = 0):
     """The plan for these operands with default kernels, made once per weight and signature."""
-    return _PLANS.get(metadata, (*x2.shape, x2.dtype, out_features, splits, values.data_ptr(), epilogue),
-                      lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue))
+    return _PLANS.get(metadata, (*x2.shape, x2.dtype, out_features, splits, values.data_ptr(), epilogue, scales),
+                      lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue, scales=scales))
 
 
 def _sp24_dense_weight(values, metadata, out_features: int, k: int):
@@ -140,7 +162,7 @@ def _sp24_dense_weight(values, metadata, out_features: int, k: int):
 @dataclasses.dataclass(frozen=True)
 class _Sp24Plan:
     kern: runtime.Kernel
-    launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, bias, Y, sums, counts
+    launch: runtime.PackedLaunch      # its parameters: X, W's values and metadata, scales, bias, Y, sums, counts
     keep: tuple[torch.Tensor, ...]    # copies W's pointers or maps point into (aligned ones made for it)
     workspace: int                    # float32 split-K sums, splits x M x N (0: no split)
     counters: int                     # int32 split-K tile counters
@@ -148,13 +170,15 @@ class _Sp24Plan:
     dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False         # and outside them (not host-bound: calls.dense_outside_graphs)
 
-    def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor) -> None:
+    def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor, scales=None) -> None:
         """Launch on these operands (of the plan's signature, W as the plan bound it; Y
-        contiguous, 16-byte aligned)."""
+        contiguous, 16-byte aligned; scales (x_scale, w_scale, code) for a scaled plan)."""
         space = _split_workspace(self, x2.device) if self.workspace else None
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
             launch.bind(0, x2.data_ptr())
+            if scales is not None:
+                pointers[-6], pointers[-5] = scales[0].data_ptr(), scales[1].data_ptr()
             pointers[-4], pointers[-3] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
             if space is not None:
                 pointers[-2], pointers[-1] = space.sums.data_ptr(), space.counts.data_ptr()
@@ -162,11 +186,11 @@ class _Sp24Plan:
 
 
 def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,
-               epilogue="none") -> _Sp24Plan:
-    """What sp24_dds launches for these operands."""
+               epilogue="none", scales: int = 0) -> _Sp24Plan:
+    """What sp24_dds launches for these operands (`scales`: the kernels' parameter)."""
     (m, k), device_index = x2.shape, x2.device.index or 0
     kern = dispatch.forward_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
-                        dispatch.narrow_tiles(m, out_features, device_index), epilogue)
+                        dispatch.narrow_tiles(m, out_features, device_index), epilogue, scales)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     split = grid[2] > 1  # a slice of partial sums per split (templates/common/sg_split_k.cuh)
     sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)

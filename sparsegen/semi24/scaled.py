@@ -2,10 +2,12 @@
 scale per output channel, activations quantized per token on the fly (or by a static
 per-tensor scale), bf16/fp16 in and out - the scheme of llm-compressor's FP8 2:4 models.
 
-Y[t, f] = x_scale[t] * w_scale[f] * sum_k Xq[t, k] Wq[f, k] + bias[f]. The one-byte product
-runs the generated 2:4 kernel (e4m3 writes bfloat16, int8 exact int32); the quantization
-before it and the scaling after it are PyTorch ops, which torch.compile fuses into one
-kernel each around the product.
+Y[t, f] = x_scale[t] * w_scale[f] * sum_k Xq[t, k] Wq[f, k] + bias[f], then the layer's
+epilogue (an activation, or a gated product: epilogues.Fusable). The generated 2:4 kernel
+takes the one-byte operands and applies both scales, the bias and the epilogue to its float32
+sums before it rounds them once into Y (bf16 or fp16: the kernels' `scales` parameter). The
+quantization before it is PyTorch ops, which torch.compile fuses into one kernel (with the
+norm before it, where there is one).
 """
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ from torch import Tensor, nn
 
 from .. import checkpoint
 from ..errors import expect
+from ..jit import epilogues
 from ..launch import library
 from . import format as semi24
 from . import ops
-from .tensor import byte_reference
 
 WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -50,41 +52,58 @@ def quantize(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (q.round() if dtype == torch.int8 else q).to(dtype)
 
 
-def _raw_product(xq: Tensor, values: Tensor, metadata: Tensor, out_features: int) -> Tensor:
-    """X W^T of one-byte operands in the kernel's output type (bfloat16 for e4m3, int32 for
-    int8): the generated kernel on the GPU, the float64 reference elsewhere."""
+def scaled_reference(xq: Tensor, values: Tensor, metadata: Tensor, x_scale: Tensor, w_scale: Tensor,
+                     bias: Tensor | None, epilogue: str = "none") -> Tensor:
+    """What the scaled kernel computes, in float64 (the CPU path and the tests' reference):
+    x_scale [M] and w_scale [N] times the one-byte product, plus bias, then the epilogue."""
+    weight = semi24.decompress(values, metadata, (values.shape[0], xq.shape[-1]))
+    y = (xq.double() @ weight.double().t()) * x_scale.double().unsqueeze(-1) * w_scale.double()
+    return epilogues.reference(y if bias is None else y + bias.double(), epilogue)
+
+
+def _scaled_dds(xq: Tensor, values: Tensor, metadata: Tensor, x_scale: Tensor, w_scale: Tensor,
+                bias: Tensor | None, epilogue: str, out_dtype: torch.dtype) -> Tensor:
+    """The scaled product in out_dtype (bfloat16, float16): the generated kernel on the GPU,
+    the float64 reference elsewhere."""
     if ops.runs_byte_kernels(values):
-        return ops.sp24_dds(xq, values, metadata, None, out_features)
-    return byte_reference(xq, values, metadata, None, out_features)
+        return ops.sp24_scaled_dds(xq, values, metadata, x_scale, w_scale, bias, values.shape[0], out_dtype,
+                                   epilogue=epilogue)
+    return scaled_reference(xq, values, metadata, x_scale, w_scale, bias, epilogue).to(out_dtype)
 
 
-_raw_product_op = library.define(
-    "sp24_byte_dds(Tensor x, Tensor values, Tensor metadata, int out_features) -> Tensor", _raw_product,
-    lambda x, values, metadata, out_features: library.rows_by(x, out_features).to(ops.sp24_output_dtype(x.dtype)))
-raw_product = library.eager_or_op(_raw_product_op, _raw_product)
+def _fake_scaled_dds(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype):
+    return xq.new_empty((xq.shape[0], epilogues.output_features(epilogue, values.shape[0])), dtype=out_dtype)
+
+
+_scaled_dds_op = library.define(
+    "sp24_scaled_dds(Tensor x, Tensor values, Tensor metadata, Tensor x_scale, Tensor w_scale, Tensor? bias, "
+    "str epilogue, ScalarType out_dtype) -> Tensor", _scaled_dds, _fake_scaled_dds)
+scaled_dds = library.eager_or_op(_scaled_dds_op, _scaled_dds)
 
 
 def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor, bias: Tensor | None,
-                   input_scale: Tensor | None = None) -> Tensor:
-    """x [..., K] (bf16/fp16) times the stored one-byte 2:4 weight, scales and bias applied,
-    in x's dtype."""
+                   input_scale: Tensor | None = None, epilogue: str = "none") -> Tensor:
+    """x [..., K] (bf16, fp16 or float32) times the stored one-byte 2:4 weight, scales, bias and
+    epilogue applied, in x's dtype (float32 inputs: computed in bfloat16, the kernels' widest Y)."""
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = row_scales(x2, values.dtype) if input_scale is None else input_scale.float()
-    raw = raw_product(quantize(x2, x_scale, values.dtype), values, metadata, values.shape[0])
-    # float32 from the first product on (int32 or bfloat16 times float32), then in place:
-    # each pass over Y counts in eager mode
-    y = raw * _by_row(x_scale)
-    y.mul_(w_scale)
+    if input_scale is None:
+        x_scale = row_scales(x2, values.dtype)
+    else:  # one scale for every token, which the kernel reads per token
+        x_scale = input_scale.float().expand(x2.shape[0]).contiguous()
+    out_dtype = x.dtype if x.dtype in ops.SCALED_OUTPUT_CODES else torch.bfloat16
     if bias is not None:
-        y.add_(bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])
+        bias = bias.to(out_dtype)
+    y = scaled_dds(quantize(x2, x_scale, values.dtype), values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-class ScaledSparse24Linear(checkpoint.CheckedLoad, nn.Module):
+class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """Inference layer: `values` [out, in/2] one-byte (the kept 2:4 weights quantized with
     `weight_scale` [out], float32, one per output channel), `metadata` as mma.sp reads it,
     `bias` in the activations' dtype, and optionally `input_scale` (a static per-tensor
-    activation scale; without it each token is scaled by its own largest magnitude)."""
+    activation scale; without it each token is scaled by its own largest magnitude).
+    fuse(epilogue) applies an activation or a gated product in the kernel (sparsegen.patch
+    does for the activations and gated MLPs it recognises)."""
 
     def __init__(self, values: Tensor, metadata: Tensor, weight_scale: Tensor, bias: Tensor | None,
                  input_scale: Tensor | None = None):
@@ -127,7 +146,8 @@ class ScaledSparse24Linear(checkpoint.CheckedLoad, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.values, self.in_features)
-        return scaled_product(x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale)
+        return scaled_product(x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale,
+                              self.epilogue)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
@@ -140,7 +160,8 @@ class ScaledSparse24Linear(checkpoint.CheckedLoad, nn.Module):
     def extra_repr(self) -> str:
         scale = "per token" if self.input_scale is None else "static"
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "
-                f"weight_dtype={self.values.dtype}, activations {scale}, bias={self.bias is not None}")
+                f"weight_dtype={self.values.dtype}, activations {scale}, bias={self.bias is not None}"
+                f"{self._epilogue_repr()}")
 
 
 def _check_input(x, values: Tensor, in_features: int) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from ..jit import registry
 from ..jit.codegen import ELEM_TYPES, MMA_TYPES
 from ..errors import SpecError, expect
@@ -21,6 +23,13 @@ from ..jit.spec import (BYTE_DTYPES, ELEMENT_BYTES, MIN_ARCH, SMEM_LIMIT, THREAD
 from .format import ROW_PAIRS, TRANSPOSABLE_PATTERNS
 
 SP24_BLOCK = (16, 32)
+# sp24_dds over one-byte inputs with scales applied in its epilogue (ScaledSparse24Linear):
+# Y = x_scale[t] * w_scale[f] * (Xq Wq^T)[t, f] (+ bias[f]), written in the activations' type.
+SCALED_OUTPUTS = {1: "bf16", 2: "fp16"}
+SCALED_DTYPES = {1: torch.bfloat16, 2: torch.float16}
+SCALES = registry.Param("scales", 0, choices=(0, *SCALED_OUTPUTS), named_at_default=False,
+                        doc="one-byte products only: 0 none (Y int32 for int8, bf16 for e4m3); 1 and 2 a float32 "
+                            "scale per token and per feature applied before bias and epilogue, Y in bf16 (1) or fp16 (2)")
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
 
 
@@ -63,9 +72,15 @@ def _validate_byte_dtype(spec: KernelSpec) -> None:
     expect(spec.arch >= least, f"sm_{least} or later for {spec.dtype} tensor cores", f"sm_{spec.arch}", SpecError)
 
 
+def _scales(spec: KernelSpec) -> int:
+    return spec.param_values.get("scales", 0)
+
+
 def _validate(spec: KernelSpec) -> None:
     """What every 2:4 op needs: trans nt, the mma.sp block, 16-bit or one-byte values."""
     check_trans(spec, "nt")
+    expect(not _scales(spec) or spec.dtype in BYTE_DTYPES, "a one-byte dtype (int8, e4m3) for scales",
+           spec.dtype, SpecError)
     if spec.dtype in BYTE_DTYPES:
         _validate_byte_dtype(spec)
     t = spec.tile
@@ -99,14 +114,14 @@ def _validate_expand(spec: KernelSpec) -> None:
 def _output_context(spec: KernelSpec) -> dict:
     """The 2:4 forward's accumulator and Y: int8 sums stay int32 (exact, s32 accumulators);
     everything else accumulates in f32 and is written in its own type, e4m3 as bf16."""
-    dtype = spec.dtype
+    dtype, scales = spec.dtype, _scales(spec)
     one_byte, integer = dtype in BYTE_DTYPES, dtype == "int8"  # one-byte values: raw bytes to the pruning kernels
-    out = "bf16" if one_byte else dtype  # Y's type, int8's int32 aside (its out_mma then unused)
-    out_mma = MMA_TYPES[out]
+    out = SCALED_OUTPUTS.get(scales, "bf16" if one_byte else dtype)  # Y's type, int8's int32 aside
+    out_mma, int_out = MMA_TYPES[out], integer and not scales
     # wgmma.sp's trailing immediates: scale-a/b and transposes (16-bit), scales (fp8), none (int8)
     immediates = ", 1, 1, 0, 0" if not one_byte else "" if integer else ", 1, 1"
-    return dict(out_policy="Int32Out" if integer else f"FloatOut<sg::{out_mma}>",
-                out_elem="int" if integer else ELEM_TYPES[out],
+    return dict(out_policy="Int32Out" if int_out else f"FloatOut<sg::{out_mma}>",
+                out_elem="int" if int_out else ELEM_TYPES[out], scaled="true" if scales else "false",
                 acc_type="int" if integer else "float", acc_ptx="s32" if integer else "f32", acc_reg="r" if integer else "f",
                 sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma=out_mma, wgmma_immediates=immediates)
 
@@ -121,7 +136,7 @@ def _prune_context(spec: KernelSpec) -> dict:
 
 
 def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-              instr: str | None = None, narrow: bool = False, epilogue: str = "none") -> KernelSpec:
+              instr: str | None = None, narrow: bool = False, epilogue: str = "none", scales: int = 0) -> KernelSpec:
     """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
@@ -145,7 +160,7 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
         else:
             tile = TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3)
     return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr=instr, epilogue=epilogue)
+                      instr=instr, epilogue=epilogue, params={"scales": scales})
 
 
 def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> KernelSpec:
@@ -160,6 +175,9 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
     fused = [dataclasses.replace(s, epilogue=e) for s in semi if s.dtype in ("bf16", "fp16") for e in PATCHED_EPILOGUES]
+    # ScaledSparse24Linear's, for bf16 and fp16 models: plain, and a gated MLP's gate and up
+    fused += [dataclasses.replace(s, params={"scales": out}, epilogue=e) for s in semi if s.dtype in BYTE_DTYPES
+              for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
@@ -167,7 +185,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 
 registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_dds", "semi24/sp24_dds.cu.j2", _validate, _dds_smem, context=_output_context,
-                     epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias"))),
+                     epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
+                     params=(SCALES,), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,

@@ -51,4 +51,18 @@ struct Epilogue {
 
 using NoEpilogue = Epilogue<Identity, false>;
 
+// One-byte products' dequantization (ScaledSparse24Linear): each sum times its token's and
+// its feature's float32 scale, before bias and activation. Null in unscaled kernels.
+struct Scales {
+  const float* token;    // [M]
+  const float* feature;  // [N]
+  __device__ float of_token(int t, int M) const { return t < M ? token[t] : 0.f; }
+  __device__ float of_feature(int f, int N) const { return f < N ? feature[f] : 0.f; }
+};
+
+// A sum scaled where it lies: float sums in place; int32 ones (int8 products) are converted,
+// the register then holding the float's bits (the caller reads the array as float).
+__device__ __forceinline__ void scale_in_place(float& v, float s) { v *= s; }
+__device__ __forceinline__ void scale_in_place(int& v, float s) { v = __float_as_int(static_cast<float>(v) * s); }
+
 }  // namespace sg

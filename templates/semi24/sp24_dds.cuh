@@ -30,10 +30,13 @@ struct Int32Out {
 // SpMma::K is the instruction's dense K: 32 for 16-bit types (m16n8k32), 64 for one-byte
 // ones (m16n8k64). Their operands occupy the same bytes (A 16 x 32 bytes kept, B 8 x 32 or
 // 8 x 64 bytes), so loads and ldmatrix are shared; only the metadata doubles per step.
+// SpMma::Acc is what the instruction accumulates (int for int8), Out::Acc what the store
+// takes: the same, except SCALED (one-byte products dequantized by Scales into float Y).
 template <class SpMma, class Out, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES,
-          class Epi = NoEpilogue>
+          class Epi = NoEpilogue, bool SCALED = false>
 struct Sp24Dds {
-  using Acc = typename Out::Acc;
+  using Acc = typename SpMma::Acc;
+  using OutAcc = typename Out::Acc;
   using OutT = typename Out::T;
   static constexpr int THREADS = 32 * WARPS_W * WARPS_T;
   static constexpr int TILE_W = 64 * WARPS_W, WARP_T = TILE_T / WARPS_T;
@@ -105,7 +108,7 @@ struct Sp24Dds {
   // acc[mt][nt] holds Y^T rows (features) g, g+8 and columns (tokens) 2q, 2q+1: written
   // transposed into a [TILE_T][TILE_W] tile, then copied out row by row. Gated: rows g
   // (gate) and g + 8 (up) of each 16 make one of TILE_W / 2 features.
-  __device__ static void store(unsigned char* smem_raw, Acc (&acc)[MT][NT][4], const OutT* bias, OutT* y,
+  __device__ static void store(unsigned char* smem_raw, OutAcc (&acc)[MT][NT][4], const OutT* bias, OutT* y,
                                int m0, int n0, int M, int N, int ww, int wt) {
     OutT* out = reinterpret_cast<OutT*>(smem_raw);
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -114,8 +117,8 @@ struct Sp24Dds {
 #pragma unroll
       for (int half = 0; half < (Epi::kGated ? 1 : 2); ++half) {
         const int f = ww * 64 + mt * 16 + g + 8 * half;
-        const Acc b = bias && n0 + f < N ? Out::bias(bias[n0 + f]) : Acc(0);
-        const Acc bu = Epi::kGated && bias && n0 + f + 8 < N ? Out::bias(bias[n0 + f + 8]) : Acc(0);
+        const OutAcc b = bias && n0 + f < N ? Out::bias(bias[n0 + f]) : OutAcc(0);
+        const OutAcc bu = Epi::kGated && bias && n0 + f + 8 < N ? Out::bias(bias[n0 + f + 8]) : OutAcc(0);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -140,7 +143,7 @@ struct Sp24Dds {
   // Split K (small M): the block's partial tile of Y^T goes to its split's slice of the float32
   // workspace; the tile's last split writes Y (sg_split_k.cuh; the host never splits int32 sums).
   // Every thread is past compute(), so the first word of shared memory is free for the flag.
-  __device__ static void add_split(Acc (&acc)[MT][NT][4], float* sums, int* counts, const OutT* bias, OutT* y,
+  __device__ static void add_split(OutAcc (&acc)[MT][NT][4], float* sums, int* counts, const OutT* bias, OutT* y,
                                    unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt) {
     using Split = SplitK<THREADS>;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -159,16 +162,35 @@ struct Sp24Dds {
     const auto bias_at = [&](int f) { return bias ? static_cast<float>(Out::bias(bias[f])) : 0.f; };
     if constexpr (Epi::kGated)
       Split::finish_gated(sums, count, y, m0, TILE_T, n0, TILE_W, M, N, bias_at,
-                          [](float gate, float up) { return Out::convert(static_cast<Acc>(Epi::gated(gate, up))); });
+                          [](float gate, float up) { return Out::convert(static_cast<OutAcc>(Epi::gated(gate, up))); });
     else
       Split::finish(sums, count, y, m0, TILE_T, n0, TILE_W, M, N, bias_at,
-                    [](float v) { return Out::convert(static_cast<Acc>(Epi::act(v))); });
+                    [](float v) { return Out::convert(static_cast<OutAcc>(Epi::act(v))); });
+  }
+
+  // SCALED: the warp's sums times their tokens' and features' scales, in place (add_split's
+  // index mapping); the array then holds OutAcc (float) whatever Acc is.
+  using Outs = OutAcc[MT][NT][4];
+  __device__ static Outs& rescale(Acc (&acc)[MT][NT][4], Scales scales, int m0, int n0, int M, int N, int ww, int wt) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const float token = scales.of_token(m0 + wt * WARP_T + nt * 8 + 2 * q + p, M);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            scale_in_place(acc[mt][nt][2 * h + p], token * scales.of_feature(n0 + ww * 64 + mt * 16 + g + 8 * h, N));
+      }
+    return reinterpret_cast<Outs&>(acc);
   }
 
   // blockIdx.z takes K in slices of k_split; with `partial` (the workspace) set, the blocks'
   // sums go there and the last split of each tile writes Y, else they go straight into Y.
-  __device__ static void run(const Elem* x, const Elem* values, const int* meta, const OutT* bias, OutT* y,
-                             float* partial, int* tile_counts, int M, int K, int N, int k_split) {
+  __device__ static void run(const Elem* x, const Elem* values, const int* meta, Scales scales, const OutT* bias,
+                             OutT* y, float* partial, int* tile_counts, int M, int K, int N, int k_split) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem = smem_ptr(smem_raw);
     const int n0 = blockIdx.x * TILE_W, m0 = blockIdx.y * TILE_T;
@@ -190,6 +212,14 @@ struct Sp24Dds {
       cp_async_commit();
       compute(smem + (s % STAGES) * STAGE_BYTES, k_begin + s * STAGE_K, k_end, acc, ww, wt);
     }
+    if constexpr (SCALED)
+      write(rescale(acc, scales, m0, n0, M, N, ww, wt), partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
+    else
+      write(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
+  }
+
+  __device__ static void write(OutAcc (&acc)[MT][NT][4], float* partial, int* tile_counts, const OutT* bias, OutT* y,
+                               unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt) {
     if (partial) {
       add_split(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
       return;

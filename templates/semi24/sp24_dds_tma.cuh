@@ -29,9 +29,10 @@ namespace sg {
 
 // WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x
 // k32 (16-bit inputs) or k64 (e4m3, int8: IN_BYTES 1, the same bytes per product); its Acc
-// is float, or int for int8. Mma and Elem are the output's (bf16 for e4m3, int32 for int8).
+// is float, or int for int8. Mma and Elem are the output's (bf16 for e4m3, int32 for int8;
+// SCALED: the scales' bf16 or fp16, for either).
 template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2,
-          class Epi = NoEpilogue>
+          class Epi = NoEpilogue, bool SCALED = false>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   using Acc = typename WgmmaSp::Acc;
@@ -162,8 +163,8 @@ struct Sp24DdsTma {
 
   // fn(token, feature, value) for each accumulator of consumer c inside M x N (warp w holds
   // rows 16w.. of the consumer's 64 features, per n8 tile of tokens as mma.sync's m16n8).
-  template <class Fn>
-  __device__ static void for_each_output(const Acc (&acc)[ACC], int m0, int n0, int M, int N, int c, Fn fn) {
+  template <class V, class Fn>
+  __device__ static void for_each_output(const V (&acc)[ACC], int m0, int n0, int M, int N, int c, Fn fn) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < TILE_T / 8; ++j)
@@ -177,11 +178,12 @@ struct Sp24DdsTma {
   // Split K: consumer c's partial tile of Y^T (its 64 features, TILE_T tokens) goes to its
   // split's slice of the float32 workspace; the tile's last split writes Y (sg_split_k.cuh).
   // `flag`: a word of the consumer's staging buffer, which the split path does not otherwise use.
-  __device__ static void add_split(const Acc (&acc)[ACC], float* sums, int* counts, const Elem* bias, Elem* y,
+  template <class V>
+  __device__ static void add_split(const V (&acc)[ACC], float* sums, int* counts, const Elem* bias, Elem* y,
                                    u32 flag, int m0, int n0, int M, int N, int c) {
     using Split = SplitK<128>;
     for_each_output(acc, m0, n0, M, N, c,
-                    [&](int t, int f, Acc v) { Split::put(sums, t, f, M, N, static_cast<float>(v)); });
+                    [&](int t, int f, V v) { Split::put(sums, t, f, M, N, static_cast<float>(v)); });
     const int tiles_w = ((N + TILE_W - 1) / TILE_W + CLUSTER - 1) / CLUSTER * CLUSTER;  // as Raster's groups
     int* count = counts + ((m0 / TILE_T) * tiles_w + n0 / TILE_W) * CONSUMERS + c;
     if (!Split::last_to_arrive(count, gridDim.z, flag, c + 2))
@@ -202,6 +204,35 @@ struct Sp24DdsTma {
                                    int c) {
     for_each_output(acc, m0, n0, M, N, c,
                     [&](int t, int f, Acc v) { y[(long long)t * N + f] = v + (bias ? bias[f] : 0); });
+  }
+
+  // SCALED: consumer c's sums times their tokens' and features' scales, in place (the index
+  // mapping of for_each_output); the array then holds floats whatever Acc is.
+  using Floats = float[ACC];
+  __device__ static Floats& rescale(Acc (&acc)[ACC], Scales scales, int m0, int n0, int M, int N, int c) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, f = n0 + c * 64 + warp * 16 + (lane >> 2);
+    const float feature[2] = {scales.of_feature(f, N), scales.of_feature(f + 8, N)};
+#pragma unroll
+    for (int j = 0; j < TILE_T / 8; ++j)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const float token = scales.of_token(m0 + 8 * j + 2 * (lane & 3) + p, M);
+        scale_in_place(acc[4 * j + p], token * feature[0]);
+        scale_in_place(acc[4 * j + 2 + p], token * feature[1]);
+      }
+    return reinterpret_cast<Floats&>(acc);
+  }
+
+  // A finished tile of consumer c to Y (through the split-K workspace when `partial`).
+  template <class V>
+  __device__ static void write(const V (&acc)[ACC], float* partial, int* tile_counts, const Elem* bias, Elem* y,
+                               u32 staging, int m0, int n0, int M, int N, int c) {
+    if (partial)
+      add_split(acc, partial, tile_counts, bias, y, staging, m0, n0, M, N, c);
+    else if constexpr (INT_OUT)
+      store_int(acc, bias, y, m0, n0, M, N, c);
+    else
+      Store::store(staging, acc, bias, y, m0, n0 + c * 64, M, N, c + 2);
   }
 
   // Work items: CLUSTER neighbouring W tiles of one token tile, one per block of a cluster.
@@ -226,7 +257,7 @@ struct Sp24DdsTma {
     }
   };
 
-  __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
+  __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map, Scales scales,
                              const Elem* bias, Elem* y, float* partial, int* tile_counts, int M, int K, int N,
                              int k_split) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -250,14 +281,14 @@ struct Sp24DdsTma {
       if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
       for (int item = first; item < raster.items; item += step, s0 += stages) {
         const int m0 = raster.m0(item), n0 = raster.n0(item, rank);
+        const int c = wg - 1;
         Acc acc[ACC] = {};
-        consume(smem, bars, s0, stages, wg - 1, acc);
-        if (partial)
-          add_split(acc, partial, tile_counts, bias, y, staging + (wg - 1) * Store::BYTES, m0, n0, M, N, wg - 1);
-        else if constexpr (INT_OUT)
-          store_int(acc, bias, y, m0, n0, M, N, wg - 1);
+        consume(smem, bars, s0, stages, c, acc);
+        const u32 own = staging + c * Store::BYTES;
+        if constexpr (SCALED)
+          write(rescale(acc, scales, m0, n0, M, N, c), partial, tile_counts, bias, y, own, m0, n0, M, N, c);
         else
-          Store::store(staging + (wg - 1) * Store::BYTES, acc, bias, y, m0, n0 + (wg - 1) * 64, M, N, wg + 1);
+          write(acc, partial, tile_counts, bias, y, own, m0, n0, M, N, c);
       }
     }
     // No block may leave while another still arrives on its barriers or copies into it.

@@ -20,13 +20,13 @@ struct WgmmaSp {
   }
 };
 
-using Kernel = sg::Sp24DdsTma<WgmmaSp, sg::Bf16, unsigned short, 64, 2, 6, 1, 2, sg::Epilogue<sg::Silu, true>>;
+using Kernel = sg::Sp24DdsTma<WgmmaSp, sg::Bf16, unsigned short, 64, 2, 6, 1, 2, sg::Epilogue<sg::Silu, true>, false>;
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 sp24_dds_b16x32_bf16_nt_sm90a_tma_t64w8x1s6_eswiglu(const __grid_constant__ sg::TensorMap x_map, const __grid_constant__ sg::TensorMap w_map,
-           const __grid_constant__ sg::TensorMap m_map, const unsigned short* __restrict__ bias,
-           unsigned short* __restrict__ y, float* __restrict__ partial, int* __restrict__ tile_counts, int M, int K,
-           int N, int k_split) {
-  Kernel::run(&x_map, &w_map, &m_map, bias, y, partial, tile_counts, M, K, N, k_split);
+           const __grid_constant__ sg::TensorMap m_map, const float* __restrict__ x_scale,
+           const float* __restrict__ w_scale, const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
+           float* __restrict__ partial, int* __restrict__ tile_counts, int M, int K, int N, int k_split) {
+  Kernel::run(&x_map, &w_map, &m_map, sg::Scales{x_scale, w_scale}, bias, y, partial, tile_counts, M, K, N, k_split);
 }
 

@@ -8,6 +8,7 @@
 // (k32) lanes 4g and 4g+1 supply the metadata; for one-byte ones (k64) all four lanes.
 struct SpMma {
   static constexpr int K = 32;
+  using Acc = float;
   __device__ static void mma(float (&c)[4], const sg::u32 (&a)[4], const sg::u32 (&b)[4], sg::u32 e) {
     asm volatile("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"
@@ -16,12 +17,13 @@ struct SpMma {
   }
 };
 
-using Kernel = sg::Sp24Dds<SpMma, sg::FloatOut<sg::Fp16>, unsigned short, 64, 2, 2, 3, sg::Epilogue<sg::Gelu, false>>;
+using Kernel = sg::Sp24Dds<SpMma, sg::FloatOut<sg::Fp16>, unsigned short, 64, 2, 2, 3, sg::Epilogue<sg::Gelu, false>, false>;
 
 extern "C" __global__ void __launch_bounds__(128)
 sp24_dds_b16x32_fp16_nt_sm80_mma_t64w2x2s3_egelu(const unsigned short* __restrict__ x, const unsigned short* __restrict__ values,
-           const int* __restrict__ metadata, const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
-           float* __restrict__ partial, int* __restrict__ tile_counts, int M, int K, int N, int k_split) {
-  Kernel::run(x, values, metadata, bias, y, partial, tile_counts, M, K, N, k_split);
+           const int* __restrict__ metadata, const float* __restrict__ x_scale, const float* __restrict__ w_scale,
+           const unsigned short* __restrict__ bias, unsigned short* __restrict__ y, float* __restrict__ partial,
+           int* __restrict__ tile_counts, int M, int K, int N, int k_split) {
+  Kernel::run(x, values, metadata, sg::Scales{x_scale, w_scale}, bias, y, partial, tile_counts, M, K, N, k_split);
 }
 
