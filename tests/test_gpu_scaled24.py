@@ -96,6 +96,8 @@ def test_checkpoint_layers_run_on_the_gpu(tmp_path):
     ids = torch.randint(0, 311, (2, 40))
     cpu = logits(model, ids)
     gpu = logits(model.cuda(), ids.cuda()).cpu()
-    assert relative_error(gpu, cpu) < 2e-2
+    # float32 sums (GPU) against float64 ones (CPU), then each layer's activations quantized
+    # again: an element across an e4m3 rounding step (3 mantissa bits) moves by 1/16
+    assert relative_error(gpu, cpu) < (5e-2 if kind == "fp8" else 2e-2)
     dense = logits(decompressed(folder), ids)
     assert relative_error(gpu, dense) < 0.1

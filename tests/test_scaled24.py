@@ -146,7 +146,10 @@ def test_patch_fuses_a_gated_mlp_into_one_scaled_layer(weight_dtype):
     assert isinstance(gate_up, sparsegen.ScaledSparse24Linear) and gate_up.epilogue == "swiglu"
     assert isinstance(unfused[0].gate_proj, sparsegen.ScaledSparse24Linear)
     x = torch.randn(5, 128, dtype=torch.bfloat16)
-    assert relative_error(fused(x), unfused(x).double()) < 2e-2
+    # the unfused MLP rounds silu(gate) and the product to bf16 before down_proj quantizes them,
+    # the fused epilogue rounds once: an element that lands across an e4m3 rounding step (3
+    # mantissa bits) moves by 1/16
+    assert relative_error(fused(x), unfused(x).double()) < (5e-2 if weight_dtype == "e4m3" else 2e-2)
 
 
 @pytest.mark.parametrize("call, message", [
