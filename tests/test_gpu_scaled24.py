@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 ARCH = torch.cuda.get_device_capability()
 WEIGHT_DTYPES = ["int8"] + (["e4m3"] if ARCH >= (8, 9) else [])
+WEIGHT_DTYPES_BY_NAME = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn}
 
 
 def scaled_operands(m, k, n, weight_dtype, bias_dtype=None):
@@ -101,3 +102,22 @@ def test_checkpoint_layers_run_on_the_gpu(tmp_path):
     assert relative_error(gpu, cpu) < (5e-2 if kind == "fp8" else 2e-2)
     dense = logits(decompressed(folder), ids)
     assert relative_error(gpu, dense) < 0.1
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k", [(1, 64), (7, 4160), (333, 192), (2048, 14336)])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_kernel_gives_pytorchs_bytes_and_scales(weight_dtype, dtype, m, k, static):
+    """sp24_quantize (eager mode's one pass) against scaled.py's PyTorch ops on the same GPU:
+    the same scales and bytes, outliers saturating, all-zero rows; outputs poisoned first."""
+    byte = WEIGHT_DTYPES_BY_NAME[weight_dtype]
+    x = torch.randn(m, k, device="cuda").mul_(torch.rand(m, 1, device="cuda") * 10).to(dtype)
+    x[0, -1] = 300.0  # one outlier: its row's scale, and past the static scale's range
+    x[m // 2] = 0.0
+    fixed = torch.tensor(0.03, device="cuda") if static else None
+    torch.full((m, k + 4), float("nan"), device="cuda", dtype=torch.float32)  # freed: the outputs' memory next
+    xq, scales = ops.sp24_quantize(x, byte, fixed)
+    want_scales = fixed.expand(m) if static else row_scales(x, byte)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(xq.view(torch.uint8), quantize(x, want_scales, byte).view(torch.uint8))

@@ -260,6 +260,27 @@ def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
     return values, metadata
 
 
+def quantizes_on_kernel(x2: torch.Tensor) -> bool:
+    """Whether sp24_quantize takes these activations (on a GPU runs_byte_kernels accepted):
+    16-bit, contiguous rows of whole 16-byte pieces from a 16-byte aligned start."""
+    return (x2.dtype in SCALED_OUTPUT_CODES and x2.is_cuda and x2.is_contiguous() and x2.shape[-1] % 8 == 0
+            and x2.data_ptr() % 16 == 0)
+
+
+def sp24_quantize(x2: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None):
+    """(x2 quantized to `dtype` [M, K], its float32 scales [M]) in one pass: each row by its
+    largest magnitude (or every row by `static_scale`, a float32 CUDA scalar), as
+    scaled.row_scales and scaled.quantize compute it. x2 as quantizes_on_kernel says."""
+    m, k = x2.shape
+    xq = torch.empty(m, k, dtype=dtype, device=x2.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m and k:
+        kern = dispatch.quantize_kernel(dtype, x2.dtype, x2.device.index)
+        fixed = 0 if static_scale is None else static_scale.data_ptr()
+        kern.launch((m, 1, 1), (), (x2.data_ptr(), fixed, xq.data_ptr(), scales.data_ptr()), (k,))
+    return xq, scales
+
+
 _EXPAND, _GATHER = 0, 1  # sp24_expand's modes
 
 

@@ -6,8 +6,9 @@ Y[t, f] = x_scale[t] * w_scale[f] * sum_k Xq[t, k] Wq[f, k] + bias[f], then the 
 epilogue (an activation, or a gated product: epilogues.Fusable). The generated 2:4 kernel
 takes the one-byte operands and applies both scales, the bias and the epilogue to its float32
 sums before it rounds them once into Y (bf16 or fp16: the kernels' `scales` parameter). The
-quantization before it is PyTorch ops, which torch.compile fuses into one kernel (with the
-norm before it, where there is one).
+quantization before it is one pass too: the generated sp24_quantize kernel in eager mode,
+PyTorch ops under torch.compile, which fuses them into one kernel (with the norm before it,
+where there is one). Both compute the same bytes.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from . import ops
 
 WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# A row's scale is its largest magnitude times this (a multiplication, as the kernel computes it)
+_INVERSE = {dtype: 1.0 / largest for dtype, largest in _LARGEST.items()}
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 _TINY = 1e-12  # an all-zero row's scale (its values quantize to 0 whatever the scale)
 _OWN_DTYPES = ("values", "weight_scale", "input_scale")  # tensors no cast of the model changes
@@ -35,7 +38,7 @@ def weight_dtype_of(name: str) -> torch.dtype:
 
 def row_scales(t: Tensor, dtype: torch.dtype) -> Tensor:
     """float32 [rows]: each row's largest magnitude over the type's largest value."""
-    return (t.detach().abs().amax(-1).float() / _LARGEST[dtype]).clamp_min(_TINY)
+    return (t.detach().abs().amax(-1).float() * _INVERSE[dtype]).clamp_min(_TINY)
 
 
 def _by_row(scale: Tensor) -> Tensor:
@@ -81,19 +84,29 @@ _scaled_dds_op = library.define(
 scaled_dds = library.eager_or_op(_scaled_dds_op, _scaled_dds)
 
 
+def quantized_activations(x2: Tensor, values: Tensor, input_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(x2 [M, K] in the values' one-byte dtype, its float32 scale per row [M]) in one pass: the
+    sp24_quantize kernel eagerly on the GPU; PyTorch's ops while torch.compile traces (Inductor
+    fuses them with what precedes them) and off the GPU."""
+    if not torch.compiler.is_compiling() and ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x2):
+        return ops.sp24_quantize(x2, values.dtype, input_scale)
+    if input_scale is None:
+        x_scale = row_scales(x2, values.dtype)
+    else:  # one scale for every token, which the product's kernel reads per token
+        x_scale = input_scale.float().expand(x2.shape[0]).contiguous()
+    return quantize(x2, x_scale, values.dtype), x_scale
+
+
 def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor, bias: Tensor | None,
                    input_scale: Tensor | None = None, epilogue: str = "none") -> Tensor:
     """x [..., K] (bf16, fp16 or float32) times the stored one-byte 2:4 weight, scales, bias and
     epilogue applied, in x's dtype (float32 inputs: computed in bfloat16, the kernels' widest Y)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if input_scale is None:
-        x_scale = row_scales(x2, values.dtype)
-    else:  # one scale for every token, which the kernel reads per token
-        x_scale = input_scale.float().expand(x2.shape[0]).contiguous()
+    xq, x_scale = quantized_activations(x2, values, input_scale)
     out_dtype = x.dtype if x.dtype in ops.SCALED_OUTPUT_CODES else torch.bfloat16
     if bias is not None:
         bias = bias.to(out_dtype)
-    y = scaled_dds(quantize(x2, x_scale, values.dtype), values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+    y = scaled_dds(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 

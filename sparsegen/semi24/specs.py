@@ -7,6 +7,8 @@ and pack values and metadata (one thread per metadata word; tile gives the block
 sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
 sp24_expand: a 2:4 W to dense, or a dense gradient's elements at W's stored positions
 (16-bit; one thread per metadata word) - Sparse24Linear's backward.
+sp24_quantize: ScaledSparse24Linear's activations, each row quantized to the one-byte dtype by
+its own scale (or a static one) in one pass; `src` is the activations' 16-bit type.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ SCALED_DTYPES = {1: torch.bfloat16, 2: torch.float16}
 SCALES = registry.Param("scales", 0, choices=(0, *SCALED_OUTPUTS), named_at_default=False,
                         doc="one-byte products only: 0 none (Y int32 for int8, bf16 for e4m3); 1 and 2 a float32 "
                             "scale per token and per feature applied before bias and epilogue, Y in bf16 (1) or fp16 (2)")
+SOURCE = registry.Param("src", 1, choices=tuple(SCALED_OUTPUTS),
+                        doc="sp24_quantize's input: bf16 (1) or fp16 (2) activations")
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
 
 
@@ -126,6 +130,18 @@ def _output_context(spec: KernelSpec) -> dict:
                 sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma=out_mma, wgmma_immediates=immediates)
 
 
+def _validate_quantize(spec: KernelSpec) -> None:
+    check_trans(spec, "nt")
+    expect(spec.dtype in BYTE_DTYPES, "a one-byte dtype (int8, e4m3) for sp24_quantize", spec.dtype, SpecError)
+    least = MIN_ARCH.get(spec.dtype, 80)  # e4m3's conversion instruction comes with its tensor cores
+    expect(spec.arch >= least, f"sm_{least} or later for {spec.dtype} conversions", f"sm_{spec.arch}", SpecError)
+
+
+def _quantize_context(spec: KernelSpec) -> dict:
+    src = SCALED_OUTPUTS[spec.param_values["src"]]
+    return dict(src_type=src, src_mma=MMA_TYPES[src], largest="448.0" if spec.dtype == "e4m3" else "127.0")
+
+
 def _mask_context(spec: KernelSpec) -> dict:
     """The transposable mask's search: the row pairs and the 90 patterns it tries."""
     return dict(pairs=ROW_PAIRS, patterns=TRANSPOSABLE_PATTERNS, one_byte=spec.dtype in BYTE_DTYPES)
@@ -168,6 +184,12 @@ def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> Kern
     return KernelSpec(op=op, block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=THREADS_256, instr="mma")
 
 
+def sp24_quantize_spec(dtype: str, arch: int, src: int) -> KernelSpec:
+    """One block of 256 threads per row of activations."""
+    return KernelSpec(op="sp24_quantize", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=THREADS_256,
+                      instr="mma", params={"src": src})
+
+
 def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     """The forward per batch-size bucket (with the epilogues sparsegen.patch fuses into
     16-bit products), and the pruning and expanding kernels. `blocks` is the block-sparse
@@ -180,6 +202,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
               for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
+    semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     return semi + fused
 
 
@@ -192,4 +215,6 @@ registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,
                      tensor_cores=False),
     registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_expand, _no_smem, tensor_cores=False),
+    registry.OpRules("sp24_quantize", "semi24/sp24_quantize.cu.j2", _validate_quantize, _no_smem,
+                     context=_quantize_context, tensor_cores=False, params=(SOURCE,)),
 ), default_specs, Path(__file__).parent, lowerings_module="compiled"))
