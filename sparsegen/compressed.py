@@ -17,6 +17,7 @@ import pathlib
 import torch
 from torch import nn
 
+from . import patching
 from .errors import InputError, expect
 from .semi24 import format as semi24
 from .semi24.nn import Sparse24Linear
@@ -28,11 +29,13 @@ _QUANTIZED_FORMATS = {"float-quantized": torch.float8_e4m3fn, "int-quantized": t
 _PARTS = ("shape", "compressed", "bitmask")
 
 
-def load_compressed(model: nn.Module, path) -> list[str]:
+def load_compressed(model: nn.Module, path, fuse: bool = True) -> list[str]:
     """Load the compressed-tensors checkpoint at `path` (a directory) into `model`, a model
     built from the same config: each 2:4 layer becomes a Sparse24Linear (16-bit weights) or
     a ScaledSparse24Linear (FP8 / int8 weights, per-channel scales), every other tensor is
-    loaded as it is. Returns the names of the 2:4 layers."""
+    loaded as it is. With `fuse`, gated MLPs of scaled layers then run gate and up as one
+    layer with the gated epilogue, as sparsegen.patch builds them (patching.fuse_scaled_gated_mlps:
+    their names become <mlp>.gate_up). Returns the names of the 2:4 layers in the file."""
     expect(isinstance(model, nn.Module), "a torch.nn.Module built from the checkpoint's config",
            type(model).__name__)
     folder = pathlib.Path(path)
@@ -47,6 +50,8 @@ def load_compressed(model: nn.Module, path) -> list[str]:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer.to(device))
     model.load_state_dict(rest, strict=False)
+    if fuse:
+        patching.fuse_scaled_gated_mlps(model)
     return names
 
 

@@ -14,7 +14,7 @@ from .bdiag.nn import BlockDiagonalLinear
 from .bsr.nn import BlockSparseLinear
 from .gathered import FixedRowsLinear
 from .semi24.nn import Sparse24Linear
-from .semi24.scaled import ScaledSparse24Linear
+from .semi24.scaled import ScaledSparse24Linear, check_gated_pair
 from .semi24.train import Sparse24TrainingLinear
 
 _SETTINGS = ("block", "density", "layout", "sparsity", "method", "training", "nblocks", "weight_dtype")
@@ -117,6 +117,29 @@ class _GatedPlan:
         layer = _build(fused, self.settings, from_dense, self.projections[0])
         # (down_proj as the mlp holds it now: replaced where a rule matched it)
         return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj)
+
+
+def fuse_scaled_gated_mlps(model: nn.Module) -> list[str]:
+    """What patch does to gated MLPs, for ones whose gate and up are already scaled 2:4 layers
+    (a loaded checkpoint's, sparsegen.load_compressed): each becomes a GatedMLP of one layer
+    with the gated epilogue (ScaledSparse24Linear.gated). Returns the MLPs' names."""
+    found = [(name, mlp) for name, mlp in model.named_modules() if name and _scaled_gate_pair(mlp)]
+    for name, mlp in found:
+        layer = ScaledSparse24Linear.gated(mlp.gate_proj, mlp.up_proj, _GATES[activation_of(mlp.act_fn)])
+        _replace(model, name, GatedMLP(layer, mlp.down_proj))
+    return [name for name, _ in found]
+
+
+def _scaled_gate_pair(mlp: nn.Module) -> bool:
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    if not (type(gate) is ScaledSparse24Linear and type(up) is ScaledSparse24Linear and hasattr(mlp, "down_proj")
+            and activation_of(getattr(mlp, "act_fn", None)) in _GATES and gate.out_features % epilogues.GATE_GROUP == 0):
+        return False
+    try:
+        check_gated_pair(gate, up)
+    except InputError:  # a pair the kernel cannot take as one (e.g. two static scales): left as it is
+        return False
+    return True
 
 
 def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:

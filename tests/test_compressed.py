@@ -114,7 +114,7 @@ def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
     from compressed_tensors.compressors.sparse_compressors.sparse_24_bitmask import sparse24_bitmask_decompress
     folder = checkpoint(tmp_path, kind)
     model = tiny_llama(2)
-    names = sparsegen.load_compressed(model, folder)
+    names = sparsegen.load_compressed(model, folder, fuse=False)  # every layer as the file has it
     reference = decompressed(folder)
     stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
     for name in names:
@@ -131,6 +131,22 @@ def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
     ours, dense = logits(model, ids), logits(reference, ids)
     assert (ours - dense).norm() / dense.norm() < (0.03 if kind == "int8" else 0.1)
     assert (ours.argmax(-1) == dense.argmax(-1)).double().mean() > 0.8
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_loaded_gated_mlps_are_fused_like_patched_ones(tmp_path, kind):
+    """By default a loaded Llama's gate and up run as one scaled layer with the swiglu
+    epilogue: the logits of the unfused model, within the rounding the fusion saves."""
+    folder = checkpoint(tmp_path, kind)
+    fused, unfused = tiny_llama(2), tiny_llama(2)
+    sparsegen.load_compressed(fused, folder)
+    sparsegen.load_compressed(unfused, folder, fuse=False)
+    mlp = fused.model.layers[1].mlp
+    assert isinstance(mlp.gate_up, sparsegen.ScaledSparse24Linear) and mlp.gate_up.epilogue == "swiglu"
+    assert isinstance(mlp.down_proj, sparsegen.ScaledSparse24Linear)
+    ids = torch.randint(0, 311, (2, 17))
+    want = logits(unfused, ids)
+    assert (logits(fused, ids) - want).norm() / want.norm() < (0.05 if kind == "fp8" else 0.02)
 
 
 def test_bad_bitmask_is_refused_before_the_model_changes(tmp_path):

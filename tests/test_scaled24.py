@@ -152,6 +152,28 @@ def test_patch_fuses_a_gated_mlp_into_one_scaled_layer(weight_dtype):
     assert relative_error(fused(x), unfused(x).double()) < (5e-2 if weight_dtype == "e4m3" else 2e-2)
 
 
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_layer_keeps_each_projections_bytes_and_scales(weight_dtype, bias):
+    gate, _ = make_layer(weight_dtype=weight_dtype, bias=bias)
+    up, _ = make_layer(weight_dtype=weight_dtype, bias=bias)
+    fused = sparsegen.ScaledSparse24Linear.gated(gate, up)
+    assert fused.epilogue == "swiglu" and fused.output_features == 48
+    want = epilogues.interleave_rows(gate.to_dense_weight(), up.to_dense_weight())
+    assert torch.equal(fused.to_dense_weight(), want)  # the stored bytes, positions and scales
+    x = torch.randn(7, 192, dtype=torch.bfloat16)
+    g, u = reference(gate, x), reference(up, x)
+    assert relative_error(fused(x), torch.nn.functional.silu(g) * u) < 1e-2
+
+
+def test_gated_layer_refuses_projections_that_differ():
+    gate, _ = make_layer(weight_dtype="int8")
+    with pytest.raises(InputError, match="gate and up of one shape"):
+        sparsegen.ScaledSparse24Linear.gated(gate, make_layer(weight_dtype="e4m3")[0])
+    with pytest.raises(InputError, match="gate and up of one shape"):
+        sparsegen.ScaledSparse24Linear.gated(gate, make_layer(weight_dtype="int8", input_scale=0.1)[0])
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: sparsegen.linear(128, 64, sparsity="2:4", weight_dtype="fp4"), "weight_dtype one of"),
     (lambda: sparsegen.linear(128, 64, weight_dtype="int8"), "weight_dtype only for sparsity='2:4'"),

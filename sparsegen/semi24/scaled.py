@@ -146,6 +146,21 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
         static = None if input_scale is None else torch.as_tensor(input_scale, dtype=torch.float32, device=w.device)
         return cls(values, metadata, scale, linear.bias, static)
 
+    @classmethod
+    def gated(cls, gate: "ScaledSparse24Linear", up: "ScaledSparse24Linear", epilogue: str = "swiglu"):
+        """A gated MLP's gate and up projections (layers of one shape and activation scaling)
+        as one layer with the gated `epilogue`: their stored rows interleaved as
+        epilogues.interleave_rows lays out gate and up, so each keeps its bytes, kept
+        positions and channel scales."""
+        check_gated_pair(gate, up)
+        n, k, both = gate.out_features, gate.in_features, epilogues.interleave_rows
+        positions = both(semi24.stored_positions(gate.metadata, n, k), semi24.stored_positions(up.metadata, n, k))
+        values = both(gate.values.view(torch.uint8), up.values.view(torch.uint8)).view(gate.values.dtype)
+        bias = None if gate.bias is None else both(gate.bias.detach(), up.bias.detach())
+        layer = cls(values, semi24.pack_metadata(positions), both(gate.weight_scale, up.weight_scale), bias,
+                    gate.input_scale)
+        return layer.fuse(epilogue)
+
     def _apply(self, fn, recurse=True):
         """Casts (model.half(), model.to(torch.bfloat16)) would turn the float8 values and the
         float32 scales into the cast's dtype: they keep their own (moves still move them)."""
@@ -182,6 +197,18 @@ def _check_input(x, values: Tensor, in_features: int) -> None:
     expect(x.dtype in _ACTIVATIONS, f"an input in {list(_ACTIVATIONS)} (quantized by the layer)", x.dtype)
     expect(x.dim() >= 1 and x.shape[-1] == in_features, f"input of shape (..., {in_features})", tuple(x.shape))
     expect(x.device == values.device, f"input on {values.device} (the layer's device)", x.device)
+
+
+def check_gated_pair(gate, up) -> None:
+    """gate and up fit ScaledSparse24Linear.gated (an InputError naming what differs otherwise)."""
+    expect(isinstance(gate, ScaledSparse24Linear) and isinstance(up, ScaledSparse24Linear),
+           "gate and up as ScaledSparse24Linears", f"{type(gate).__name__} and {type(up).__name__}")
+    same_scaling = (gate.input_scale is None and up.input_scale is None) or (
+        gate.input_scale is not None and up.input_scale is not None and torch.equal(gate.input_scale, up.input_scale))
+    expect(gate.values.shape == up.values.shape and gate.values.dtype == up.values.dtype and same_scaling
+           and (gate.bias is None) == (up.bias is None) and gate.epilogue == up.epilogue == "none",
+           "gate and up of one shape, weight dtype, activation scaling and bias, without epilogues",
+           f"{gate!r} and {up!r}")
 
 
 def _check_vector(t, n: int, what: str) -> None:
