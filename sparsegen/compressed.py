@@ -33,9 +33,9 @@ def load_compressed(model: nn.Module, path, fuse: bool = True) -> list[str]:
     """Load the compressed-tensors checkpoint at `path` (a directory) into `model`, a model
     built from the same config: each 2:4 layer becomes a Sparse24Linear (16-bit weights) or
     a ScaledSparse24Linear (FP8 / int8 weights, per-channel scales), every other tensor is
-    loaded as it is. With `fuse`, gated MLPs of scaled layers then run gate and up as one
-    layer with the gated epilogue, as sparsegen.patch builds them (patching.fuse_scaled_gated_mlps:
-    their names become <mlp>.gate_up). Returns the names of the 2:4 layers in the file."""
+    loaded as it is. With `fuse`, gated MLPs then run gate and up as one layer with the gated
+    epilogue, as sparsegen.patch builds them (patching.fuse_loaded_gated_mlps: their names
+    become <mlp>.gate_up). Returns the names of the 2:4 layers in the file."""
     expect(isinstance(model, nn.Module), "a torch.nn.Module built from the checkpoint's config",
            type(model).__name__)
     folder = pathlib.Path(path)
@@ -51,7 +51,7 @@ def load_compressed(model: nn.Module, path, fuse: bool = True) -> list[str]:
         setattr(model.get_submodule(parent), child, layer.to(device))
     model.load_state_dict(rest, strict=False)
     if fuse:
-        patching.fuse_scaled_gated_mlps(model)
+        patching.fuse_loaded_gated_mlps(model)
     return names
 
 

@@ -110,31 +110,53 @@ class _GatedPlan:
 
     def build(self, from_dense: bool) -> GatedMLP:
         gate, up = self.mlp.gate_proj, self.mlp.up_proj
-        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None, device="meta")
-        fused.weight = nn.Parameter(epilogues.interleave_rows(gate.weight.detach(), up.weight.detach()))
-        if gate.bias is not None:
-            fused.bias = nn.Parameter(epilogues.interleave_rows(gate.bias.detach(), up.bias.detach()))
+        fused = _interleaved_linear(gate.weight, up.weight, gate.bias, up.bias)
         layer = _build(fused, self.settings, from_dense, self.projections[0])
         # (down_proj as the mlp holds it now: replaced where a rule matched it)
         return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj)
 
 
-def fuse_scaled_gated_mlps(model: nn.Module) -> list[str]:
-    """What patch does to gated MLPs, for ones whose gate and up are already scaled 2:4 layers
-    (a loaded checkpoint's, sparsegen.load_compressed): each becomes a GatedMLP of one layer
-    with the gated epilogue (ScaledSparse24Linear.gated). Returns the MLPs' names."""
-    found = [(name, mlp) for name, mlp in model.named_modules() if name and _scaled_gate_pair(mlp)]
+def _interleaved_linear(gate_weight, up_weight, gate_bias, up_bias) -> nn.Linear:
+    """One nn.Linear of a gated pair's weights (and biases), rows as interleave_rows lays them out."""
+    fused = nn.Linear(gate_weight.shape[1], 2 * gate_weight.shape[0], bias=gate_bias is not None, device="meta")
+    fused.weight = nn.Parameter(epilogues.interleave_rows(gate_weight.detach(), up_weight.detach()))
+    if gate_bias is not None:
+        fused.bias = nn.Parameter(epilogues.interleave_rows(gate_bias.detach(), up_bias.detach()))
+    return fused
+
+
+def fuse_loaded_gated_mlps(model: nn.Module) -> list[str]:
+    """What patch does to gated MLPs, for ones whose gate and up are already 2:4 layers of one
+    kind (a loaded checkpoint's, sparsegen.load_compressed): each becomes a GatedMLP of one
+    layer with the gated epilogue, each projection's stored values, kept positions (and
+    scales) unchanged. Returns the MLPs' names."""
+    found = [(name, mlp) for name, mlp in model.named_modules() if name and _fusable_pair(mlp)]
     for name, mlp in found:
-        layer = ScaledSparse24Linear.gated(mlp.gate_proj, mlp.up_proj, _GATES[activation_of(mlp.act_fn)])
+        epilogue = _GATES[activation_of(mlp.act_fn)]
+        if type(mlp.gate_proj) is ScaledSparse24Linear:
+            layer = ScaledSparse24Linear.gated(mlp.gate_proj, mlp.up_proj, epilogue)
+        else:
+            layer = _gated_sparse24(mlp.gate_proj, mlp.up_proj, epilogue)
         _replace(model, name, GatedMLP(layer, mlp.down_proj))
     return [name for name, _ in found]
 
 
-def _scaled_gate_pair(mlp: nn.Module) -> bool:
+def _gated_sparse24(gate: Sparse24Linear, up: Sparse24Linear, epilogue: str) -> Sparse24Linear:
+    fused = _interleaved_linear(gate.to_dense_weight(), up.to_dense_weight(), gate.bias, up.bias)
+    mask = epilogues.interleave_rows(gate.mask, up.mask)  # the stored positions, zeros kept included
+    return Sparse24Linear.from_dense(fused, mask=mask).fuse(epilogue)
+
+
+def _fusable_pair(mlp: nn.Module) -> bool:
+    """Gate and up of one 2:4 kind (scaled, or plain 16-bit), an activation with a gated
+    epilogue, a down projection, and projections that fit one layer."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    if not (type(gate) is ScaledSparse24Linear and type(up) is ScaledSparse24Linear and hasattr(mlp, "down_proj")
+    if not (type(gate) is type(up) and type(gate) in (ScaledSparse24Linear, Sparse24Linear) and hasattr(mlp, "down_proj")
             and activation_of(getattr(mlp, "act_fn", None)) in _GATES and gate.out_features % epilogues.GATE_GROUP == 0):
         return False
+    if type(gate) is Sparse24Linear:
+        return (gate.values.shape == up.values.shape and gate.values.dtype == up.values.dtype
+                and (gate.bias is None) == (up.bias is None) and gate.epilogue == up.epilogue == "none")
     try:
         check_gated_pair(gate, up)
     except InputError:  # a pair the kernel cannot take as one (e.g. two static scales): left as it is

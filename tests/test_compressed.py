@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import sparsegen
+from sparsegen.jit import epilogues
 from sparsegen.compressed import unpack_bitmask
 from sparsegen.errors import InputError
 from sparsegen.semi24 import format as semi24
@@ -100,7 +101,7 @@ def logits(model, ids):
 def test_sparse_only_checkpoint_loads_into_sparse24_layers_exactly(tmp_path):
     folder = checkpoint(tmp_path, "bf16")
     model = tiny_llama(2)  # other random weights: everything must come from the file
-    names = sparsegen.load_compressed(model, folder)
+    names = sparsegen.load_compressed(model, folder, fuse=False)
     assert len(names) == 14 and all(isinstance(model.get_submodule(n), sparsegen.Sparse24Linear) for n in names)
     reference = decompressed(folder)
     for name in names:
@@ -133,17 +134,20 @@ def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
     assert (ours.argmax(-1) == dense.argmax(-1)).double().mean() > 0.8
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "bf16"])
 def test_loaded_gated_mlps_are_fused_like_patched_ones(tmp_path, kind):
-    """By default a loaded Llama's gate and up run as one scaled layer with the swiglu
-    epilogue: the logits of the unfused model, within the rounding the fusion saves."""
+    """By default a loaded Llama's gate and up run as one 2:4 layer with the swiglu epilogue
+    (each projection's stored values kept): the logits of the unfused model, within the
+    rounding the fusion saves (an e4m3 step where the down projection requantizes)."""
     folder = checkpoint(tmp_path, kind)
     fused, unfused = tiny_llama(2), tiny_llama(2)
     sparsegen.load_compressed(fused, folder)
     sparsegen.load_compressed(unfused, folder, fuse=False)
-    mlp = fused.model.layers[1].mlp
-    assert isinstance(mlp.gate_up, sparsegen.ScaledSparse24Linear) and mlp.gate_up.epilogue == "swiglu"
-    assert isinstance(mlp.down_proj, sparsegen.ScaledSparse24Linear)
+    mlp, kind_of_layer = fused.model.layers[1].mlp, type(unfused.model.layers[1].mlp.gate_proj)
+    assert type(mlp.gate_up) is kind_of_layer and mlp.gate_up.epilogue == "swiglu"
+    gate, up = unfused.model.layers[1].mlp.gate_proj, unfused.model.layers[1].mlp.up_proj
+    assert torch.equal(mlp.gate_up.to_dense_weight(),
+                       epilogues.interleave_rows(gate.to_dense_weight(), up.to_dense_weight()))
     ids = torch.randint(0, 311, (2, 17))
     want = logits(unfused, ids)
     assert (logits(fused, ids) - want).norm() / want.norm() < (0.05 if kind == "fp8" else 0.02)
