@@ -121,3 +121,24 @@ def test_quantize_kernel_gives_pytorchs_bytes_and_scales(weight_dtype, dtype, m,
     want_scales = fixed.expand(m) if static else row_scales(x, byte)
     assert torch.equal(scales, want_scales)
     assert torch.equal(xq.view(torch.uint8), quantize(x, want_scales, byte).view(torch.uint8))
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+def test_patched_gated_mlp_runs_fused_in_every_mode(weight_dtype, mode):
+    """A Llama MLP patched with one-byte weights: gate and up as one scaled layer with the
+    swiglu epilogue, eagerly (sp24_quantize), compiled and graphed (Inductor's quantization),
+    against the same model unfused."""
+    from test_scaled24 import GatedMLP
+    fused = nn.Sequential(GatedMLP(1024, 2048)).to("cuda", torch.bfloat16)
+    unfused = nn.Sequential(GatedMLP(1024, 2048)).to("cuda", torch.bfloat16)
+    unfused.load_state_dict(fused.state_dict())
+    rule = {r".*proj": {"sparsity": "2:4", "weight_dtype": weight_dtype}}
+    sparsegen.patch(fused, rule)
+    sparsegen.patch(unfused, rule, fuse=False)
+    assert fused[0].gate_up.epilogue == "swiglu"
+    run = fused if mode == "eager" else torch.compile(fused, mode=mode)
+    for m in (5, 5, 64):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        got = run(x).clone()
+        assert relative_error(got, unfused(x).double()) < (5e-2 if weight_dtype == "e4m3" else 2e-2)

@@ -71,6 +71,11 @@ for step in "${steps[@]}"; do
            tests/test_gpu_nonfinite.py tests/test_gpu_graphs.py -rs 2>&1 | tee "$OUT/reliability_tests.log" | tail -40 ;;
     precompile_bytes) # the one-byte 2:4 kernels (scaled ones included) on all cores, before the steps that use them
          python3 -m sparsegen precompile --dtype int8 e4m3 -j 16 2>&1 | tail -2 | tee "$OUT/precompile_bytes.log" ;;
+    profile_fp8) # GPU time by kernel kind, FP8 dense against FP8 2:4, where issue 30's targets stand
+         # (PROFILE_CASES; the device tool returns at most 8 files from $OUT: few steps per call)
+         for c in ${PROFILE_CASES:-llama8b_prefill llama8b_decode64}; do
+           timeout 160 python3 tools/profile_gpu_time.py --case $c --mode compile --top 12 fp8-dense fp8-2:4 \
+             --json "$R/62_profile_$c.json" 2>&1 | tee "$OUT/profile_$c.log" | grep -E "^\||^ +[0-9]"; done ;;
     scaled_tests) timeout 400 python3 -m pytest -q tests/test_gpu_scaled24.py tests/test_scaled24.py \
            tests/test_compressed.py -rs 2>&1 | tee "$OUT/scaled_tests.log" | tail -25 ;;
     deterministic) timeout 300 python3 tools/bench24.py --deterministic --json "$R/61_deterministic.json" 2>&1 \
