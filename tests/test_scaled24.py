@@ -184,3 +184,25 @@ def test_gated_layer_refuses_projections_that_differ():
 def test_bad_input_errors(call, message):
     with pytest.raises(InputError, match=message):
         call()
+
+
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "swiglu"])
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+def test_input_gradient_passes_the_quantization_straight_through(epilogue, weight_dtype):
+    """Layers around a frozen scaled layer train: x's gradient is dP W (W dequantized, dP the
+    epilogue's gradient at the quantized product), the layer's own tensors get none."""
+    layer, _ = make_layer(weight_dtype=weight_dtype)
+    layer.fuse(epilogue)
+    x = torch.randn(2, 5, 192, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 5, layer.output_features, dtype=torch.float64)
+    layer(x).backward(dy.to(torch.bfloat16))
+    product = reference(make_unfused(layer), x.detach()).requires_grad_()
+    d_product, = torch.autograd.grad(epilogues.reference(product, epilogue), product, dy)
+    want = d_product @ layer.to_dense_weight().double()
+    assert relative_error(x.grad, want) < 2e-2
+    assert all(t is None or not t.requires_grad for t in (layer.values, layer.weight_scale, layer.bias))
+
+
+def make_unfused(layer):
+    return sparsegen.ScaledSparse24Linear(layer.values, layer.metadata, layer.weight_scale, layer.bias,
+                                          layer.input_scale)

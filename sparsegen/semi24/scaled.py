@@ -110,6 +110,31 @@ def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor,
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
+class _InputGradient(torch.autograd.Function):
+    """scaled_product for an input that needs its gradient (the layer's own tensors are frozen
+    bytes and never get one): trainable layers around a frozen quantized one (QLoRA-style).
+    The gradient passes the activations' quantization straight through: dX = dP (w_scale W),
+    dP the gradient before the epilogue, whose product is computed again for it."""
+
+    @staticmethod
+    def forward(ctx, x, values, metadata, w_scale, bias, input_scale, epilogue):
+        ctx.save_for_backward(x, values, metadata, w_scale, bias, input_scale)
+        ctx.epilogue = epilogue
+        return scaled_product(x, values, metadata, w_scale, bias, input_scale, epilogue)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, values, metadata, w_scale, bias, input_scale = ctx.saved_tensors
+        d_product = dy
+        if ctx.epilogue != "none":
+            with torch.enable_grad():
+                product = scaled_product(x.detach(), values, metadata, w_scale, bias, input_scale).float()
+                product.requires_grad_()
+                d_product, = torch.autograd.grad(epilogues.reference(product, ctx.epilogue), product, dy.float())
+        weight = semi24.decompress(values, metadata, (values.shape[0], x.shape[-1])).float() * w_scale.unsqueeze(-1)
+        return (d_product.to(x.dtype) @ weight.to(x.dtype),) + (None,) * 6
+
+
 class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """Inference layer: `values` [out, in/2] one-byte (the kept 2:4 weights quantized with
     `weight_scale` [out], float32, one per output channel), `metadata` as mma.sp reads it,
@@ -174,8 +199,10 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.values, self.in_features)
-        return scaled_product(x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale,
-                              self.epilogue)
+        args = (x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale, self.epilogue)
+        if torch.is_grad_enabled() and x.requires_grad:  # layers around it train: x's gradient
+            return _InputGradient.apply(*args)
+        return scaled_product(*args)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
