@@ -301,6 +301,30 @@ def tune() -> None:
             print(f"{n}x{k} M={m} {instr} {tile.tag} splits={splits}: {ms:.4f} ms, {dense / ms:.2f}x dense", flush=True)
 
 
+def tune_fp8() -> None:
+    """Tile configurations of the scaled e4m3 2:4 product on Llama-3-8B's prefill products
+    (2048 tokens: q, k and v, o, gate+up, down) against torch._scaled_mm with the same
+    row-wise scales: where issue 30's FP8 prefill target stands."""
+    from quantized_dense import QuantizedDenseLinear
+    from sparsegen.jit.spec import TileConfig
+
+    tiles = [TileConfig(256, 8, 1, 4, 2), TileConfig(256, 8, 1, 4, 4), TileConfig(256, 8, 1, 4),
+             TileConfig(192, 8, 1, 5, 2), TileConfig(128, 8, 1, 6, 2), TileConfig(128, 12, 1, 5),
+             TileConfig(128, 16, 1, 4)]
+    for n, k in ((4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336)):
+        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        layer, dense = sparsegen.ScaledSparse24Linear.from_dense(linear, "e4m3"), QuantizedDenseLinear(linear, "e4m3")
+        xq, x_scale = sp24_ops.sp24_quantize(torch.randn(2048, k, device="cuda", dtype=torch.bfloat16),
+                                             torch.float8_e4m3fn)
+        base = median_ms(lambda: torch._scaled_mm(xq, dense.weight.t(), scale_a=x_scale.unsqueeze(-1),
+                                                  scale_b=dense.weight_scale.unsqueeze(0), out_dtype=torch.bfloat16))
+        for tile in tiles:
+            ms = median_ms(lambda: sp24_ops.sp24_scaled_dds(xq, layer.values, layer.metadata, x_scale,
+                                                            layer.weight_scale, None, n, torch.bfloat16, tile=tile,
+                                                            instr="tma"))
+            print(f"{n}x{k} M=2048 {tile.tag}: {ms:.4f} ms, {base / ms:.2f}x _scaled_mm ({base:.4f} ms)", flush=True)
+
+
 def tune_decode() -> None:
     """Per decode weight and token count: CUDA-graph time (weights from HBM, as in --decode)
     of tile configurations and K splits of the sp24 kernel, against dense."""
@@ -363,10 +387,13 @@ def main(argv=None) -> None:
     parser.add_argument("--decode", action="store_true", help="only the 1-128 token table (eager and CUDA graphs)")
     parser.add_argument("--train", action="store_true", help="only the fwd+bwd table (GPT-2 FFNs, one linear)")
     parser.add_argument("--tune-decode", action="store_true", help="time decode tiles and K splits instead")
+    parser.add_argument("--tune-fp8", action="store_true", help="time e4m3 prefill tiles against _scaled_mm instead")
     parser.add_argument("--deterministic", action="store_true",
                         help="only the decode table in default and deterministic mode")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    if args.tune_fp8:
+        return tune_fp8()
     if args.tune_decode or args.tune:
         return tune_decode() if args.tune_decode else tune()
     modes = [(args.decode, decode_table), (args.train, train_table), (args.bytes, bytes_table),

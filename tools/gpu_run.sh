@@ -131,6 +131,7 @@ for step in "${steps[@]}"; do
     tests24k) SPARSEGEN_COMPRESS_KERNEL=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_sp24.py -x 2>&1 | tail -15 | tee "$OUT/tests24k.log" ;;
     bench24) python3 tools/bench24.py --json "$R/30_sp24.json" 2>&1 | tee "$OUT/bench24.log" ;;
     bench24_train) python3 tools/bench24.py --train --json "$R/41_train_sp24.json" 2>&1 | tee "$OUT/bench24_train.log" ;;
+    tune_fp8) python3 tools/bench24.py --tune-fp8 2>&1 | tee "$OUT/tune_fp8.log" ;;
     tune_decode) python3 tools/bench24.py --tune-decode 2>&1 | tee "$OUT/tune_decode.log" ;;
     bench24_decode) python3 tools/bench24.py --decode --json "$R/31_sp24_decode.json" 2>&1 | tee "$OUT/bench24_decode.log" ;;
     train24_profile) timeout 200 python3 tools/profile_train.py --models dense,2:4-train,2:4 2>&1 | tee "$OUT/train24_profile.log" | grep -E " ms" ;;
