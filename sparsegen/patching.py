@@ -147,16 +147,23 @@ def _gated_sparse24(gate: Sparse24Linear, up: Sparse24Linear, epilogue: str) -> 
     return Sparse24Linear.from_dense(fused, mask=mask).fuse(epilogue)
 
 
-def _fusable_pair(mlp: nn.Module) -> bool:
-    """Gate and up of one 2:4 kind (scaled, or plain 16-bit), an activation with a gated
-    epilogue, a down projection, and projections that fit one layer."""
+def _gated_parts(mlp: nn.Module, kinds: tuple) -> bool:
+    """A gated MLP's shape: gate and up of one of `kinds` (the same) and of one bias presence,
+    whole groups of rows to interleave, an activation with a gated epilogue, a down projection."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    if not (type(gate) is type(up) and type(gate) in (ScaledSparse24Linear, Sparse24Linear) and hasattr(mlp, "down_proj")
-            and activation_of(getattr(mlp, "act_fn", None)) in _GATES and gate.out_features % epilogues.GATE_GROUP == 0):
+    return (type(gate) in kinds and type(up) is type(gate) and (gate.bias is None) == (up.bias is None)
+            and gate.out_features % epilogues.GATE_GROUP == 0 and hasattr(mlp, "down_proj")
+            and activation_of(getattr(mlp, "act_fn", None)) in _GATES)
+
+
+def _fusable_pair(mlp: nn.Module) -> bool:
+    """A gated MLP of loaded 2:4 layers (scaled, or plain 16-bit) that fit one layer."""
+    if not _gated_parts(mlp, (ScaledSparse24Linear, Sparse24Linear)):
         return False
+    gate, up = mlp.gate_proj, mlp.up_proj
     if type(gate) is Sparse24Linear:
         return (gate.values.shape == up.values.shape and gate.values.dtype == up.values.dtype
-                and (gate.bias is None) == (up.bias is None) and gate.epilogue == up.epilogue == "none")
+                and gate.epilogue == up.epilogue == "none")
     try:
         check_gated_pair(gate, up)
     except InputError:  # a pair the kernel cannot take as one (e.g. two static scales): left as it is
@@ -180,10 +187,7 @@ def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
     """Gate and up as plain linears of one shape and bias, an activation with a gated
     epilogue, a down projection, and settings that describe the pair (no fixed layout, no
     training recipe; not block-diagonal, whose blocks would pair gate rows with up rows)."""
-    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    return (type(gate) is nn.Linear and type(up) is nn.Linear and gate.weight.shape == up.weight.shape
-            and (gate.bias is None) == (up.bias is None) and gate.out_features % epilogues.GATE_GROUP == 0
-            and hasattr(mlp, "down_proj") and activation_of(getattr(mlp, "act_fn", None)) in _GATES
+    return (_gated_parts(mlp, (nn.Linear,)) and mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape
             and "layout" not in settings and "training" not in settings
             and settings.get("sparsity") != "block-diagonal")
 

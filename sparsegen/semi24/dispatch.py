@@ -8,7 +8,7 @@ import functools
 import torch
 
 from ..launch import calls, runtime
-from .specs import sp24_compress_spec, sp24_quantize_spec, sp24_spec, w_rows
+from .specs import SCALED_CODES, sp24_compress_spec, sp24_quantize_spec, sp24_spec, w_rows
 
 
 # One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
@@ -95,8 +95,7 @@ def tile_counts(spec, m: int, n: int) -> int:
 def quantize_kernel(dtype: torch.dtype, source: torch.dtype, device_index: int):
     """sp24_quantize from `source` (bfloat16, float16) activations to one-byte `dtype`."""
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    src = {torch.bfloat16: 1, torch.float16: 2}[source]
-    return runtime.kernel(sp24_quantize_spec(DTYPE_NAMES[dtype], arch, src), device_index)
+    return runtime.kernel(sp24_quantize_spec(DTYPE_NAMES[dtype], arch, SCALED_CODES[source]), device_index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ _PLANS = plans.PlanCache()
 # The dtype each one-byte product writes Y in.
 _SP24_OUTPUT_DTYPES = {torch.int8: torch.int32, torch.float8_e4m3fn: torch.bfloat16}
 # A scaled one-byte product's Y dtype -> its kernels' `scales` parameter (specs.SCALED_OUTPUTS).
-SCALED_OUTPUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
+SCALED_OUTPUT_CODES = specs.SCALED_CODES
 
 
 def sp24_output_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -55,6 +55,12 @@ def quantize(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (q.round() if dtype == torch.int8 else q).to(dtype)
 
 
+def dequantized(values: Tensor, metadata: Tensor, w_scale: Tensor) -> Tensor:
+    """The float32 [out, in] weight a one-byte 2:4 one with channel scales stands for."""
+    dense = semi24.decompress(values, metadata, (values.shape[0], 2 * values.shape[1]))
+    return dense.float() * w_scale.unsqueeze(-1)
+
+
 def scaled_reference(xq: Tensor, values: Tensor, metadata: Tensor, x_scale: Tensor, w_scale: Tensor,
                      bias: Tensor | None, epilogue: str = "none") -> Tensor:
     """What the scaled kernel computes, in float64 (the CPU path and the tests' reference):
@@ -131,8 +137,8 @@ class _InputGradient(torch.autograd.Function):
                 product = scaled_product(x.detach(), values, metadata, w_scale, bias, input_scale).float()
                 product.requires_grad_()
                 d_product, = torch.autograd.grad(epilogues.reference(product, ctx.epilogue), product, dy.float())
-        weight = semi24.decompress(values, metadata, (values.shape[0], x.shape[-1])).float() * w_scale.unsqueeze(-1)
-        return (d_product.to(x.dtype) @ weight.to(x.dtype),) + (None,) * 6
+        weight = dequantized(values, metadata, w_scale).to(x.dtype)
+        return (d_product.to(x.dtype) @ weight,) + (None,) * 6
 
 
 class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
@@ -206,8 +212,7 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
-        dense = semi24.decompress(self.values, self.metadata, (self.out_features, self.in_features))
-        return dense.float() * self.weight_scale.unsqueeze(-1)
+        return dequantized(self.values, self.metadata, self.weight_scale)
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))

@@ -29,6 +29,7 @@ SP24_BLOCK = (16, 32)
 # Y = x_scale[t] * w_scale[f] * (Xq Wq^T)[t, f] (+ bias[f]), written in the activations' type.
 SCALED_OUTPUTS = {1: "bf16", 2: "fp16"}
 SCALED_DTYPES = {1: torch.bfloat16, 2: torch.float16}
+SCALED_CODES = {dtype: code for code, dtype in SCALED_DTYPES.items()}  # Y's (or the activations') dtype -> code
 SCALES = registry.Param("scales", 0, choices=(0, *SCALED_OUTPUTS), named_at_default=False,
                         doc="one-byte products only: 0 none (Y int32 for int8, bf16 for e4m3); 1 and 2 a float32 "
                             "scale per token and per feature applied before bias and epilogue, Y in bf16 (1) or fp16 (2)")
