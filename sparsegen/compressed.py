@@ -11,13 +11,14 @@ Every tensor is checked before anything in the model changes.
 """
 from __future__ import annotations
 
-import json
+from typing import NamedTuple
+
 import pathlib
 
 import torch
 from torch import nn
 
-from . import patching
+from . import checkpoint_files, patching
 from .errors import InputError, expect
 from .semi24 import format as semi24
 from .semi24.nn import Sparse24Linear
@@ -27,41 +28,60 @@ SPARSE_FORMAT = "sparse-24-bitmask"
 _QUANTIZED_FORMATS = {"float-quantized": torch.float8_e4m3fn, "int-quantized": torch.int8,
                       "naive-quantized": None}
 _PARTS = ("shape", "compressed", "bitmask")
+_ONE_BYTE = (torch.float8_e4m3fn, torch.int8)
 
 
-def load_compressed(model: nn.Module, path, fuse: bool = True) -> list[str]:
+class LoadResult(NamedTuple):
+    """What load_compressed did: the 2:4 layers' names as the model has them now (after
+    fusion: <mlp>.gate_up), and, as load_state_dict reports them, the model's entries the
+    checkpoint lacks and the checkpoint's tensors the model has no place for (both empty
+    unless strict=False)."""
+    layers: list[str]
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_compressed(model: nn.Module, path, fuse: bool = True, strict: bool = True,
+                    allow_nonfinite: bool = False) -> LoadResult:
     """Load the compressed-tensors checkpoint at `path` (a directory) into `model`, a model
     built from the same config: each 2:4 layer becomes a Sparse24Linear (16-bit weights) or
     a ScaledSparse24Linear (FP8 / int8 weights, per-channel scales), every other tensor is
     loaded as it is. With `fuse`, gated MLPs then run gate and up as one layer with the gated
     epilogue, as sparsegen.patch builds them (patching.fuse_loaded_gated_mlps: their names
-    become <mlp>.gate_up). Returns the names of the 2:4 layers in the file."""
+    become <mlp>.gate_up).
+
+    All or nothing: every tensor is checked (shape, dtype, finite unless `allow_nonfinite`)
+    and, with `strict` (the default, as in load_state_dict), every entry of the model's
+    state_dict must come from the checkpoint and every tensor of the checkpoint must be used,
+    before anything in the model changes; a refusal is an InputError and leaves the model
+    as it was. With strict=False what matches is loaded and the rest is reported."""
     expect(isinstance(model, nn.Module), "a torch.nn.Module built from the checkpoint's config",
            type(model).__name__)
     folder = pathlib.Path(path)
     device = _device_of(model)
     config = _quantization_config(folder)
-    tensors = _read_tensors(folder)
-    names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith(".bitmask")})
-    layers = {name: _layer(model, name, tensors, config) for name in names}
-    rest = {key: value for key, value in tensors.items() if key.rsplit(".", 1)[0] not in layers}
-    _check_rest(model, rest)
-    for name, layer in layers.items():
+    plan = _Plan(model, checkpoint_files.read_tensors(folder), config, allow_nonfinite)
+    if strict:
+        _refuse_incomplete(plan)
+    for name, layer in plan.layers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer.to(device))
-    model.load_state_dict(rest, strict=False)
+    model.load_state_dict(plan.rest, strict=False)
+    names = sorted(plan.layers)
     if fuse:
-        patching.fuse_loaded_gated_mlps(model)
-    return names
+        names = _fused_names(names, patching.fuse_loaded_gated_mlps(model))
+    return LoadResult(names, plan.missing, plan.unexpected)
 
 
 def _quantization_config(folder: pathlib.Path) -> dict:
     expect(folder.is_dir() and (folder / "config.json").is_file(),
            "a checkpoint directory with config.json", str(folder))
-    config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    config = checkpoint_files.read_json(folder / "config.json").get("quantization_config") or {}
+    expect(isinstance(config, dict), "quantization_config as a JSON object in config.json", type(config).__name__)
     expect(config.get("quant_method") == "compressed-tensors", "quantization_config.quant_method "
            "'compressed-tensors' in config.json", repr(config.get("quant_method")))
-    sparse = (config.get("sparsity_config") or {}).get("format")
+    sparse = config.get("sparsity_config")
+    sparse = sparse.get("format") if isinstance(sparse, dict) else None
     expect(sparse == SPARSE_FORMAT, f"sparsity_config.format {SPARSE_FORMAT!r} (2:4 checkpoints)", repr(sparse))
     quantized = config.get("format", "dense")
     expect(quantized == "dense" or quantized in _QUANTIZED_FORMATS,
@@ -69,18 +89,52 @@ def _quantization_config(folder: pathlib.Path) -> dict:
     return config
 
 
-def _read_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise InputError("Expected the safetensors package (pip install safetensors) to read checkpoints. "
-                         "Got none.") from None
-    files = sorted(folder.glob("*.safetensors"))
-    expect(files, "*.safetensors files in the checkpoint directory", str(folder))
-    tensors = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
+class _Plan:
+    """The load, decided and checked whole before the model changes: the 2:4 layers built,
+    the other tensors by the model's names, and what either side lacks."""
+
+    def __init__(self, model: nn.Module, tensors: dict, config: dict, allow_nonfinite: bool):
+        self.allow_nonfinite = allow_nonfinite
+        names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith(".bitmask")})
+        expect(names, f"2:4 layers (<name>.bitmask tensors) in a checkpoint whose config says {SPARSE_FORMAT!r}",
+               "none")
+        used: set[str] = set()
+        self.layers = {name: _layer(model, name, tensors, config, used, allow_nonfinite) for name in names}
+        own = model.state_dict()
+        under_layers = tuple(name + "." for name in names)
+        self.rest = {key: value for key, value in tensors.items()
+                     if key not in used and key in own and not key.startswith(under_layers)}
+        for key, value in self.rest.items():
+            _check_entry(key, value, own[key], allow_nonfinite)
+        self.unexpected = sorted(set(tensors) - used - set(self.rest))
+        covered = set(self.rest) | (used & set(own)) | {f"{name}.weight" for name in names}
+        self.missing = _missing(model, own, covered)
+
+
+def _refuse_incomplete(plan: _Plan) -> None:
+    expect(not plan.missing, "every entry of the model's state_dict in the checkpoint (strict=False loads "
+           "the rest and returns what is missing)", f"none for {_listed(plan.missing)}")
+    expect(not plan.unexpected, "every tensor of the checkpoint to be one of the model's (strict=False "
+           "leaves them out and returns them)", f"no place for {_listed(plan.unexpected)}")
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def _missing(model: nn.Module, own: dict, covered: set) -> list[str]:
+    """The model's entries nothing covers; tied tensors (one parameter under two names, as
+    lm_head and embed_tokens often are) are covered by either name."""
+    names_of: dict[int, list[str]] = {}
+    for key, tensor in own.items():
+        names_of.setdefault(id(tensor), []).append(key)
+    return sorted(key for key, tensor in own.items() if not covered.intersection(names_of[id(tensor)]))
+
+
+def _fused_names(names: list[str], fused_mlps: list[str]) -> list[str]:
+    """The layer names after fusion: a fused MLP's gate and up are its gate_up."""
+    renamed = {f"{mlp}.{part}": f"{mlp}.gate_up" for mlp in fused_mlps for part in ("gate_proj", "up_proj")}
+    return sorted({renamed.get(name, name) for name in names})
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -92,7 +146,8 @@ def _device_of(model: nn.Module) -> torch.device:
     return device
 
 
-def _layer(model: nn.Module, name: str, tensors: dict, config: dict) -> nn.Module:
+def _layer(model: nn.Module, name: str, tensors: dict, config: dict, used: set, allow_nonfinite: bool) -> nn.Module:
+    """The sparsegen layer of the checkpoint's 2:4 layer `name`, its tensors checked and added to `used`."""
     try:
         linear = model.get_submodule(name)
     except AttributeError:
@@ -100,16 +155,39 @@ def _layer(model: nn.Module, name: str, tensors: dict, config: dict) -> nn.Modul
                          "Got no such module.") from None
     expect(isinstance(linear, nn.Linear), f"{name} to be an nn.Linear in the model", type(linear).__name__)
     try:
-        dense, mask = _unpacked(name, tensors, tuple(linear.weight.shape))
-        bias = tensors.get(f"{name}.bias", linear.bias)
-        if f"{name}.weight_scale" not in tensors:
+        dense, mask = _unpacked(name, tensors, tuple(linear.weight.shape), allow_nonfinite)
+        used.update(f"{name}.{part}" for part in _PARTS)
+        bias = _bias(name, tensors, linear, used, allow_nonfinite)
+        if dense.dtype not in _ONE_BYTE:
             return _sixteen_bit(linear, dense, mask, bias)
-        return _scaled(name, dense, mask, bias, tensors, config, linear.weight.dtype)
+        return _scaled(name, dense, mask, bias, tensors, config, linear.weight.dtype, used, allow_nonfinite)
     except InputError as error:
         raise InputError(f"{name}: {error}") from None
 
 
-def _unpacked(name: str, tensors: dict, want: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _bias(name: str, tensors: dict, linear: nn.Linear, used: set, allow_nonfinite: bool):
+    """The checkpoint's bias where the model's layer has one (its own where the file lacks
+    it: reported missing); a bias for a layer without one is left unused (unexpected)."""
+    if linear.bias is None or f"{name}.bias" not in tensors:
+        return linear.bias
+    bias = tensors[f"{name}.bias"]
+    expect(bias.is_floating_point() and tuple(bias.shape) == (linear.out_features,),
+           f"a floating bias of shape {(linear.out_features,)}", f"{bias.dtype} {tuple(bias.shape)}")
+    _check_finite("bias", bias, allow_nonfinite)
+    used.add(f"{name}.bias")
+    return bias
+
+
+def _check_finite(what: str, tensor: torch.Tensor, allow_nonfinite: bool) -> None:
+    """No NaN or infinity in a floating tensor (one-byte floats are widened to look)."""
+    if allow_nonfinite or not tensor.is_floating_point():
+        return
+    wide = tensor.float() if tensor.element_size() == 1 else tensor
+    bad = int((~torch.isfinite(wide)).sum())
+    expect(bad == 0, f"finite values in {what} (allow_nonfinite=True loads them)", f"{bad} NaN or infinite")
+
+
+def _unpacked(name: str, tensors: dict, want: tuple[int, int], allow_nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(the dense weight, its 2:4 mask) from shape / compressed / bitmask, checked."""
     missing = [part for part in _PARTS if f"{name}.{part}" not in tensors]
     expect(not missing, f"{name}.shape, .compressed and .bitmask", f"none for {missing}")
@@ -119,6 +197,7 @@ def _unpacked(name: str, tensors: dict, want: tuple[int, int]) -> tuple[torch.Te
     n, k = want
     expect(k % 4 == 0, "in_features a multiple of 4 (2:4 groups)", k)
     expect(tuple(values.shape) == (n, k // 2), f"compressed values of shape {(n, k // 2)}", tuple(values.shape))
+    _check_finite("the compressed values", values, allow_nonfinite)
     expect(bits.dtype == torch.uint8 and tuple(bits.shape) == (n, -(-k // 8)),
            f"a uint8 bitmask of shape {(n, -(-k // 8))}", f"{bits.dtype} {tuple(bits.shape)}")
     mask = unpack_bitmask(bits, k)
@@ -145,6 +224,8 @@ def unpack_bitmask(bits: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 def _sixteen_bit(linear: nn.Linear, dense: torch.Tensor, mask: torch.Tensor, bias) -> Sparse24Linear:
+    expect(dense.dtype == linear.weight.dtype, f"compressed values of dtype {linear.weight.dtype} (the model's "
+           "layer: build the model in the checkpoint's dtype)", dense.dtype)
     semi24.check_dtype(dense.dtype)
     twin = nn.Linear(linear.in_features, linear.out_features, bias=bias is not None, device="meta")
     twin.weight = nn.Parameter(dense)
@@ -153,23 +234,37 @@ def _sixteen_bit(linear: nn.Linear, dense: torch.Tensor, mask: torch.Tensor, bia
 
 
 def _scaled(name: str, dense: torch.Tensor, mask: torch.Tensor, bias, tensors: dict, config: dict,
-            activations: torch.dtype) -> ScaledSparse24Linear:
+            activations: torch.dtype, used: set, allow_nonfinite: bool) -> ScaledSparse24Linear:
     want = _QUANTIZED_FORMATS.get(config.get("format"))
-    expect(dense.dtype in (torch.float8_e4m3fn, torch.int8) and dense.dtype == (want or dense.dtype),
-           f"one-byte values of the checkpoint's format {config.get('format')!r}", dense.dtype)
+    expect(dense.dtype == (want or dense.dtype) and config.get("format", "dense") != "dense",
+           f"one-byte values of the checkpoint's quantization format {config.get('format', 'dense')!r}", dense.dtype)
+    scale = _scale(name, "weight_scale", tensors, dense.shape[0], used, allow_nonfinite, required=True)
+    input_scale = _scale(name, "input_scale", tensors, 1, used, allow_nonfinite, required=False)
     values, metadata = semi24.compress(dense.contiguous(), mask.contiguous())
-    scale = tensors[f"{name}.weight_scale"].float().reshape(-1)
-    input_scale = tensors.get(f"{name}.input_scale")
-    expect(input_scale is None or input_scale.numel() == 1, "one input_scale per layer (per-tensor)",
-           tuple(input_scale.shape) if input_scale is not None else None)
     bias = None if bias is None else bias.detach().to(activations)
-    return ScaledSparse24Linear(values, metadata, scale, bias, input_scale)
+    return ScaledSparse24Linear(values, metadata, scale.float().reshape(-1), bias, input_scale)
 
 
-def _check_rest(model: nn.Module, rest: dict) -> None:
-    """The checkpoint's other tensors name the model's own, of the model's shapes."""
-    own = model.state_dict()
-    for key, value in rest.items():
-        expect(key in own, f"{key!r}, a tensor of the checkpoint, in the model", "no such entry")
-        expect(tuple(value.shape) == tuple(own[key].shape), f"{key} of shape {tuple(own[key].shape)}",
-               tuple(value.shape))
+def _scale(name: str, part: str, tensors: dict, count: int, used: set, allow_nonfinite: bool, required: bool):
+    """A one-byte layer's weight_scale ([out, 1] or [out]) or input_scale (one), checked."""
+    scale = tensors.get(f"{name}.{part}")
+    if scale is None:
+        expect(not required, f"{name}.{part} (one-byte values are stored with their scales)", "none")
+        return None
+    expect(scale.is_floating_point() and scale.numel() == count and scale.dim() <= 2
+           and (scale.dim() == 0 or scale.shape[0] == count), f"{part} of {count} floats",
+           f"{scale.dtype} {tuple(scale.shape)}")
+    _check_finite(part, scale, allow_nonfinite)
+    used.add(f"{name}.{part}")
+    return scale
+
+
+def _check_entry(key: str, value: torch.Tensor, current: torch.Tensor, allow_nonfinite: bool) -> None:
+    """One of the checkpoint's other tensors against the model's: its shape, and a dtype of
+    the same kind (floating into floating is cast, as load_state_dict does; anything else
+    must match: an int64 tensor for a float one is no weight)."""
+    expect(tuple(value.shape) == tuple(current.shape), f"{key} of shape {tuple(current.shape)} (the model's)",
+           tuple(value.shape))
+    same_kind = value.is_floating_point() and current.is_floating_point() and value.element_size() > 1
+    expect(same_kind or value.dtype == current.dtype, f"{key} of dtype {current.dtype} (the model's)", value.dtype)
+    _check_finite(key, value, allow_nonfinite)

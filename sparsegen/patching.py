@@ -272,9 +272,24 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
 def dense_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` with every sparsegen layer replaced by the nn.Linear of its
     (masked) weight: the dense model that computes what the sparse one does (to check a
-    patched model against, or to export where sparsegen is not installed)."""
+    patched model against, or to export where sparsegen is not installed). One-byte layers
+    become nn.Linear of their dequantized weight in the model's floating dtype."""
     twin = copy.deepcopy(model)
+    dtype = _model_dtype(twin)
     for name, module in list(twin.named_modules()):
-        if isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear, FixedRowsLinear)):
+        if isinstance(module, ScaledSparse24Linear):
+            _replace(twin, name, module.to_linear(dtype))
+        elif isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear, FixedRowsLinear)):
             _replace(twin, name, module.to_linear())
     return twin
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    """The 16- or 32-bit float dtype of the model's first such tensor outside one-byte layers
+    (their scales are float32 whatever the model's dtype), or None (the layers' default)."""
+    scaled = {id(t) for m in model.modules() if isinstance(m, ScaledSparse24Linear)
+              for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in scaled and tensor.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return tensor.dtype
+    return None

@@ -3,8 +3,11 @@ sparse-only and with FP8 / int8 weights) loaded by sparsegen.load_compressed, ag
 same checkpoint decompressed to dense by compressed-tensors itself."""
 import json
 
+import compressed_tensors as ct
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
+import transformers
 from torch import nn
 
 import sparsegen
@@ -13,18 +16,14 @@ from sparsegen.compressed import unpack_bitmask
 from sparsegen.errors import InputError
 from sparsegen.semi24 import format as semi24
 
-ct = pytest.importorskip("compressed_tensors")
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
 QUANTIZED = {"fp8": ("float", "float-quantized"), "int8": ("int", "int-quantized"),
              "fp8-static": ("float", "float-quantized")}
 
 
-def tiny_llama(seed: int):
+def tiny_llama(seed: int, **overrides):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=311)
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=311, **overrides)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
@@ -68,8 +67,8 @@ def save_checkpoint(model, folder, kind: str) -> None:
     compressor.update_config(str(folder))
 
 
-def checkpoint(tmp_path, kind: str):
-    model = tiny_llama(0)
+def checkpoint(tmp_path, kind: str, **overrides):
+    model = tiny_llama(0, **overrides)
     prune_in_place(model)
     if kind != "bf16":
         quantize_weights(model, kind)
@@ -101,7 +100,7 @@ def logits(model, ids):
 def test_sparse_only_checkpoint_loads_into_sparse24_layers_exactly(tmp_path):
     folder = checkpoint(tmp_path, "bf16")
     model = tiny_llama(2)  # other random weights: everything must come from the file
-    names = sparsegen.load_compressed(model, folder, fuse=False)
+    names = sparsegen.load_compressed(model, folder, fuse=False).layers
     assert len(names) == 14 and all(isinstance(model.get_submodule(n), sparsegen.Sparse24Linear) for n in names)
     reference = decompressed(folder)
     for name in names:
@@ -115,7 +114,7 @@ def test_quantized_checkpoint_loads_into_scaled_layers(tmp_path, kind):
     from compressed_tensors.compressors.sparse_compressors.sparse_24_bitmask import sparse24_bitmask_decompress
     folder = checkpoint(tmp_path, kind)
     model = tiny_llama(2)
-    names = sparsegen.load_compressed(model, folder, fuse=False)  # every layer as the file has it
+    names = sparsegen.load_compressed(model, folder, fuse=False).layers  # every layer as the file has it
     reference = decompressed(folder)
     stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
     for name in names:
@@ -198,7 +197,7 @@ def test_other_formats_are_refused(tmp_path):
 
 
 def test_unpack_bitmask_is_numpy_little_order():
-    numpy = pytest.importorskip("numpy")
+    import numpy
     bits = torch.rand(5, 37) < 0.5
     packed = torch.from_numpy(numpy.packbits(bits.numpy(), axis=-1, bitorder="little"))
     assert torch.equal(unpack_bitmask(packed, 37), bits)

@@ -5,12 +5,12 @@ import copy
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import sparsegen
 
 pytestmark = pytest.mark.gpu
-transformers = pytest.importorskip("transformers")
 
 # Which linears each variant replaces in BERT / GPT-2 (the benchmark's variants, small models).
 BERT_MLP = r"encoder\.layer\.\d+\.(intermediate|output)\.dense"

@@ -88,7 +88,6 @@ def test_compiled_and_graphed_match_eager(weight_dtype, mode):
 
 def test_checkpoint_layers_run_on_the_gpu(tmp_path):
     """A loaded FP8 checkpoint (tests/test_compressed.py builds it) moved to the GPU."""
-    pytest.importorskip("compressed_tensors")
     from test_compressed import checkpoint, decompressed, logits, tiny_llama
     kind = "fp8" if ARCH >= (8, 9) else "int8"
     folder = checkpoint(tmp_path, kind)

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import sparsegen
@@ -75,7 +76,6 @@ def test_to_linear_round_trip():
 
 
 def test_patch_a_transformers_model():
-    transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
     torch.manual_seed(0)
     net = transformers.GPT2LMHeadModel(config).eval()
@@ -88,7 +88,6 @@ def test_patch_a_transformers_model():
 
 
 def test_patch_bert_from_config():
-    transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                      intermediate_size=128, vocab_size=100)
     net = transformers.BertModel(config).eval()
@@ -101,7 +100,6 @@ def test_patch_bert_from_config():
 def test_patch_gpt2_with_24_matches_the_pruned_dense_model():
     """2:4 on transformers' Conv1D (weight stored [in, out]): the patched model computes
     what the dense model does with its weights pruned 2:4 along each output row."""
-    transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
     torch.manual_seed(0)
     net = transformers.GPT2LMHeadModel(config).eval()

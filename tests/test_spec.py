@@ -177,8 +177,6 @@ def test_tma_adds_a_producer_warpgroup():
 
 
 def test_name_round_trips_through_from_name():
-    if not hasattr(KernelSpec, "from_name"):
-        pytest.skip("KernelSpec.from_name not present")
     for s in [BASE, *VARIANTS.values(), *every_default_spec()]:
         assert KernelSpec.from_name(s.name) == s
 

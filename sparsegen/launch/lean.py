@@ -102,3 +102,12 @@ class LeanLayer:
     def _apply(self, fn, *args, **kwargs):
         self._forget_lean_calls()
         return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        """What copy.deepcopy, pickle and torch.save keep: the module without its lean calls.
+        They are a cache of launches (driver handles, packed pointers into this layer's
+        tensors) that a copy could not use anyway; the copy plans again on its first call."""
+        state = super().__getstate__()
+        if "_lean_calls" in state:
+            state = {key: value for key, value in state.items() if key != "_lean_calls"}
+        return state

@@ -19,6 +19,7 @@ from .. import checkpoint
 from ..errors import expect
 from ..jit import epilogues
 from ..launch import library
+from ..layer import dense_linear
 from . import format as semi24
 from . import ops
 
@@ -213,6 +214,15 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
         return dequantized(self.values, self.metadata, self.weight_scale)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """A dense nn.Linear of the dequantized weight in `dtype` (default: the bias's, else
+        bfloat16), followed by the epilogue where one is fused. It computes the product the
+        layer approximates: the layer also quantizes its input."""
+        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
+        expect(dtype in _ACTIVATIONS, f"a dtype in {list(_ACTIVATIONS)}", dtype)
+        bias = None if self.bias is None else self.bias.detach().to(dtype)
+        return self._dense_twin(dense_linear(self.to_dense_weight().to(dtype), bias))
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))
