@@ -76,6 +76,10 @@ for step in "${steps[@]}"; do
          for c in ${PROFILE_CASES:-llama8b_prefill llama8b_decode64}; do
            timeout 160 python3 tools/profile_gpu_time.py --case $c --mode compile --top 12 fp8-dense fp8-2:4 \
              --json "$R/62_profile_$c.json" 2>&1 | tee "$OUT/profile_$c.log" | grep -E "^\||^ +[0-9]"; done ;;
+    trust_tests) # copies after every mode, strict checkpoint loads, the attacker tests, the skip guard
+         timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_copy.py tests/test_copy.py \
+           tests/test_compressed.py tests/test_compressed_strict.py tests/test_skip_guard.py \
+           "tests/test_gpu_scaled24.py::test_checkpoint_layers_run_on_the_gpu" -rs 2>&1 | tee "$OUT/trust_tests.log" | tail -25 ;;
     scaled_tests) timeout 400 python3 -m pytest -q tests/test_gpu_scaled24.py tests/test_scaled24.py \
            tests/test_compressed.py -rs 2>&1 | tee "$OUT/scaled_tests.log" | tail -25 ;;
     deterministic) timeout 300 python3 tools/bench24.py --deterministic --json "$R/61_deterministic.json" 2>&1 \
