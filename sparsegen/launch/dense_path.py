@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,8 @@ def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Te
         return entry.weight
     changes = 0 if entry is None else entry.changes + 1
     captured = None if entry is None else entry.captured
+    if key.is_cuda:
+        _cublas_ready(key.device)
     if captured is not None:  # a graph reads it: rebuilt where it is, even once trained
         with torch.no_grad():
             captured.copy_(_built(build, inputs, values, key.device))
@@ -86,6 +89,20 @@ def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Te
     else:  # (updated in place: the optimizer hook holds the entry of a captured copy)
         entry.stamp, entry.weight, entry.changes = stamp, weight, changes
     return weight
+
+
+_CUBLAS_READY = threading.local()
+
+
+def _cublas_ready(device: torch.device) -> None:
+    """This thread's cuBLAS handle for `device`, created now, outside any capture: a warm-up
+    call may run the sparse kernel while the captured call takes cuBLAS on this copy, and
+    cuBLAS cannot create its handle inside a capture (CUBLAS_STATUS_NOT_INITIALIZED)."""
+    ready = _CUBLAS_READY.__dict__.setdefault("devices", set())
+    if device.index not in ready:
+        with torch.cuda.device(device):
+            torch.cuda.current_blas_handle()
+        ready.add(device.index)
 
 
 def _captured(entry: _Copy | None, stamp, values, build, inputs: tuple) -> torch.Tensor | None:
