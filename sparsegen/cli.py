@@ -211,8 +211,11 @@ def cmd_cache_info(args) -> int:
 
 
 def cmd_cache_clear(args) -> int:
-    removed = cache.clear()
+    removed, left = cache.clear()
     print(f"removed {removed} entries from {env.cache_dir()}")
+    if left:
+        print(f"left {len(left)} paths sparsegen did not write: {', '.join(left[:10])}"
+              + (f" and {len(left) - 10} more" if len(left) > 10 else ""))
     return 0
 
 

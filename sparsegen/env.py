@@ -1,6 +1,9 @@
 """Every SPARSEGEN_* environment variable, read in one place. A switch takes 1/0 (also
 true/false, yes/no, on/off); anything else is a ConfigError, not a guess."""
+import functools
 import os
+import tempfile
+import warnings
 from pathlib import Path
 
 from .errors import ConfigError, expect
@@ -33,8 +36,27 @@ def cache_dir() -> Path:
     override = team_cache_dir() or _path("SPARSEGEN_CACHE_DIR")
     if override:
         return override
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "sparsegen"
+    base = os.environ.get("XDG_CACHE_HOME") or _home()
+    return Path(base) / "sparsegen" if base else _private_temporary_cache()
+
+
+def _home() -> Path | None:
+    """~/.cache, or None without a home (HOME unset and no passwd entry for this uid)."""
+    try:
+        return Path.home() / ".cache"
+    except (RuntimeError, KeyError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _private_temporary_cache() -> Path:
+    """A fresh 0700 directory of this process's own (mkdtemp: a new name, made exclusively),
+    said once: kernels then last as long as the system's temporary files."""
+    folder = Path(tempfile.mkdtemp(prefix="sparsegen-cache-"))
+    warnings.warn(f"sparsegen: no home directory to keep kernels in (HOME is unset and uid {os.geteuid()} has "
+                  f"no passwd entry); caching them in {folder} for this process. Set SPARSEGEN_CACHE_DIR to "
+                  "keep them.", RuntimeWarning, stacklevel=2)
+    return folder
 
 
 def dump_dir() -> Path:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .launch import crossovers, dense_path, runtime
 from .errors import expect
-from .jit import trust
+from .jit import private_files, trust
 from .bdiag.nn import BlockDiagonalLinear
 from .bell.nn import BlockEllLinear
 from .bsr.nn import BlockSparseLinear
@@ -105,13 +105,19 @@ def run(shapes=SHAPES, tokens=TOKENS, layouts=LAYOUTS, out: Path | None = None, 
                 points.append(measure(layout, n, k, m, block, density))
                 log(json.dumps(crossovers.as_json(points[-1])))
     path = out or crossovers.user_table_path(name)
-    if out is None:
+    write_table(path, table_text(name, [crossovers.as_json(p) for p in points]), in_cache=out is None)
+    crossovers.reload()
+    return path
+
+
+def write_table(path: Path, text: str, in_cache: bool) -> None:
+    """The table written as cache entries are (a new private file renamed into place, its mode
+    0600 whatever the umask: the reader trusts it as it trusts an entry)."""
+    if in_cache:
         trust.make_dirs(path.parent)  # 0700, like every folder of the cache
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table_text(name, [crossovers.as_json(p) for p in points]))
-    crossovers.reload()
-    return path
+    private_files.replace_file(path.parent, path.name, text.encode(), trust.PRIVATE_FILE_MODE)
 
 
 def table_text(gpu_name: str, points: list[dict]) -> str:

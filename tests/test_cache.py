@@ -164,7 +164,7 @@ def test_a_planted_diskcache_database_of_earlier_versions_is_never_read(nvrtc_ca
     legacy.mkdir(parents=True)
     (legacy / "cache.db").write_bytes(b"SQLite format 3\0" + pickle.dumps(Explosive()))
     assert cache.build(SPEC).compiled and nvrtc_calls == [SPEC.name]
-    assert cache.clear() == 1 and not legacy.exists()
+    assert cache.clear() == (1, [str(legacy)]) and legacy.exists()  # (left: sparsegen did not write it)
     assert not (env.cache_dir() / "pwned").exists()
 
 
@@ -219,8 +219,8 @@ def test_clear_empties_both_levels(nvrtc_calls):
     other = forward_spec((32, 32), "fp16", 80)
     cache.build(SPEC), cache.build(other)
     assert cache.info()["entries"] == 2
-    assert cache.clear() == 2
-    assert cache.info()["entries"] == 0
+    assert cache.clear() == (2, [])
+    assert cache.info()["entries"] == 0 and not (env.cache_dir() / "kernels").exists()
     assert cache.build(SPEC).compiled and cache.build(other).compiled
     assert nvrtc_calls == [SPEC.name, other.name] * 2
 

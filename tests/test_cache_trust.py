@@ -124,18 +124,19 @@ def test_team_entries_of_a_member_load_and_of_an_outsider_are_refused(tmp_path, 
     outsider_gid = max(os.getgroups() + [os.getegid()]) + 1000
     os.chown(entry, OTHER_UID, outsider_gid)
     cache.clear_memory()
-    with pytest.raises(UntrustedPathError, match="a group you are not in"):
+    with pytest.raises(UntrustedPathError, match="not to the team directory.s group"):
         cache.build(SPEC)
 
 
-def test_a_crossover_table_others_can_write_is_refused(monkeypatch):
+def test_a_crossover_table_others_can_write_is_ignored_with_a_warning(monkeypatch):
+    """A table only steers kernel choice: an untrusted one is not read, and the model runs."""
     path = crossovers.user_table_path("Some GPU")
     path.parent.mkdir(parents=True, mode=0o700)
-    path.write_text('{"points": []}')
+    path.write_text('{"points": [{"layout": "sp24", "n": 64, "k": 64, "m": 1, "speedup": 0.5}]}')
     crossovers.reload()
     os.chmod(path, 0o666)
     try:
-        with pytest.raises(UntrustedPathError, match="crossovers"):
-            crossovers.table("Some GPU")
+        with pytest.warns(RuntimeWarning, match="ignoring the crossover table .*crossovers.*writable by every user"):
+            assert crossovers.table("Some GPU") == ()
     finally:
         crossovers.reload()

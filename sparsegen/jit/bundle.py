@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import codegen, compiler, trust
+from . import codegen, compiler, private_files, trust
 from .. import env
 from .diskstore import warn_once
 from ..errors import SparsegenError, expect
@@ -67,7 +67,7 @@ def _load(folder: str, current_generator: str) -> Manifest | None:
     path = Path(folder) / MANIFEST
     try:
         trust.check_path(Path(folder))
-        manifest = parse(Path(folder), trust.read_file(path))
+        manifest = parse(Path(folder), trust.read_file(path, follow_links=False))
     except (OSError, ValueError) as error:
         warn_once(("bundle", folder), f"ignoring the kernel bundle {folder} ({error})")
         return None
@@ -96,8 +96,8 @@ def parse(folder: Path, raw: bytes) -> Manifest:
 
 def _read_checked(manifest: Manifest, name: str) -> bytes | None:
     path = manifest.folder / f"{name}.cubin"
-    try:
-        cubin = path.read_bytes()
+    try:  # (a regular file, not a link, a FIFO or a device, of a kernel's size at most)
+        cubin = private_files.read_regular(path, trust.MAX_READ_BYTES)
     except OSError as error:
         warn_once(("bundle entry", str(path)), f"cannot read {path} ({error}); looking further")
         return None
@@ -108,22 +108,38 @@ def _read_checked(manifest: Manifest, name: str) -> bytes | None:
 
 
 def is_free(folder: Path) -> bool:
-    """Whether a bundle may be written there: a new or empty directory."""
+    """Whether a bundle may be written there: a directory sparsegen creates now, or an empty
+    one of the user's that no one else can write (nothing can have been planted in it, and
+    nothing can be planted while the bundle is written)."""
     folder = Path(folder)
-    return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
+    if not os.path.lexists(folder):
+        return True
+    try:
+        trust.check_path(folder)
+    except (OSError, trust.UntrustedPathError):
+        return False
+    return not os.path.islink(folder) and not any(folder.iterdir())
 
 
 def write(folder: Path, cubins: dict[str, bytes]) -> Path:
-    """Write a read-only bundle of `cubins` (kernel name -> CUBIN) into a new or empty folder."""
+    """Write a read-only bundle of `cubins` (kernel name -> CUBIN) into a new folder (or an
+    empty private one): every file created exclusively without following links, its mode
+    (0444) set on the open file, the folder's (0555) last."""
     folder = Path(folder)
-    expect(is_free(folder), "a new or empty directory for the bundle", str(folder), SparsegenError)
-    folder.mkdir(parents=True, exist_ok=True)
+    expect(is_free(folder), "a new directory for the bundle (or an empty one of yours that only you can write)",
+           str(folder), SparsegenError)
+    if not os.path.lexists(folder):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        private_files.make_dir(folder, 0o700)
     for name, cubin in cubins.items():
-        (folder / f"{name}.cubin").write_bytes(cubin)
+        expect(_NAME_RE.fullmatch(name) is not None, "kernel names of [a-z0-9_]", repr(name), SparsegenError)
+        private_files.create_file(folder, f"{name}.cubin", cubin, 0o444)
     manifest = dict(format=FORMAT, nvrtc=compiler.nvrtc_version(), generator=generator_digest(),
                     kernels={name: hashlib.sha256(c).hexdigest() for name, c in sorted(cubins.items())})
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    for path in folder.iterdir():
-        os.chmod(path, 0o444)
-    os.chmod(folder, 0o555)
+    private_files.create_file(folder, MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), 0o444)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o555)
+    finally:
+        os.close(fd)
     return folder / MANIFEST

@@ -144,9 +144,8 @@ def info() -> dict:
     return {"directory": str(store.root), "entries": len(store.keys(KERNELS)), "bytes": store.volume(KERNELS)}
 
 
-def clear() -> int:
-    """Empty the disk and memory caches; returns how many disk entries were removed."""
+def clear() -> tuple[int, list[str]]:
+    """Empty the memory cache and remove sparsegen's entries from the disk cache; returns how
+    many entries were removed and the paths left there (files sparsegen did not write)."""
     clear_memory()
-    count = info()["entries"]
-    _store().clear()
-    return count
+    return _store().clear()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import tempfile
 from pathlib import Path
 
 from .. import env
+from . import private_files, trust
+from .diskstore import warn_once
 from ..errors import CompileError, SparsegenError
 
 BASE_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
@@ -84,11 +87,22 @@ def _log(prog) -> str:
 
 
 def dump_source(name: str, source: str, headers: dict[str, str]) -> Path:
-    """Write the generated source (and the headers it includes) where a human can read it."""
-    folder = env.dump_dir() / name
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write the generated source (and the headers it includes) where a human can read it:
+    a new private folder (mkdtemp: 0700, a fresh name) inside the dump directory, each file
+    created exclusively. A dump directory someone else could write (a shared folder) is
+    passed over for the system's temporary directory, and the message says where it went."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_dump_root()))
     for header, text in headers.items():
-        (folder / header).write_text(text)
-    path = folder / f"{name}.cu"
-    path.write_text(source)
-    return path
+        private_files.create_file(folder, Path(header).name, text.encode(), trust.PRIVATE_FILE_MODE)
+    return private_files.create_file(folder, f"{name}.cu", source.encode(), trust.PRIVATE_FILE_MODE)
+
+
+def _dump_root() -> Path | None:
+    """SPARSEGEN_DUMP_DIR (or the cache's failed/) if only the user can write it; else None."""
+    try:
+        trust.make_dirs(env.dump_dir())
+        return env.dump_dir()
+    except (OSError, trust.UntrustedPathError) as error:
+        warn_once(("dump", str(env.dump_dir())), f"not writing generated sources into {env.dump_dir()} ({error}); "
+                                                 "using the system's temporary directory")
+        return None

@@ -15,17 +15,18 @@ import contextlib
 import fcntl
 import os
 import re
-import shutil
-import tempfile
+import stat
 import time
 import warnings
 from pathlib import Path
 
-from . import trust
+from . import private_files, trust
 
 KERNELS, ALIASES, LOCKS = "kernels", "aliases", "locks"
 LEGACY = ("cubins", "jinja")  # diskcache's folder and jinja's bytecode of earlier versions: never read
 KEY_RE = re.compile(r"[0-9a-f]{64}")
+LOCK_RE, _TEMPORARY = re.compile(r"[0-9a-f]{32}\.lock"), re.compile(r"\.tmp-[0-9a-f]{16}")  # (private_files)
+_OWN_NAMES = {KERNELS: KEY_RE, ALIASES: KEY_RE, LOCKS: LOCK_RE}
 LOCK_WAIT_S = 120.0  # a build lock held longer than this (a hung process) is ignored
 _warned: set[tuple] = set()
 
@@ -82,11 +83,26 @@ class DiskStore:
     def volume(self, kind: str) -> int:
         return sum(_size(self.root / kind / key) for key in self.keys(kind))
 
-    def clear(self) -> None:
-        """Remove every entry and lock, and the folders of earlier versions; keep the rest
-        (crossover tables)."""
-        for name in (KERNELS, ALIASES, LOCKS, *LEGACY):
-            shutil.rmtree(self.root / name, ignore_errors=True)
+    def clear(self) -> tuple[int, list[str]]:
+        """Remove the entries, aliases, locks and temporaries sparsegen writes - names it
+        recognises, nothing else - and the folders they leave empty; keep crossover tables.
+        Returns (entries removed, the paths left because sparsegen did not write them)."""
+        removed, left = 0, []
+        for kind, pattern in _OWN_NAMES.items():
+            folder = self.root / kind
+            if not os.path.isdir(folder) or os.path.islink(folder):
+                continue
+            trust.check_path(folder)
+            for path in sorted(folder.iterdir()):
+                if (pattern.fullmatch(path.name) or _TEMPORARY.fullmatch(path.name)) and _is_plain_file(path):
+                    os.unlink(path)
+                    removed += kind == KERNELS and not path.name.startswith(".")
+                else:
+                    left.append(str(path))
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # (only if empty)
+        left += [str(self.root / name) for name in LEGACY if os.path.lexists(self.root / name)]
+        return removed, left
 
     @contextlib.contextmanager
     def build_lock(self, key: str):
@@ -131,16 +147,11 @@ def _flock_within(handle, seconds: float) -> bool:
 
 
 def _replace_atomically(folder: Path, name: str, data: bytes) -> None:
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-")  # 0600, never followed
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(temporary, trust.file_mode(folder))
-        os.replace(temporary, folder / name)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    private_files.replace_file(folder, name, data, trust.file_mode(folder))
+
+
+def _is_plain_file(path: Path) -> bool:
+    return stat.S_ISREG(os.lstat(path).st_mode)
 
 
 def _size(path: Path) -> int:

@@ -6,9 +6,13 @@ could have written it:
 - owned by the current user (or root);
 - not writable by group or others.
 A team cache is opt-in: SPARSEGEN_TEAM_CACHE_DIR names a directory whose group the user
-belongs to; its group may write, and entries may belong to any member. Nothing may be
-writable by others anywhere. Directories sparsegen creates are 0700 (team: 2770, setgid,
-so teammates' entries keep the group).
+belongs to; its group may write, and entries may belong to any member but must carry the
+directory's group. Nothing may be writable by others anywhere. Directories sparsegen
+creates are 0700 (team: 2770, setgid, so teammates' entries keep the group).
+
+A path that is a symbolic link is judged twice: the link itself (lstat: who made it) and
+what it points to. A link another user planted, even one to the user's own folder, is
+refused. Advice never asks anyone to weaken a directory they do not own (a shared /tmp).
 """
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ from pathlib import Path
 
 from .. import env
 from ..errors import SparsegenError
+from . import private_files
 
 PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
+MAX_READ_BYTES = 64 << 20  # a kernel, manifest or table is well under this
 TEAM_DIR_MODE, TEAM_FILE_MODE = 0o2770, 0o640
 
 
@@ -51,56 +57,79 @@ def check(path: Path, info: os.stat_result, kind: str) -> None:
     (or, in the team cache, from the team). kind: "directory" or "file"."""
     team = in_team_cache(path)
     if info.st_mode & stat.S_IWOTH:
-        raise UntrustedPathError(path, f"the {kind} is writable by every user",
-                                 f"chmod o-w {path}" + ("" if team else " (and g-w), or remove it"))
+        raise UntrustedPathError(path, f"the {kind} is writable by every user", _fix_for_shared(path, info, team))
     if team:
         _check_team_member(path, info, kind)
         return
-    if info.st_uid not in (os.geteuid(), 0):
+    if not _own(info):
         raise UntrustedPathError(path, f"the {kind} belongs to uid {info.st_uid}, not to you "
-                                       f"(uid {os.geteuid()})",
-                                 "remove it, or point SPARSEGEN_CACHE_DIR at a directory of your own")
+                                       f"(uid {os.geteuid()})", _ELSEWHERE)
     if info.st_mode & stat.S_IWGRP:
         raise UntrustedPathError(path, f"the {kind} is writable by its group (gid {info.st_gid})",
                                  f"chmod g-w {path}, or name it in SPARSEGEN_TEAM_CACHE_DIR to trust that group")
 
 
+_ELSEWHERE = "point SPARSEGEN_CACHE_DIR at a new directory of your own (sparsegen creates it), or remove this one"
+
+
+def _own(info: os.stat_result) -> bool:
+    return info.st_uid in (os.geteuid(), 0)
+
+
+def _fix_for_shared(path: Path, info: os.stat_result, team: bool) -> str:
+    """chmod only for a path the user owns and that is no shared scratch space (sticky)."""
+    if not _own(info) or info.st_mode & stat.S_ISVTX:
+        return _ELSEWHERE
+    return f"chmod o-w {path}" + ("" if team else " (and g-w), or remove it")
+
+
 def _check_team_member(path: Path, info: os.stat_result, kind: str) -> None:
-    if info.st_gid not in (*os.getgroups(), os.getegid()) and info.st_uid != os.geteuid():
+    team_gid = os.stat(team_root()).st_gid
+    if info.st_gid != team_gid:
+        raise UntrustedPathError(path, f"the {kind} belongs to gid {info.st_gid}, not to the team directory's "
+                                       f"group (gid {team_gid})", "chgrp it to the team's group, or remove it")
+    if team_gid not in (*os.getgroups(), os.getegid()) and info.st_uid != os.geteuid():
         raise UntrustedPathError(path, f"the {kind} belongs to gid {info.st_gid}, a group you are not in",
-                                 "chgrp it to the team's group, or remove it")
+                                 "ask to join the team's group, or unset SPARSEGEN_TEAM_CACHE_DIR")
 
 
 def check_path(path: Path, kind: str = "directory") -> None:
-    """check() on a path's stat (symbolic links followed: what counts is what is read)."""
+    """check() on a path; a symbolic link is checked itself (who made it) and then what it
+    points to (what is read and written)."""
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and not (_own(link) or in_team_cache(path) and _team_link(link)):
+        raise UntrustedPathError(path, f"it is a symbolic link made by uid {link.st_uid}, not by you", _ELSEWHERE)
     check(path, os.stat(path), kind)
 
 
+def _team_link(link: os.stat_result) -> bool:
+    return link.st_gid == os.stat(team_root()).st_gid
+
+
 def read_file(path: Path, follow_links: bool = True) -> bytes:
-    """A file's bytes, after checking the file actually opened (fstat: no race with a rename),
-    and its folder."""
+    """A regular file's bytes (MAX_READ_BYTES at most), after checking its folder and the file
+    actually opened (fstat: no race with a rename). A link is followed only where asked, and
+    then only one the user made."""
     check_path(Path(path).parent)
-    flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW)
-    with os.fdopen(os.open(path, flags), "rb") as handle:
-        check(path, os.fstat(handle.fileno()), "file")
-        return handle.read()
+    if follow_links and os.path.islink(path):
+        check_path(path, "file")
+        path = os.path.realpath(path)
+    return private_files.read_regular(Path(path), MAX_READ_BYTES, lambda p, info: check(p, info, "file"))
 
 
 def make_dirs(path: Path) -> None:
     """Create path and any missing parents with the cache's mode (0700, or 2770 in the team
-    cache), then check path itself. chmod after mkdir: the umask may not drop bits we want
-    kept, and must not add any."""
+    cache), set on the new directory itself, then check path."""
     missing = []
     probe = Path(path)
-    while not probe.exists():
+    while not os.path.lexists(probe):
         missing.append(probe)
         probe = probe.parent
     for folder in reversed(missing):
         try:
-            folder.mkdir()
-        except FileExistsError:  # another process made it first
+            private_files.make_dir(folder, TEAM_DIR_MODE if in_team_cache(folder) else PRIVATE_DIR_MODE)
+        except FileExistsError:  # another process made it first: checked below like any other
             continue
-        os.chmod(folder, TEAM_DIR_MODE if in_team_cache(folder) else PRIVATE_DIR_MODE)
     check_path(path)
 
 

@@ -11,6 +11,7 @@ Tables are JSON, read with json and checked field by field: nothing in one is ru
 from __future__ import annotations
 
 import functools
+import os
 import json
 import math
 import re
@@ -52,7 +53,7 @@ def table(gpu_name: str) -> tuple[Point, ...]:
     """The measured points for this GPU: the user's `sparsegen tune` table, else the packaged
     one, else none (every call then takes the sparse kernels)."""
     user = user_table_path(gpu_name)
-    if user.is_file():
+    if os.path.lexists(user):
         return load(user, check_trust=True)
     packaged = PACKAGED / file_name(gpu_name)
     return load(packaged) if packaged.is_file() else ()
@@ -67,11 +68,13 @@ def reload() -> None:
 
 def load(path: Path, check_trust: bool = False) -> tuple[Point, ...]:
     """A table file's points; a damaged file counts as none, with one warning. One in the
-    cache directory (check_trust) is read only if trust.py trusts it (else an error)."""
+    cache directory (check_trust) is read only if trust.py trusts it: one it does not trust
+    counts as none too, with a warning saying why (a table only steers kernel choice, so it
+    must never stop a model from running)."""
     try:
-        raw = trust.read_file(path) if check_trust else path.read_bytes()
+        raw = trust.read_file(path, follow_links=False) if check_trust else path.read_bytes()
         return tuple(_point(p) for p in json.loads(raw)["points"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, trust.UntrustedPathError) as error:
         warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "
                       "to measure a new one", RuntimeWarning, stacklevel=3)
         return ()

@@ -1,0 +1,78 @@
+"""How sparsegen creates, replaces and reads files where another local user might have been
+first: never through a link, never on a name it did not create, modes set on the open file.
+
+- create_file: O_CREAT | O_EXCL | O_NOFOLLOW, so a name someone planted (a file, a link to
+  the user's ~/.netrc) makes the call fail instead of being written through; fchmod on the
+  descriptor, never chmod on a path that may have been swapped since.
+- replace_file: a new temporary file of our own, renamed over the entry (rename replaces a
+  link itself, never what it points to).
+- make_dir: mkdir (which fails on any existing name, links included), then the mode set on
+  the directory opened with O_NOFOLLOW.
+- read_regular: O_NOFOLLOW | O_NONBLOCK, then fstat: only a regular file (a FIFO would block
+  forever, a device would never end) of at most `limit` bytes is read.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def create_file(folder: Path, name: str, data: bytes, mode: int) -> Path:
+    """A new file folder/name holding data with `mode`; an OSError if the name exists."""
+    path = Path(folder) / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, mode)  # (the descriptor stays writable whatever the mode says)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def replace_file(folder: Path, name: str, data: bytes, mode: int) -> Path:
+    """folder/name replaced atomically by a file holding data: readers see the old or the new."""
+    temporary = create_file(folder, f".tmp-{secrets.token_hex(8)}", data, mode)
+    try:
+        os.replace(temporary, Path(folder) / name)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return Path(folder) / name
+
+
+def make_dir(path: Path, mode: int) -> None:
+    """A new directory with exactly `mode` (the umask neither drops nor adds bits)."""
+    os.mkdir(path, 0o700)
+    fd = os.open(path, _DIRECTORY)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: Path, limit: int, check=None) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, opened without following a link;
+    check(path, stat) may refuse the opened file before anything is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"{info.st_size} bytes, over the {limit}-byte limit", str(path))
+        if check is not None:
+            check(path, info)
+        data = handle.read(limit + 1)
+    if len(data) > limit:  # (it grew while being read)
+        raise OSError(errno.EFBIG, f"over the {limit}-byte limit", str(path))
+    return data
