@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_cache import result_of, sha, start_worker
 
-from sparsegen.jit import cache, diskstore
+from sparsegen.jit import cache, diskstore, private_files
 from sparsegen import env
 from sparsegen.bsr.specs import forward_spec
 
@@ -50,17 +50,16 @@ def test_a_read_only_cache_loads_what_it_has_and_compiles_the_rest_in_memory(rea
 
 @pytest.fixture
 def full_disk(monkeypatch):
-    """Every cache write hits a device with no space left: the temporary file is /dev/full's,
-    so the kernel itself answers ENOSPC (the file name beside it is a real one in the folder)."""
-    real = diskstore.tempfile.mkstemp
+    """Every cache write hits a device with no space left: the new file's descriptor is
+    /dev/full's, so the kernel itself answers ENOSPC (the file name is a real one in the folder)."""
+    real = private_files._write_all
 
-    def mkstemp_on_full_device(dir, prefix):
-        fd, path = real(dir=dir, prefix=prefix)
+    def write_on_full_device(fd, data):
         os.dup2(os.open("/dev/full", os.O_WRONLY), fd)
-        return fd, path
+        return real(fd, data)
 
     def fill(full: bool = True):
-        monkeypatch.setattr(diskstore.tempfile, "mkstemp", mkstemp_on_full_device if full else real)
+        monkeypatch.setattr(private_files, "_write_all", write_on_full_device if full else real)
     return fill
 
 

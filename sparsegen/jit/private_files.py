@@ -28,15 +28,19 @@ def create_file(folder: Path, name: str, data: bytes, mode: int) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, mode)  # (the descriptor stays writable whatever the mode says)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, data)
     except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
     os.close(fd)
     return path
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def replace_file(folder: Path, name: str, data: bytes, mode: int) -> Path:
