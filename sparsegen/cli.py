@@ -71,7 +71,7 @@ def _add_precompile(commands) -> None:
                               help="compile the default kernels into the disk cache")
     sub.add_argument("--jobs", "-j", type=int, default=1, help="parallel compiles (default 1)")
     sub.add_argument("--bundle", type=Path, metavar="DIR",
-                     help="also write the kernels into DIR (new or empty) as a read-only bundle that "
+                     help="also write the kernels into DIR (new, or empty and private) as a read-only bundle that "
                           "SPARSEGEN_KERNEL_BUNDLE=DIR loads on machines without NVRTC")
     sub.set_defaults(run=cmd_precompile)
 
@@ -147,7 +147,7 @@ def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
 def cmd_precompile(args) -> int:
     expect(args.jobs >= 1, "--jobs at least 1", args.jobs, SpecError)
     if args.bundle is not None:  # before minutes of compiling, not after
-        expect(bundle.is_free(args.bundle), "--bundle naming a new or empty directory", str(args.bundle), SpecError)
+        expect(bundle.is_free(args.bundle), "--bundle naming a new directory (or an empty one of yours that only you can write)", str(args.bundle), SpecError)
     arch, todo = selected_specs(args)
     start = time.perf_counter()
     builds = _build_all(todo, args.jobs, f"precompile sm_{arch}")
