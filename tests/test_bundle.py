@@ -138,7 +138,7 @@ def test_a_bundle_others_can_write_is_refused(shipped, tmp_path, monkeypatch):
 def test_precompile_refuses_a_bundle_directory_that_is_not_empty(tmp_path, capsys):
     (tmp_path / "something").write_text("")
     assert cli.main(["precompile", *SELECTION, "--bundle", str(tmp_path)]) == cli.USAGE_ERROR
-    assert "new or empty directory" in capsys.readouterr().err
+    assert "--bundle naming a new directory (or an empty one of yours" in capsys.readouterr().err
     assert env.cache_dir().exists() is False  # refused before compiling anything
 
 
