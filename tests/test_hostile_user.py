@@ -192,6 +192,20 @@ def shipped_bundle(folder: Path) -> Path:
     return folder
 
 
+def test_a_bundle_path_that_is_another_users_link_is_refused(shared, tmp_path, monkeypatch):
+    folder = shipped_bundle(tmp_path / "bundle")
+    link = shared / "bundle"
+    as_attacker(os.symlink, str(folder), str(link))
+    monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(link))
+    bundle._load.cache_clear()
+    with pytest.raises(UntrustedPathError, match="symbolic link made by uid 65534"):
+        bundle.lookup(SPEC.name, [])
+    monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(folder))  # the same bundle, named directly
+    bundle._load.cache_clear()
+    with pytest.warns(RuntimeWarning, match="built from other templates"):
+        assert bundle.lookup(SPEC.name, []) is None  # (trusted; its generator digest differs from [])
+
+
 @pytest.mark.parametrize("swap", ["huge", "fifo", "link"])
 def test_bundle_reads_are_bounded_regular_files_not_followed(tmp_path, victim, monkeypatch, swap):
     folder = shipped_bundle(tmp_path / "bundle")

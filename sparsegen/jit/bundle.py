@@ -53,7 +53,7 @@ def lookup(name: str, generator_texts: list[str]) -> bytes | None:
     folders = env.kernel_bundles()
     current = generator_digest(generator_texts) if folders else None
     for folder in folders:
-        manifest = _load(str(Path(folder).resolve()), current)
+        manifest = _load(os.path.abspath(folder), current)  # (not resolved: a link is judged as a link)
         if manifest is not None and name in manifest.kernels:
             cubin = _read_checked(manifest, name)
             if cubin is not None:
@@ -137,9 +137,5 @@ def write(folder: Path, cubins: dict[str, bytes]) -> Path:
     manifest = dict(format=FORMAT, nvrtc=compiler.nvrtc_version(), generator=generator_digest(),
                     kernels={name: hashlib.sha256(c).hexdigest() for name, c in sorted(cubins.items())})
     private_files.create_file(folder, MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), 0o444)
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fchmod(fd, 0o555)
-    finally:
-        os.close(fd)
+    private_files.set_dir_mode(folder, 0o555)
     return folder / MANIFEST

@@ -57,6 +57,11 @@ def replace_file(folder: Path, name: str, data: bytes, mode: int) -> Path:
 def make_dir(path: Path, mode: int) -> None:
     """A new directory with exactly `mode` (the umask neither drops nor adds bits)."""
     os.mkdir(path, 0o700)
+    set_dir_mode(path, mode)
+
+
+def set_dir_mode(path: Path, mode: int) -> None:
+    """A directory's mode, set on the directory opened without following a link."""
     fd = os.open(path, _DIRECTORY)
     try:
         os.fchmod(fd, mode)
