@@ -62,14 +62,14 @@ def check(path: Path, info: os.stat_result, kind: str) -> None:
         _check_team_member(path, info, kind)
         return
     if not _own(info):
-        raise UntrustedPathError(path, f"the {kind} belongs to uid {info.st_uid}, not to you "
-                                       f"(uid {os.geteuid()})", _ELSEWHERE)
+        fix = ("remove it, or " if kind == "file" else "") + _ELSEWHERE
+        raise UntrustedPathError(path, f"the {kind} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})", fix)
     if info.st_mode & stat.S_IWGRP:
         raise UntrustedPathError(path, f"the {kind} is writable by its group (gid {info.st_gid})",
                                  f"chmod g-w {path}, or name it in SPARSEGEN_TEAM_CACHE_DIR to trust that group")
 
 
-_ELSEWHERE = "point SPARSEGEN_CACHE_DIR at a new directory of your own (sparsegen creates it), or remove this one"
+_ELSEWHERE = "point SPARSEGEN_CACHE_DIR at a new directory of your own (sparsegen creates it)"
 
 
 def _own(info: os.stat_result) -> bool:
