@@ -358,7 +358,7 @@ def test_sdd_hopper_tiles_match_float64(block, tile, m):
     assert not out.isnan().any() and relative_error(out, want) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.skipif(not is_hopper(), reason="the wide tile is the wgmma kernel's")
+@pytest.mark.skipif(not is_hopper(), reason="the wide tile is the wgmma kernel's (an sm_90 GPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_weight_grad_takes_the_wide_tile_for_many_blocks(dtype):
     """Enough stored 64-row blocks for the wide dW tile (bsr_dispatch.SDD_WIDE_BLOCKS_PER_SM an SM):
