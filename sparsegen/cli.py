@@ -44,7 +44,7 @@ def _fail(error: Exception, code: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsegen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sparsegen", description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--version", action="version", version=f"sparsegen {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_precompile(commands)

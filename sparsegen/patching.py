@@ -3,6 +3,7 @@ what the kernels can take of recognised transformer blocks (epilogues.py)."""
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 
 import torch
@@ -17,12 +18,16 @@ from .semi24.nn import Sparse24Linear
 from .semi24.scaled import ScaledSparse24Linear, check_gated_pair
 from .semi24.train import Sparse24TrainingLinear
 
-_SETTINGS = ("block", "density", "layout", "sparsity", "method", "training", "nblocks", "weight_dtype")
+# The settings each sparsity takes in a rule (any other is refused, naming it).
+RULE_SETTINGS = {"block": ("block", "density", "layout"), "2:4": ("method", "training", "weight_dtype"),
+                 "block-diagonal": ("nblocks", "density")}
+_SETTINGS = ("sparsity", *dict.fromkeys(key for keys in RULE_SETTINGS.values() for key in keys))
 
 
 def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = True) -> list[str]:
-    """Replace, in place, every linear layer whose qualified name (as in named_modules())
-    fully matches a pattern of `rules` by a BlockSparseLinear built with that pattern's
+    r"""Replace, in place, every linear layer whose qualified name (as in named_modules())
+    matches a pattern of `rules` - the whole name or a whole dotted suffix of it, so
+    r"mlp\.(gate|up|down)_proj" finds model.layers.0.mlp.gate_proj - by a BlockSparseLinear built with that pattern's
     settings ({"block": (32, 32), "density": 0.5} or {"layout": mask}), or by a
     Sparse24Linear for {"sparsity": "2:4"} (optional "method": "magnitude" or
     "transposable"; always pruned from the dense weights), or a Sparse24TrainingLinear for
@@ -198,15 +203,32 @@ def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
     plan, used = [], set()
     for name, module in linears:
         for pattern, regex, settings in compiled:
-            if regex.fullmatch(name):
+            if matches(regex, name):
                 plan.append((name, module, settings))
                 used.add(pattern)
                 break
     unused = [pattern for pattern, _, _ in compiled if pattern not in used]
-    names = ", ".join(name for name, _ in linears[:8]) + (", ..." if len(linears) > 8 else "")
-    expect(not unused, "every pattern to match a linear layer's full name "
-           f"({'they are: ' + names if linears else 'the model has none'})", f"no match for {unused}")
+    expect(not unused, "every pattern to match a linear layer's name (the whole qualified name, or a "
+           r"whole dotted suffix of it: 'mlp\.up_proj' matches 'model.layers.0.mlp.up_proj')",
+           f"no match for {unused}; {_closest(unused, [name for name, _ in linears])}")
     return plan
+
+
+def matches(regex: re.Pattern, name: str) -> bool:
+    """Whether a rule's pattern matches a module's qualified name: the whole name, or the whole
+    of a dotted suffix of it, as PEFT's target_modules match (a transformers model's names
+    start with its base model's attribute: model.layers.0..., transformer.h.0...)."""
+    parts = name.split(".")
+    return any(regex.fullmatch(".".join(parts[i:])) for i in range(len(parts)))
+
+
+def _closest(patterns: list[str], names: list[str]) -> str:
+    """The linear layers' names most like the patterns, for the error (or that there are none)."""
+    if not names:
+        return "the model has no nn.Linear (or transformers Conv1D) layers"
+    close = {near for pattern in patterns for near in difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)}
+    shown = sorted(close) or names[:3]
+    return f"the closest linear layers are {', '.join(shown)} ({len(names)} in all)"
 
 
 def _regex(pattern) -> re.Pattern:
@@ -223,6 +245,13 @@ _TRAINING_OPTIONS = ("mask_interval", "method", "dw_sparse", "soft_threshold")
 def _checked(pattern: str, settings) -> dict:
     expect(isinstance(settings, dict) and set(settings) <= set(_SETTINGS),
            f"settings for {pattern!r} as a dict with keys from {_SETTINGS}", settings)
+    sparsity = settings.get("sparsity", "block")
+    expect(sparsity in RULE_SETTINGS, f"sparsity for {pattern!r} one of {tuple(RULE_SETTINGS)}", repr(sparsity))
+    unused = sorted(set(settings) - {"sparsity", *RULE_SETTINGS[sparsity]})
+    expect(not unused, f"only settings that sparsity {sparsity!r} takes for {pattern!r}: "
+           f"{', '.join(RULE_SETTINGS[sparsity])}", f"also {', '.join(unused)}")
+    expect("weight_dtype" not in settings or "training" not in settings,
+           f"weight_dtype or training for {pattern!r}, not both (one-byte layers are for inference)", settings)
     training = settings.get("training", {})
     expect(isinstance(training, dict) and set(training) <= set(_TRAINING_OPTIONS),
            f"'training' settings for {pattern!r} as a dict with keys from {_TRAINING_OPTIONS}", training)

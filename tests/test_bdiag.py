@@ -74,7 +74,7 @@ def test_specs_name_both_parameters_and_the_template_computes_columns():
 def test_linear_patch_and_dense_copy():
     layer = sparsegen.linear(256, 128, sparsity="block-diagonal", nblocks=4, dtype=torch.float64)
     assert isinstance(layer, BlockDiagonalLinear) and layer.nblocks == 4
-    with pytest.raises(InputError, match="nblocks only for"):
+    with pytest.raises(InputError, match="only arguments that sparsity=.block. takes.*Got also nblocks"):
         sparsegen.linear(256, 128, nblocks=4)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)).double()
     assert sparsegen.patch(model, {"0": {"sparsity": "block-diagonal", "nblocks": 2}}) == ["0"]

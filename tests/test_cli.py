@@ -149,3 +149,20 @@ def test_default_precompile_set_adds_e4m3_only_where_the_arch_has_fp8_tensor_cor
     dtypes = lambda arch: {s.dtype for s in default_specs(arch)}  # noqa: E731
     assert "int8" in dtypes(80) and "e4m3" not in dtypes(80)
     assert {"int8", "e4m3"} <= dtypes(89) and {"int8", "e4m3"} <= dtypes(90)
+
+
+def test_help_is_whole_sentences_and_names_every_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1].replace("\n", " ")
+    assert description.endswith(".") and "(tune)" in description, description
+    for command in ("precompile", "cache", "show", "tune"):
+        assert command in out
+
+
+def test_import_is_silent():
+    """`import sparsegen` prints nothing (torch warns without numpy: numpy is a dependency)."""
+    done = subprocess.run([sys.executable, "-W", "always", "-c", "import sparsegen"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr

@@ -176,7 +176,7 @@ def test_gated_layer_refuses_projections_that_differ():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: sparsegen.linear(128, 64, sparsity="2:4", weight_dtype="fp4"), "weight_dtype one of"),
-    (lambda: sparsegen.linear(128, 64, weight_dtype="int8"), "weight_dtype only for sparsity='2:4'"),
+    (lambda: sparsegen.linear(128, 64, weight_dtype="int8"), "sparsity='block' takes: block, density, layout. Got also weight_dtype"),
     (lambda: sparsegen.linear(96, 64, sparsity="2:4", weight_dtype="int8"), "columns of 64"),
     (lambda: make_layer()[0](torch.randn(2, 192, dtype=torch.float64)), "an input in"),
     (lambda: make_layer()[0](torch.randn(2, 190, dtype=torch.bfloat16)), r"input of shape \(\.\.\., 192\)"),
