@@ -1,5 +1,6 @@
 """sparsegen: JIT-generated sparse kernels for PyTorch layers."""
-from .errors import CompileError, InputError, SparsegenError, SpecError
+from .errors import CompileError, ConfigError, InputError, LaunchError, SparsegenError, SpecError
+from .jit.trust import UntrustedPathError
 from .bsr.nn import BlockSparseLinear
 from .factory import linear
 from .semi24.nn import Sparse24Linear
@@ -14,5 +15,5 @@ from .semi24.train import Sparse24TrainingLinear, dense_finetune_, masked_decay_
 
 __version__ = "0.1.0"
 __all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "GatedMLP", "topology", "KernelSpec", "TileConfig", "SparsegenError",
-           "SpecError", "CompileError", "InputError", "Sparse24Linear", "ScaledSparse24Linear", "load_compressed", "Sparse24Tensor", "Sparse24TrainingLinear", "to_sparse24",
+           "SpecError", "CompileError", "InputError", "ConfigError", "LaunchError", "UntrustedPathError", "Sparse24Linear", "ScaledSparse24Linear", "load_compressed", "Sparse24Tensor", "Sparse24TrainingLinear", "to_sparse24",
            "masked_decay_", "dense_finetune_", "__version__"]

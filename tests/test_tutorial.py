@@ -1,4 +1,4 @@
-"""README's "Adding a layout", followed to the letter: its code blocks, written where their
+"""docs/adding-a-layout.md, followed to the letter: its code blocks, written where their
 info strings say into a copy of the package, plus the registry line it asks for, make a layout
 that renders, compiles (NVRTC, no GPU), precompiles and runs a CPU forward and backward equal
 to float64 math written out here; a broken template makes `sparsegen show` print the NVRTC log.
@@ -17,8 +17,7 @@ KERNEL = "band_dds_b64x64_bf16_nt_sm90a_pingpong_t256w8x1s5_xrowblocks4_xgridcol
 
 
 def tutorial_files() -> dict[str, str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Adding a layout\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "adding-a-layout.md").read_text()
     return {path: body for path, body in re.findall(r"```\w+ (\S+)\n(.*?)```", section, re.S)}
 
 
