@@ -38,7 +38,7 @@ class UntrustedPathError(SparsegenError):
         self.path, self.problem, self.fix = str(path), problem, fix
         super().__init__(f"Expected a cache path that only you can write. Got {path}: {problem}. "
                          f"Fix: {fix}. sparsegen loads nothing from it until then "
-                         "(README: 'Trust model').")
+                         "(docs/trust-model.md).")
 
 
 def team_root() -> Path | None:
