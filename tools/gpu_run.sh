@@ -79,6 +79,7 @@ for step in "${steps[@]}"; do
     trust_tests) # copies after every mode, strict checkpoint loads, the attacker tests, the skip guard
          timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_copy.py tests/test_copy.py \
            tests/test_compressed.py tests/test_compressed_strict.py tests/test_skip_guard.py tests/test_hostile_user.py \
+           tests/test_docs.py tests/test_arguments.py \
            "tests/test_gpu_scaled24.py::test_checkpoint_layers_run_on_the_gpu" -rs 2>&1 | tee "$OUT/trust_tests.log" | tail -25 ;;
     scaled_tests) timeout 400 python3 -m pytest -q tests/test_gpu_scaled24.py tests/test_scaled24.py \
            tests/test_compressed.py -rs 2>&1 | tee "$OUT/scaled_tests.log" | tail -25 ;;
