@@ -52,7 +52,7 @@ def _register() -> None:
             x = present[0]
             out_features, epilogue = spec.args.out_features_and_epilogue(args)
             size = [*x.get_size()[:-1], epilogues.output_features(epilogue, out_features)]
-            layout = ir.FixedLayout(x.get_device(), spec.output_dtype(x.get_dtype()), size)
+            layout = ir.FixedLayout(x.get_device(), spec.output_dtype(x.get_dtype(), args), size)
             kernel = f"extern_kernels.{name}{'' if inputs[spec.args.bias_at] is not None else '_no_bias'}"
             return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
                                                           python_kernel_name=kernel))

@@ -15,20 +15,28 @@ def compiled_code(layer, x):
         return run_and_get_code(torch.compile(layer, fullgraph=True), x)
 
 
+def scaled(bias: bool, weight_dtype: str = "e4m3"):
+    dense = torch.nn.Linear(128, 48, bias=bias, dtype=torch.bfloat16)
+    return sparsegen.ScaledSparse24Linear.from_dense(dense, weight_dtype)
+
+
 LAYERS = {
     "block-sparse": lambda bias: sparsegen.linear(96, 48, block=(16, 16), density=0.5, bias=bias),
     "2:4": lambda bias: sparsegen.Sparse24Linear(64, 48, bias=bias),
+    "scaled-e4m3": lambda bias: scaled(bias),
+    "scaled-int8": lambda bias: scaled(bias, "int8"),
 }
+LAUNCHERS = {"block-sparse": "sparsegen_bsr_dds", "2:4": "sparsegen_sp24_dds", "scaled-e4m3": "sparsegen_sp24_scaled_dds",
+             "scaled-int8": "sparsegen_sp24_scaled_dds"}
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kind", LAYERS)
 def test_compiled_graph_calls_the_launcher_into_its_own_buffer(kind, bias):
     layer = LAYERS[kind](bias)
-    x = torch.randn(3, 5, layer.in_features)
+    x = torch.randn(3, 5, layer.in_features, dtype=torch.bfloat16 if kind.startswith("scaled") else torch.float32)
     got, (source, *_) = compiled_code(layer, x)
-    name = "sparsegen_bsr_dds" if kind == "block-sparse" else "sparsegen_sp24_dds"
-    assert f"extern_kernels.{name}{'' if bias else '_no_bias'}(" in source, source
+    assert f"extern_kernels.{LAUNCHERS[kind]}{'' if bias else '_no_bias'}(" in source, source
     assert "torch.ops.sparsegen" not in source
     with torch.no_grad():
         torch.testing.assert_close(got, layer(x))

@@ -106,11 +106,13 @@ class Lowering:
 
     op: str                                         # its name under torch.ops.sparsegen
     launcher: Callable
-    output_dtype: Callable = lambda dtype: dtype     # Y's dtype for X's
+    output_dtype: Callable = lambda dtype, args: dtype  # Y's dtype for X's (and the op's arguments)
+    own_args: object = None                          # an op that is no registered product: its
+                                                     # ProductArgs-like tensors / bias_at / out_features_and_epilogue
 
     @property
     def args(self) -> ProductArgs:
-        return op_rules(self.op).args
+        return self.own_args or op_rules(self.op).args
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from ..launch import calls, lean, plans
 from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
 from . import ops
+from . import scaled  # noqa: F401 (defines torch.ops.sparsegen.sp24_scaled_dds)
 
 # The launcher's plans, per weight and call signature (the graph's checks ran when it was traced).
 _PLANS = plans.PlanCache()
@@ -24,4 +25,28 @@ def sp24_dds_into(x, values, metadata, bias, out_features, epilogue, *, out):
         out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))
 
 
-LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into, output_dtype=ops.sp24_output_dtype),)
+class _ScaledArgs:
+    """sp24_scaled_dds's arguments as the lowering reads them (scaled.py's schema: x, values,
+    metadata, x_scale, w_scale, bias, then epilogue and Y's dtype)."""
+    tensors = ("x", "values", "metadata", "x_scale", "w_scale", "bias")
+    bias_at = 5
+
+    @staticmethod
+    def out_features_and_epilogue(args: tuple) -> tuple:
+        return args[1].get_size()[0], args[6]
+
+
+def sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype, *, out):
+    """The scaled product into Inductor's buffer: without it a compiled decode step paid a boxed
+    dispatcher call into Python and a fresh output for every one-byte layer."""
+    if ops.runs_byte_kernels(values) and calls.fits_in_place(out):
+        ops.sp24_scaled_dds(x, values, metadata, x_scale, w_scale, bias, values.shape[0], out_dtype, out=out,
+                            epilogue=epilogue)
+    else:
+        out.copy_(torch.ops.sparsegen.sp24_scaled_dds.default(x, values, metadata, x_scale, w_scale, bias, epilogue,
+                                                              out_dtype))
+
+
+LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into, output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype)),
+             registry.Lowering("sp24_scaled_dds", sp24_scaled_dds_into, output_dtype=lambda dtype, args: args[7],
+                               own_args=_ScaledArgs))
