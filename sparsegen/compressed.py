@@ -94,7 +94,6 @@ class _Plan:
     the other tensors by the model's names, and what either side lacks."""
 
     def __init__(self, model: nn.Module, tensors: dict, config: dict, allow_nonfinite: bool):
-        self.allow_nonfinite = allow_nonfinite
         names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith(".bitmask")})
         expect(names, f"2:4 layers (<name>.bitmask tensors) in a checkpoint whose config says {SPARSE_FORMAT!r}",
                "none")
@@ -125,10 +124,12 @@ def _listed(keys: list[str]) -> str:
 def _missing(model: nn.Module, own: dict, covered: set) -> list[str]:
     """The model's entries nothing covers; tied tensors (one parameter under two names, as
     lm_head and embed_tokens often are) are covered by either name."""
-    names_of: dict[int, list[str]] = {}
+    def storage(tensor: torch.Tensor) -> tuple:  # (state_dict detaches: tied tensors share memory, not identity)
+        return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device
+    names_of: dict[tuple, list[str]] = {}
     for key, tensor in own.items():
-        names_of.setdefault(id(tensor), []).append(key)
-    return sorted(key for key, tensor in own.items() if not covered.intersection(names_of[id(tensor)]))
+        names_of.setdefault(storage(tensor), []).append(key)
+    return sorted(key for key, tensor in own.items() if not covered.intersection(names_of[storage(tensor)]))
 
 
 def _fused_names(names: list[str], fused_mlps: list[str]) -> list[str]:

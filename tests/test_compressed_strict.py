@@ -170,3 +170,13 @@ def test_fused_names_are_the_layers_the_model_has(bf16):
     assert len(result.layers) == 12
     ids = torch.randint(0, 311, (1, 7))
     assert torch.isfinite(logits(model, ids)).all()
+
+
+def test_tied_embeddings_are_covered_by_either_name(bf16):
+    """A model whose lm_head is its embedding (tie_word_embeddings): a file without lm_head.weight is whole."""
+    edit(bf16, drop("lm_head."))
+    model = tiny_llama(2, tie_word_embeddings=True)
+    result = sparsegen.load_compressed(model, bf16)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    stored = safetensors_torch.load_file(str(bf16 / "model.safetensors"))
+    assert torch.equal(model.lm_head.weight, stored["model.embed_tokens.weight"])
