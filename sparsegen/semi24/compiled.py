@@ -36,10 +36,20 @@ class _ScaledArgs:
         return args[1].get_size()[0], args[6]
 
 
+_SCALED_PLANS = plans.PlanCache()
+
+
 def sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype, *, out):
-    """The scaled product into Inductor's buffer: without it a compiled decode step paid a boxed
-    dispatcher call into Python and a fresh output for every one-byte layer."""
-    if ops.runs_byte_kernels(values) and calls.fits_in_place(out):
+    """The scaled product into Inductor's buffer, by the lean plan where there is one: without
+    this a compiled decode step paid a boxed dispatcher call into Python, a fresh output and the
+    full path's checks for every one-byte layer."""
+    code = ops.SCALED_OUTPUT_CODES.get(out_dtype)
+    plan = None if code is None else _SCALED_PLANS.get(
+        metadata, (x.shape, x.dtype, x.get_device(), values.data_ptr(), epilogue, code),
+        lambda: ops.sp24_scaled_lean_plan(x, values, metadata, values.shape[0], epilogue, code))
+    if plan is not None and lean.runs(plan, x) and calls.fits_in_place(out) and x_scale.is_contiguous():
+        plan.run(x, values, bias, out, (x_scale, w_scale, code))
+    elif ops.runs_byte_kernels(values) and calls.fits_in_place(out):
         ops.sp24_scaled_dds(x, values, metadata, x_scale, w_scale, bias, values.shape[0], out_dtype, out=out,
                             epilogue=epilogue)
     else:

@@ -149,6 +149,19 @@ def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none
     return plan
 
 
+def sp24_scaled_lean_plan(x2, values, metadata, out_features: int, epilogue: str, code: int):
+    """The plan a compiled graph's scaled product launches straight (one-byte X [M, K], Y's
+    dtype code), or None where it takes sp24_scaled_dds's full path."""
+    if not (runs_byte_kernels(values) and x2.dim() == 2 and x2.numel() and out_features
+            and calls.tma_ready(values) and calls.tma_ready(metadata)):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    plan = _kept_sp24_plan(x2, values, metadata, out_features, dispatch.wanted_splits(None, x2.dtype, code),
+                           epilogue, code)
+    return None if plan.dense else plan
+
+
 def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str, scales: int = 0):
     """The plan for these operands with default kernels, made once per weight and signature."""
     return _PLANS.get(metadata, (*x2.shape, x2.dtype, out_features, splits, values.data_ptr(), epilogue, scales),
