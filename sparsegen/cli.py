@@ -147,7 +147,8 @@ def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
 def cmd_precompile(args) -> int:
     expect(args.jobs >= 1, "--jobs at least 1", args.jobs, SpecError)
     if args.bundle is not None:  # before minutes of compiling, not after
-        expect(bundle.is_free(args.bundle), "--bundle naming a new directory (or an empty one of yours that only you can write)", str(args.bundle), SpecError)
+        expect(bundle.is_free(args.bundle), "--bundle naming a new directory (or an empty one of yours that only you "
+               "can write)", str(args.bundle), SpecError)
     arch, todo = selected_specs(args)
     start = time.perf_counter()
     builds = _build_all(todo, args.jobs, f"precompile sm_{arch}")

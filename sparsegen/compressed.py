@@ -188,7 +188,8 @@ def _check_finite(what: str, tensor: torch.Tensor, allow_nonfinite: bool) -> Non
     expect(bad == 0, f"finite values in {what} (allow_nonfinite=True loads them)", f"{bad} NaN or infinite")
 
 
-def _unpacked(name: str, tensors: dict, want: tuple[int, int], allow_nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpacked(name: str, tensors: dict, want: tuple[int, int],
+              allow_nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(the dense weight, its 2:4 mask) from shape / compressed / bitmask, checked."""
     missing = [part for part in _PARTS if f"{name}.{part}" not in tensors]
     expect(not missing, f"{name}.shape, .compressed and .bitmask", f"none for {missing}")

@@ -57,6 +57,7 @@ def sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, bias, epilogue, 
                                                               out_dtype))
 
 
-LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into, output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype)),
+LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
+                              output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype)),
              registry.Lowering("sp24_scaled_dds", sp24_scaled_dds_into, output_dtype=lambda dtype, args: args[7],
                                own_args=_ScaledArgs))
