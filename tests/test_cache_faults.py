@@ -63,7 +63,6 @@ def full_disk(monkeypatch):
     return fill
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_warns_once_keeps_kernels_in_memory_and_loses_nothing(full_disk):
     stored = cache.build(SPEC)
     root = env.cache_dir()

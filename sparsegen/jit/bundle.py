@@ -67,7 +67,7 @@ def _load(folder: str, current_generator: str) -> Manifest | None:
     path = Path(folder) / MANIFEST
     try:
         trust.check_path(Path(folder))
-        manifest = parse(Path(folder), trust.read_file(path, follow_links=False))
+        manifest = parse(Path(folder), trust.read_file(path))
     except (OSError, ValueError) as error:
         warn_once(("bundle", folder), f"ignoring the kernel bundle {folder} ({error})")
         return None

@@ -25,7 +25,8 @@ from . import private_files, trust
 KERNELS, ALIASES, LOCKS = "kernels", "aliases", "locks"
 LEGACY = ("cubins", "jinja")  # diskcache's folder and jinja's bytecode of earlier versions: never read
 KEY_RE = re.compile(r"[0-9a-f]{64}")
-LOCK_RE, _TEMPORARY = re.compile(r"[0-9a-f]{32}\.lock"), re.compile(r"\.tmp-[0-9a-f]{16}")  # (private_files)
+LOCK_RE = re.compile(r"[0-9a-f]{32}\.lock")
+TEMPORARY_RE = re.compile(r"\.tmp-[0-9a-f]{16}")  # private_files.replace_file's names
 _OWN_NAMES = {KERNELS: KEY_RE, ALIASES: KEY_RE, LOCKS: LOCK_RE}
 LOCK_WAIT_S = 120.0  # a build lock held longer than this (a hung process) is ignored
 _warned: set[tuple] = set()
@@ -47,7 +48,7 @@ class DiskStore:
         folder = self.root / kind
         try:
             trust.check_path(self.root)
-            return trust.read_file(folder / key, follow_links=False)
+            return trust.read_file(folder / key)
         except FileNotFoundError:
             return None
         except OSError as error:  # unreadable, or a symbolic link where an entry belongs
@@ -94,9 +95,11 @@ class DiskStore:
                 continue
             trust.check_path(folder)
             for path in sorted(folder.iterdir()):
-                if (pattern.fullmatch(path.name) or _TEMPORARY.fullmatch(path.name)) and _is_plain_file(path):
+                if pattern.fullmatch(path.name) and _is_plain_file(path):
                     os.unlink(path)
-                    removed += kind == KERNELS and not path.name.startswith(".")
+                    removed += kind == KERNELS  # (entries counted; their aliases and locks not)
+                elif TEMPORARY_RE.fullmatch(path.name) and _is_plain_file(path):
+                    os.unlink(path)  # (a write that died half-way)
                 else:
                     left.append(str(path))
             with contextlib.suppress(OSError):

@@ -106,14 +106,10 @@ def _team_link(link: os.stat_result) -> bool:
     return link.st_gid == os.stat(team_root()).st_gid
 
 
-def read_file(path: Path, follow_links: bool = True) -> bytes:
-    """A regular file's bytes (MAX_READ_BYTES at most), after checking its folder and the file
-    actually opened (fstat: no race with a rename). A link is followed only where asked, and
-    then only one the user made."""
+def read_file(path: Path) -> bytes:
+    """A regular file's bytes (MAX_READ_BYTES at most), never through a link, after checking
+    its folder and the file actually opened (fstat: no race with a rename)."""
     check_path(Path(path).parent)
-    if follow_links and os.path.islink(path):
-        check_path(path, "file")
-        path = os.path.realpath(path)
     return private_files.read_regular(Path(path), MAX_READ_BYTES, lambda p, info: check(p, info, "file"))
 
 

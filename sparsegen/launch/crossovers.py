@@ -72,7 +72,7 @@ def load(path: Path, check_trust: bool = False) -> tuple[Point, ...]:
     counts as none too, with a warning saying why (a table only steers kernel choice, so it
     must never stop a model from running)."""
     try:
-        raw = trust.read_file(path, follow_links=False) if check_trust else path.read_bytes()
+        raw = trust.read_file(path) if check_trust else path.read_bytes()
         return tuple(_point(p) for p in json.loads(raw)["points"])
     except (OSError, ValueError, KeyError, TypeError, trust.UntrustedPathError) as error:
         warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "
