@@ -64,9 +64,10 @@ def _register() -> None:
 
 def _without_bias(spec: registry.Lowering):
     """The launcher as a graph without a bias calls it: the tensors but bias, then the rest."""
+    bias_at, launch = spec.args.bias_at, spec.launcher  # (read once: this runs per compiled call)
+
     def launcher(*args, out):
-        bias_at = spec.args.bias_at
-        spec.launcher(*args[:bias_at], None, *args[bias_at:], out=out)
+        launch(*args[:bias_at], None, *args[bias_at:], out=out)
     return launcher
 
 

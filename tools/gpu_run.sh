@@ -76,6 +76,14 @@ for step in "${steps[@]}"; do
          for c in ${PROFILE_CASES:-llama8b_prefill llama8b_decode64}; do
            timeout 160 python3 tools/profile_gpu_time.py --case $c --mode compile --top 12 fp8-dense fp8-2:4 \
              --json "$R/62_profile_$c.json" 2>&1 | tee "$OUT/profile_$c.log" | grep -E "^\||^ +[0-9]"; done ;;
+    plain_compile_profile) # issue 39 item 6: a decode step under plain torch.compile, dense against the
+         # byte variants: GPU time and launches per kernel, host time (cProfile), Inductor's code for FP8 2:4
+         c=${PROFILE_CASE:-llama8b_decode8}
+         timeout 200 python3 tools/profile_gpu_time.py --case $c --mode compile --top 45 dense 2:4 fp8-dense fp8-2:4 \
+           > "$OUT/plain_gpu_$c.log" 2>&1; grep -E "^\||launches per step" "$OUT/plain_gpu_$c.log"
+         timeout 200 python3 tools/profile_model.py --compile --case $c dense 2:4 fp8-dense fp8-2:4 > "$OUT/plain_host_$c.log" 2>&1
+         grep -E "====|function calls" "$OUT/plain_host_$c.log"
+         TORCH_LOGS=output_code timeout 150 python3 tools/profile_model.py --compile --case $c fp8-2:4 > "$OUT/plain_code_$c.log" 2>&1 ;;
     trust_tests) # copies after every mode, strict checkpoint loads, the attacker tests, the skip guard
          timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_copy.py tests/test_copy.py \
            tests/test_compressed.py tests/test_compressed_strict.py tests/test_skip_guard.py tests/test_hostile_user.py \

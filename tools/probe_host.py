@@ -66,6 +66,25 @@ def pieces(x: torch.Tensor, layer: nn.Module) -> dict:
     }
 
 
+def compiled_launches() -> dict:
+    """A compiled decode step's launch of one product (Llama-3-8B's q_proj, 8 tokens, split K)
+    as Inductor's wrapper makes it, against the cuBLAS call a dense graph makes there."""
+    from sparsegen.semi24 import compiled as sp24_compiled, scaled
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    dense = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16)
+    sp24 = sparsegen.linear(4096, 4096, sparsity="2:4", bias=False).to("cuda", torch.bfloat16)
+    fp8 = scaled.ScaledSparse24Linear.from_dense(nn.Linear(4096, 4096, bias=False, device="cuda"), "e4m3")
+    xq, x_scale = scaled.quantized_activations(x, fp8.values, None)
+    return {
+        "extern mm: torch.mm(x, wT, out=y) 8x4096x4096": lambda: torch.mm(x, dense.t(), out=y),
+        "extern sp24_dds_into(..., out=y) 8x4096x4096": lambda: sp24_compiled.sp24_dds_into(
+            x, sp24.values, sp24.metadata, None, 4096, "none", out=y),
+        "extern sp24_scaled_dds_into(..., out=y) e4m3": lambda: sp24_compiled.sp24_scaled_dds_into(
+            xq, fp8.values, fp8.metadata, x_scale, fp8.weight_scale, None, "none", torch.bfloat16, out=y),
+    }
+
+
 def _empty_module():
     class Empty(nn.Module):
         def forward(self, x):
@@ -83,6 +102,9 @@ def main() -> None:
         layer(x), sp24(x)
         rows = {name: us_per_call(fn) for name, fn in pieces(x, layer).items()}
         rows["layer(x) Sparse24Linear"] = us_per_call(lambda: sp24(x))
+        for name, fn in compiled_launches().items():
+            fn()
+            rows[name] = us_per_call(fn)
     print("| piece | host us per call |\n|---|---|")
     for name, us in rows.items():
         print(f"| {name} | {us:.2f} |")

@@ -82,19 +82,20 @@ def gpu_ms_by_kind(case, variant: str, mode: str, steps: int = 3, top: int = 0, 
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    totals, kernels = collections.Counter(), collections.Counter()
+    totals, kernels, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for event in prof.events():
         for kernel in event.kernels:
             ms = kernel.duration / 1e3 / steps
             totals[train_kind(kernel.name, event, case.tokens) if case.training else kind_of(kernel.name)] += ms
             kernels[kernel.name[:90]] += ms
+            launches[kernel.name[:90]] += 1 / steps
     if ops:  # which operators launch the time, with their input shapes (3 steps)
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=ops,
                                                                  max_name_column_width=60, max_shapes_column_width=90))
     if top:
-        print(f"\n{variant}, {mode}: top kernels, GPU ms per step")
+        print(f"\n{variant}, {mode}: {sum(launches.values()):.0f} launches per step; top kernels, GPU ms and launches per step")
         for name, ms in kernels.most_common(top):
-            print(f"  {ms:8.3f}  {name}")
+            print(f"  {ms:8.3f} {launches[name]:5.0f}  {name}")
     return dict(totals)
 
 

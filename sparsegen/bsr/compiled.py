@@ -14,10 +14,12 @@ _PLANS = plans.PlanCache()
 
 def bsr_dds_into(x, values, bias, row_offsets, col_indices, flat_index, block_rows, block_cols, out_features,
                  epilogue, *, out):
-    plan = _PLANS.get(row_offsets, (x.shape, x.dtype, x.get_device(), epilogue), lambda: ops.bsr_lean_plan(
+    # (keyed by the layout, whose device X shares in any graph that ran its checks)
+    plan = _PLANS.get(row_offsets, (x.shape, x.dtype, epilogue), lambda: ops.bsr_lean_plan(
         x, values, row_offsets, col_indices, (block_rows, block_cols), out_features, epilogue))
-    if plan is not None and lean.runs(plan, x) and calls.fits_in_place(out):
-        plan.run(x, values, bias, out)
+    x_address, y_address = x.data_ptr(), out.data_ptr()
+    if plan is not None and lean.runs_into(plan, x, out, x_address | y_address):
+        plan.run_at(x_address, values.data_ptr(), bias, y_address)
     elif x.is_cuda and calls.has_kernels(x.device.index or 0) and calls.fits_in_place(out):
         ops.bsr_dds(x, values, row_offsets, col_indices, bias, (block_rows, block_cols), out_features, out=out,
                     epilogue=epilogue)

@@ -123,6 +123,10 @@ class _BsrPlan:
         """Launch on these operands (of the plan's signature; Y contiguous, 16-byte aligned)."""
         plans.run_product(self.launch, x2, values, bias, y)
 
+    def run_at(self, x_address: int, values_address: int, bias, y_address: int) -> None:
+        """run, given X's, W's and Y's addresses (a compiled graph's launcher has read them)."""
+        plans.run_product_at(self.launch, x_address, values_address, bias, y_address)
+
 
 _PLANS = plans.PlanCache()
 

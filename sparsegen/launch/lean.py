@@ -35,6 +35,13 @@ def runs(plan, x: torch.Tensor) -> bool:
     return not (plan.dense and torch.cuda.is_current_stream_capturing())
 
 
+def runs_into(plan, x: torch.Tensor, out: torch.Tensor, addresses: int) -> bool:
+    """runs, and `out` is a buffer the plan writes in place (`addresses`: x's and out's
+    data_ptr() or-ed, read once by a compiled graph's launcher)."""
+    return (not addresses & 15 and x.is_contiguous() and out.is_contiguous()
+            and not (plan.dense and torch.cuda.is_current_stream_capturing()))
+
+
 class LeanCall:
     """One layer's inference call for one input signature: a plan (its `run(x2, values, bias,
     y)` launches), Y's shape, dtype and device, and the weights it was planned with."""

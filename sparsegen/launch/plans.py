@@ -54,9 +54,14 @@ def forget_all() -> None:
 def run_product(launch, x2: torch.Tensor, values: torch.Tensor, bias, y: torch.Tensor) -> None:
     """Launch a planned product (runtime.PackedLaunch) on these operands: X and W bound as its
     first two parameters (pointers or TMA maps), bias and Y as its last two pointers."""
+    run_product_at(launch, x2.data_ptr(), values.data_ptr(), bias, y.data_ptr())
+
+
+def run_product_at(launch, x_address: int, values_address: int, bias, y_address: int) -> None:
+    """run_product given X's, W's and Y's addresses (a compiled graph's launcher reads them once)."""
     pointers = launch.pointers
     with launch.lock:
-        launch.bind(0, x2.data_ptr())
-        launch.bind(1, values.data_ptr())
-        pointers[-2], pointers[-1] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
+        launch.bind(0, x_address)
+        launch.bind(1, values_address)
+        pointers[-2], pointers[-1] = bias.data_ptr() if bias is not None else 0, y_address
         launch.run()

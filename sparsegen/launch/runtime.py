@@ -72,6 +72,8 @@ def _slow_current_stream(device_index: int) -> int:
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
 # Likewise the raw device query: torch.cuda.current_device() adds its lazy-init check (~3 us).
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# And the capture query, without torch.cuda's Python wrapper around it (a frame per call).
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 class Kernel:
@@ -122,7 +124,9 @@ class Kernel:
             # The driver launches into the thread's current context: make it this device's.
             with torch.cuda.device(self.device_index):
                 return self.launch_array(grid, array)
-        status = self._launch_raw(grid, array)
+        # (_launch_raw's call written out: this is every planned launch's path, a frame costs)
+        status = self._cu_launch(self._handle, *grid, self.threads, 1, 1, self.smem,
+                                 current_stream(self.device_index), array, None)
         if status == _CUDA_ERROR_INVALID_CONTEXT:
             # A thread that has not touched CUDA through torch yet - autograd's backward
             # thread when a kernel is its first GPU work - has no current context.

@@ -26,9 +26,13 @@ from .memory import allocating
 class SplitWorkspace:
     sums: torch.Tensor    # float32, a slice of M x N per split; any contents between launches
     counts: torch.Tensor  # int32 arrival counters, one per output tile; zeros between launches
+    sizes: tuple[int, int] = dataclasses.field(init=False)  # (sums, counts) elements, read per launch
+
+    def __post_init__(self):
+        object.__setattr__(self, "sizes", (self.sums.numel(), self.counts.numel()))
 
     def holds(self, floats: int, counters: int) -> bool:
-        return self.sums.numel() >= floats and self.counts.numel() >= counters
+        return self.sizes[0] >= floats and self.sizes[1] >= counters
 
 
 _WORKSPACES: dict[tuple[int, int], list[SplitWorkspace]] = {}
@@ -41,6 +45,21 @@ def held(device: torch.device, stream: int, floats: int, counters: int, allocate
     kept = _WORKSPACES.setdefault((device.index or 0, stream), [])
     if kept and kept[-1].holds(floats, counters):
         return kept[-1]
+    return _grown(kept, device, floats, counters, allocate)
+
+
+def kept_for(device_index: int, stream: int, floats: int, counters: int) -> SplitWorkspace | None:
+    """held's answer where the workspace kept already holds this much, else None (then call
+    held): a planned launch's lookup, without a torch.device."""
+    kept = _WORKSPACES.get((device_index, stream))
+    if kept:
+        sizes = kept[-1].sizes
+        if sizes[0] >= floats and sizes[1] >= counters:
+            return kept[-1]
+    return None
+
+
+def _grown(kept: list, device: torch.device, floats: int, counters: int, allocate) -> SplitWorkspace:
     # doubling: few generations kept
     floats = max(floats, 2 * kept[-1].sums.numel() if kept else 0)
     counters = max(counters, 2 * kept[-1].counts.numel() if kept else 0)

@@ -14,11 +14,15 @@ from . import scaled  # noqa: F401 (defines torch.ops.sparsegen.sp24_scaled_dds)
 _PLANS = plans.PlanCache()
 
 
+# Plans are keyed by the weight (whose device X shares in any graph that ran its checks)
+# and what of the call may differ between graphs: each launch of a compiled decode step pays
+# for every query made here.
 def sp24_dds_into(x, values, metadata, bias, out_features, epilogue, *, out):
-    plan = _PLANS.get(metadata, (x.shape, x.dtype, x.get_device(), values.data_ptr(), epilogue),
+    plan = _PLANS.get(metadata, (x.shape, x.dtype, values.data_ptr(), epilogue),
                       lambda: ops.sp24_lean_plan(x, values, metadata, out_features, epilogue))
-    if plan is not None and lean.runs(plan, x) and calls.fits_in_place(out):
-        plan.run(x, values, bias, out)
+    x_address, y_address = x.data_ptr(), out.data_ptr()
+    if plan is not None and lean.runs_into(plan, x, out, x_address | y_address):
+        plan.run_at(x_address, bias.data_ptr() if bias is not None else 0, y_address)
     elif calls.runs_16bit_kernels(x) and calls.fits_in_place(out):
         ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
     else:
@@ -45,10 +49,11 @@ def sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, bias, epilogue, 
     full path's checks for every one-byte layer."""
     code = ops.SCALED_OUTPUT_CODES.get(out_dtype)
     plan = None if code is None else _SCALED_PLANS.get(
-        metadata, (x.shape, x.dtype, x.get_device(), values.data_ptr(), epilogue, code),
+        metadata, (x.shape, x.dtype, values.data_ptr(), epilogue, code),
         lambda: ops.sp24_scaled_lean_plan(x, values, metadata, values.shape[0], epilogue, code))
-    if plan is not None and lean.runs(plan, x) and calls.fits_in_place(out) and x_scale.is_contiguous():
-        plan.run(x, values, bias, out, (x_scale, w_scale, code))
+    x_address, y_address = x.data_ptr(), out.data_ptr()
+    if plan is not None and lean.runs_into(plan, x, out, x_address | y_address) and x_scale.is_contiguous():
+        plan.run_at(x_address, bias.data_ptr() if bias is not None else 0, y_address, (x_scale, w_scale, code))
     elif ops.runs_byte_kernels(values) and calls.fits_in_place(out):
         ops.sp24_scaled_dds(x, values, metadata, x_scale, w_scale, bias, values.shape[0], out_dtype, out=out,
                             epilogue=epilogue)

@@ -186,13 +186,22 @@ class _Sp24Plan:
     def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor, scales=None) -> None:
         """Launch on these operands (of the plan's signature, W as the plan bound it; Y
         contiguous, 16-byte aligned; scales (x_scale, w_scale, code) for a scaled plan)."""
-        space = _split_workspace(self, x2.device) if self.workspace else None
+        self.run_at(x2.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(), scales)
+
+    def run_at(self, x_address: int, bias_address: int, y_address: int, scales=None) -> None:
+        """run, given the operands' addresses (bias 0 for none): a compiled graph's launcher
+        has read them already (every frame and query here is paid per launch)."""
+        space = None
+        if self.workspace:  # the kept workspace where it holds enough (capturing or not), else as made
+            device_index = self.kern.device_index
+            space = workspace.kept_for(device_index, runtime.current_stream(device_index), self.workspace,
+                                       self.counters) or _split_workspace(self, torch.device("cuda", device_index))
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
-            launch.bind(0, x2.data_ptr())
+            launch.bind(0, x_address)
             if scales is not None:
                 pointers[-6], pointers[-5] = scales[0].data_ptr(), scales[1].data_ptr()
-            pointers[-4], pointers[-3] = bias.data_ptr() if bias is not None else 0, y.data_ptr()
+            pointers[-4], pointers[-3] = bias_address, y_address
             if space is not None:
                 pointers[-2], pointers[-1] = space.sums.data_ptr(), space.counts.data_ptr()
             launch.run()
@@ -218,7 +227,7 @@ def _split_workspace(plan: _Sp24Plan, device: torch.device) -> workspace.SplitWo
     """The sums and zeroed counters of a split-K launch. During CUDA graph capture with none
     big enough, ones allocated inside the graph, used by this call only."""
     stream = runtime.current_stream(device.index or 0)
-    if torch.cuda.is_current_stream_capturing():
+    if runtime.capturing():
         held = workspace.current(device, stream)
         if held is not None and held.holds(plan.workspace, plan.counters):
             return held
