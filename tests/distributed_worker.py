@@ -1,52 +1,263 @@
-"""Run by tests/test_distributed.py under torchrun on 2 GPUs: BlockSparseLinear under
-DistributedDataParallel and FSDP2 gives the gradients of one process on the whole batch."""
-import sys
+"""Run by tests/test_distributed.py under torchrun (2 processes: NCCL on 2 GPUs, or gloo on
+the CPU): sparse Llama models under FSDP2, DDP and torch.distributed.checkpoint against a
+twin in one process that sees every rank's batch.
 
+Every case prints one line per rank, `ok CASE ...` or `FAIL CASE: why`; the test counts them.
+Usage: torchrun --nproc_per_node=2 tests/distributed_worker.py --cases fsdp2:bsr,ddp:2:4 [--out DIR]
+"""
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 
-import sparsegen
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import distributed_models as models  # noqa: E402 (tests/ beside this file)
 
-
-def model():
-    torch.manual_seed(0)  # same layout and initial values on every rank
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    return torch.nn.Sequential(sparsegen.linear(256, 512, block=(64, 64), density=0.5, **kw), torch.nn.GELU(),
-                               sparsegen.linear(512, 128, block=(32, 32), density=0.25, **kw))
+STEPS = 3
+WHOLE = "whole.safetensors"  # a dcp case's whole state, as rank 0 gathered it
 
 
-def grads(net, x, y):
-    torch.nn.functional.mse_loss(net(x).float(), y.float()).backward()
-    return [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in net.parameters()]
+def loss_of(model, ids) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
 
 
-def relative_error(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+def full(t):
+    """A DTensor's whole value (FSDP2's parameters and gradients), a tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def mean_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def batches(device, world: int):
+    """The same batches on every rank: rank r trains on its slice of each, the twin on all."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, models.VOCAB, (2 * world, 48), generator=gen).to(device) for _ in range(STEPS)]
+
+
+def twin_run(variant: str, device, ids_per_step, accumulate: bool = False):
+    """Losses, first-step gradients (by parameter name) and final parameters of one process
+    on the whole batch."""
+    model = models.build(variant, device)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR)
+    losses, grads = [], None
+    for ids in ids_per_step:
+        loss = loss_of(model, ids)
+        loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def distributed_run(model, device, ids_per_step, local, step_model=None):
+    """The same steps on each rank's slice of the batch (`local`: which rows)."""
+    step_model = step_model or model
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR)
+    losses, grads = [], None
+    for ids in ids_per_step:
+        loss = loss_of(step_model, ids[local])
+        loss.backward()
+        losses.append(mean_over_ranks(loss.item(), device))
+        if grads is None:
+            grads = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {name: full(p.detach()).clone() for name, p in model.named_parameters()}
+
+
+def compare(case: str, got, want, loss_tolerance: float, grad_tolerance: float) -> str:
+    """Why `got` (losses, first gradients, final parameters) is not `want`, or '' where it is."""
+    (losses, grads, params), (want_losses, want_grads, want_params) = got, want
+    names = [name.removeprefix("module.").replace("_orig_mod.", "") for name in grads]
+    if sorted(names) != sorted(want_grads):
+        return f"gradients of {sorted(set(names) ^ set(want_grads))} on one side only"
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    grad_errors = {name: relative_error(g, want_grads[name]) for name, g in zip(names, grads.values())}
+    worst_name = max(grad_errors, key=grad_errors.get)
+    param_errors = {name.removeprefix("module.").replace("_orig_mod.", ""): relative_error(p, want_params[
+        name.removeprefix("module.").replace("_orig_mod.", "")]) for name, p in params.items()}
+    print(f"{case}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; worst "
+          f"gradient error {grad_errors[worst_name]:.1e} ({worst_name}); worst parameter error "
+          f"{max(param_errors.values()):.1e}", flush=True)
+    if worst_loss > loss_tolerance:
+        return f"losses {losses} against the twin's {want_losses}"
+    if grad_errors[worst_name] > grad_tolerance:
+        return f"gradient of {worst_name} off by {grad_errors[worst_name]:.2e}"
+    if max(param_errors.values()) > grad_tolerance:
+        return f"parameters after {STEPS} steps off by {max(param_errors.values()):.2e}"
+    return ""
+
+
+def fsdp2_case(variant: str, device, world: int, rank: int, compiled: bool = False, checkpointed: bool = False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ids = batches(device, world)
+    local = slice(2 * rank, 2 * rank + 2)
+    model = models.build(variant, device)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if checkpointed:
+            models.checkpoint_activations(layer)
+        fully_shard(layer, mp_policy=policy)
+        if compiled:
+            layer.compile()
+    fully_shard(model, mp_policy=policy)
+    return distributed_run(model, device, ids, local), twin_run(variant, device, ids)
+
+
+def ddp_case(variant: str, device, world: int, rank: int, compiled: bool = False, no_sync: bool = False):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = batches(device, world)
+    local = slice(2 * rank, 2 * rank + 2)
+    model = models.build(variant, device)
+    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if no_sync:
+        return ddp_accumulated(wrapped, device, ids, rank), twin_run(variant, device, ids[:1])
+    return distributed_run(wrapped, device, ids, local, torch.compile(wrapped) if compiled else None), \
+        twin_run(variant, device, ids)
+
+
+def ddp_accumulated(wrapped, device, ids, rank):
+    """One step of two micro-batches per rank, the first under no_sync (no all-reduce)."""
+    batch = ids[0]
+    micro = [batch[2 * rank:2 * rank + 1], batch[2 * rank + 1:2 * rank + 2]]
+    with wrapped.no_sync():
+        first = loss_of(wrapped, micro[0]) / 2
+        first.backward()
+    second = loss_of(wrapped, micro[1]) / 2
+    second.backward()
+    loss = mean_over_ranks(first.item() + second.item(), device)
+    grads = {name: p.grad.clone() for name, p in wrapped.named_parameters() if p.grad is not None}
+    torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=models.LR).step()
+    return [loss], grads, {name: p.detach().clone() for name, p in wrapped.named_parameters()}
+
+
+def dcp_case(variant: str, device, world: int, rank: int, out: Path):
+    """FSDP2 model trained a step, saved with torch.distributed.checkpoint; loaded back into a
+    fresh sharded model (exact), and its whole state kept for tests/test_distributed.py to load
+    on one process (resharding 2 -> 1)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, \
+        StateDictOptions
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(seed_offset: int):
+        model = models.build(variant, device, seed=seed_offset)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+
+    model = sharded(0)
+    ids = batches(device, world)[0][2 * rank:2 * rank + 2]
+    loss_of(model, ids).backward()
+    torch.optim.SGD(model.parameters(), lr=models.LR).step()
+    folder = out / f"dcp_{variant.replace(':', '')}"
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # (the whole state lands on rank 0 alone)
+        safetensors.torch.save_file({name: t.contiguous() for name, t in whole.items()}, folder / WHOLE)
+    fresh = sharded(5)
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(fresh, state)
+    again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    differ = [name for name in whole if not torch.equal(whole[name], again[name])]
+    if sorted(whole) != sorted(again) or differ:
+        return f"the state loaded back differs: {differ or sorted(set(whole) ^ set(again))}"
+    with torch.no_grad():
+        if not torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits):
+            return "the model loaded back gives other logits"
+    if rank == 0:
+        print(f"dcp:{variant}: {len(whole)} tensors saved on {world} ranks and loaded back exactly", flush=True)
+    return ""
+
+
+def load_on_one_process(variant: str, out: Path) -> str:
+    """The checkpoint dcp_case saved on several ranks, loaded into a plain model in one process
+    (no process group): every tensor equals the saved whole state."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = out / f"dcp_{variant.replace(':', '')}"
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    model = models.build(variant, device, seed=7)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    model.load_state_dict(state)
+    whole = safetensors.torch.load_file(folder / WHOLE)
+    mine = {name: t.cpu() for name, t in model.state_dict().items()}
+    differ = [name for name in whole if not torch.equal(whole[name], mine.get(name))]
+    if sorted(whole) != sorted(mine) or differ:
+        return f"loaded on one process, the state differs: {differ or sorted(set(whole) ^ set(mine))}"
+    print(f"dcp:{variant}: {len(whole)} tensors loaded on one process exactly", flush=True)
+    return ""
+
+
+def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
+    """'' where the case holds, else why not."""
+    kind, _, variant = name.partition(":")
+    loose = models.TOLERANCES.get(variant, (2e-3, 1.5e-2))
+    if kind.startswith("fsdp2"):
+        got = fsdp2_case(variant, device, world, rank, compiled="compile" in kind, checkpointed="ckpt" in kind)
+        return compare(name, *got, *loose)
+    if kind.startswith("ddp"):
+        got = ddp_case(variant, device, world, rank, compiled="compile" in kind, no_sync="nosync" in kind)
+        return compare(name, *got, *loose)
+    if kind == "dcp":
+        return dcp_case(variant, device, world, rank, out)
+    return f"no case kind {kind!r}"
 
 
 def main() -> int:
-    dist.init_process_group("nccl")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True, help="KIND:VARIANT,... (KIND: fsdp2, fsdp2-compile, "
+                        "fsdp2-ckpt, ddp, ddp-compile, ddp-nosync, dcp; VARIANT: distributed_models.VARIANTS)")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--load-one", action="store_true", help="load the dcp cases' checkpoints in this one "
+                        "process (run without torchrun, after them)")
+    args = parser.parse_args()
+    if args.load_one:
+        return report([(name, lambda name=name: load_on_one_process(name.partition(":")[2], args.out))
+                       for name in args.cases.split(",")])
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(64 * world, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    y = torch.randn(64 * world, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    want = grads(model(), x, y)
-    mine = slice(64 * rank, 64 * (rank + 1))
-    ddp = grads(DistributedDataParallel(model(), device_ids=[rank]), x[mine], y[mine])
-    from torch.distributed.fsdp import fully_shard
-
-    sharded = model()
-    for layer in sharded:
-        if isinstance(layer, sparsegen.BlockSparseLinear):
-            fully_shard(layer)
-    fully_shard(sharded)
-    fsdp = grads(sharded, x[mine], y[mine])
-    errors = [relative_error(g, w) for got in (ddp, fsdp) for g, w in zip(got, want)]
-    print(f"rank {rank}: worst relative gradient error {max(errors):.2e}", flush=True)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    failed = report([(name, lambda name=name: run_case(name, device, world, rank, args.out))
+                     for name in args.cases.split(",")])
     dist.destroy_process_group()
-    return 0 if max(errors) < 2e-2 else 1
+    return failed
+
+
+def report(cases) -> int:
+    """Run each (name, case): `ok NAME` or `FAIL NAME: why` per case; 1 if any failed."""
+    failed = 0
+    for name, case in cases:
+        try:
+            why = case()
+        except Exception:  # noqa: BLE001 (reported per case, the next ones still run)
+            why = traceback.format_exc()[-2500:]
+        print(f"ok {name}" if not why else f"FAIL {name}: {why}", flush=True)
+        failed += bool(why)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ fi
 # A writable bytecode cache: the image's site-packages hold no .pyc files, and recompiling
 # jinja2 at every import would dominate the new-process timing (a pip install has them).
 export PYTHONPYCACHEPREFIX=/tmp/pycache
+# NVLink multicast stays off on the lent multi-GPU machines (KINDS.md), for every program started here
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 SPARSEGEN_CACHE_DIR=${SPARSEGEN_CACHE_DIR:-/tmp/sgcache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
@@ -123,7 +125,11 @@ for step in "${steps[@]}"; do
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
     train) python3 tools/bench.py --train --json "$R/40_train_bsr.json" 2>&1 | tee "$OUT/train.log" ;;
     cputests) timeout 500 python3 -m pytest -q tests/test_patching.py tests/test_autograd.py 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
-    distributed) timeout 500 python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
+    distributed) timeout ${DIST_TIMEOUT:-500} python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
+    distributed_bench) # FSDP2 / DDP training steps against dense (issue 40), NVLink multicast off (KINDS.md)
+         timeout ${DIST_BENCH_TIMEOUT:-500} \
+           python3 -m torch.distributed.run --nproc_per_node=${NGPU:-2} tools/bench_distributed.py ${DIST_BENCH_ARGS:-} \
+           --json "$R/70_distributed_train.json" 2>&1 | tee "$OUT/distributed_bench.log" | grep -E "^\||====|recompiles" ;;
     train_profile) timeout 100 python3 tools/profile_train.py 2>&1 | tee "$OUT/train_profile.log" | grep -E " ms|corpus|batches" ;;
     train_demo) timeout 420 python3 tools/train_demo.py --out "$OUT" 2>&1 | tee "$OUT/train_demo.log" | tail -8 ;;
     train_demo_seeds) timeout 500 python3 tools/train_demo.py --out "$OUT/seeds" --models dense,0.5,2:4-train --seeds 0,1,2 --steps 400 --json "$R/44_train_demo_seeds.json" \

@@ -1,0 +1,62 @@
+"""The models tests/distributed_worker.py trains: a config-built Llama (2 decoder layers)
+whose projections are sparse, one variant per trainable layer type (and a frozen one-byte
+attention beside a trainable sparse MLP). Built the same on every rank from a seed."""
+import torch
+import transformers
+
+import sparsegen
+
+VOCAB, LR = 512, 0.3
+MLP = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
+ATTENTION = r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+BLOCK_ELL = dict(sparsity="block-ell", block=(64, 64), per_row=2)
+
+# variant: (patch rules, fuse) - a callable for what patch rules do not make
+VARIANTS = {
+    "dense": ({}, True),
+    "bsr": ({MLP: {"block": (64, 64), "density": 0.5}}, True),            # GatedMLP of block-CSR
+    "bsr-unfused": ({MLP: {"block": (64, 64), "density": 0.5}}, False),   # BlockSparseLinear each
+    "2:4": ({MLP: {"sparsity": "2:4"}}, True),                            # GatedMLP of 2:4 (fixed mask)
+    "2:4-unfused": ({MLP: {"sparsity": "2:4", "method": "transposable"}}, False),
+    "2:4-recipe": ({MLP: {"sparsity": "2:4", "training": {"mask_interval": 2}}}, True),  # mask refresh
+    "bdiag": ({MLP: {"sparsity": "block-diagonal", "nblocks": 4}}, False),
+    "bell": (None, False),
+    "scaled+bsr": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "e4m3"},
+                    MLP: {"block": (64, 64), "density": 0.5}}, True),
+    "int8+2:4": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "int8"}, MLP: {"sparsity": "2:4"}}, True),
+}
+# (loss, gradient) relative tolerances where bf16 rounding differs by more than the default
+TOLERANCES = {}
+
+
+def config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                    max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def build(variant: str, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The variant's model in bf16 on `device`, the same for a given seed on every rank."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config())
+    rules, fuse = VARIANTS[variant]
+    if rules is None:
+        _block_ell(model)
+    elif rules:
+        sparsegen.patch(model, rules, fuse=fuse)
+    return model.to(device, torch.bfloat16)
+
+
+def _block_ell(model) -> None:
+    """Block-ELL projections (patch rules make no block-ELL layer: sparsegen.linear does)."""
+    for layer in model.model.layers:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            dense = getattr(layer.mlp, name)
+            setattr(layer.mlp, name, sparsegen.linear(dense.in_features, dense.out_features, bias=False,
+                                                      **BLOCK_ELL))
+
+
+def checkpoint_activations(layer: torch.nn.Module) -> None:
+    """Recompute the layer's activations in the backward (the composable API FSDP2 documents)."""
+    from torch.distributed._composable import checkpoint
+    checkpoint(layer)

@@ -1,0 +1,130 @@
+"""Training steps of a sparse Llama on several GPUs against its dense twin: FSDP2 (fully_shard
+per decoder layer, bf16 parameters, fp32 gradient reduction) and DDP, eager and compiled
+(FSDP2: each decoder layer compiled after sharding; DDP: the wrapped model), with the same
+variant on one GPU (each rank alone, no communication) for the share of its speedup kept.
+
+GPU: torchrun --nproc_per_node=2 tools/bench_distributed.py [--engines one,fsdp2,ddp]
+     [--modes eager,compile] [--variants dense,b64d0.25,2:4t-mlp] [--steps 10] [--json FILE]
+Rank 0 prints and records; the model is the issue's (hidden 2048, MLP 5632, 4 layers, GQA 32/4)
+on 4 x 1024 tokens per rank, fused AdamW."""
+import argparse
+import gc
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import bench_models  # tools/ is on sys.path when run as a script
+from bench_record import Table, write
+
+ENGINES, MODES = ("one", "fsdp2", "ddp"), ("eager", "compile")
+
+
+def config():
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+
+
+def model_for(variant: str, engine: str, mode: str, device) -> torch.nn.Module:
+    """The variant's model as the engine runs it (the same on every rank: seeded)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = bench_models.patched(LlamaForCausalLM(config()), "llama", variant).to(device, torch.bfloat16).train()
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[device.index])
+        return torch.compile(model) if mode == "compile" else model
+    if mode == "compile":
+        for layer in model.model.layers:
+            layer.compile()
+    return model
+
+
+def step_ms(model, ids, steps: int, engine: str) -> float:
+    """Median ms of a forward, backward and fused AdamW step, after 3 warm-up steps."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    times = []
+    for i in range(3 + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if engine != "one":
+            dist.barrier()
+        start.record()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def profile(engine: str, mode: str, variant: str, ids, device, rank: int) -> None:
+    """torch.profiler over 3 steps after the warm-up, and dynamo's counters since the start."""
+    from torch._dynamo.utils import counters
+
+    model = model_for(variant, engine, mode, device)
+    step_ms(model, ids, 1, engine)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step_ms(model, ids, 0, engine)
+    if rank == 0:
+        print(f"==== {engine} {mode} {variant}: 3 steps", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+        print("recompiles / graph breaks:", dict(counters["recompiles"]), dict(counters["graph_break"]), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--variants", default="dense,b64d0.25,2:4t-mlp")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", help="ENGINE:MODE:VARIANT: after the table, where its step's time goes "
+                        "(GPU kernels, host operators, recompiles and graph breaks) on rank 0")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch._dynamo.config.cache_size_limit = 64
+    ids = bench_models.token_ids(32000, (4, 1024), "cpu").add(rank).remainder(32000).to(device)  # rank's own batch
+    variants = args.variants.split(",")
+    table = Table("Training", f"Llama-1B-shaped (4 layers) training step on {world} H100s, 4 x 1024 tokens per GPU",
+                  [("engine", ""), ("mode", ""), ("dense ms", ".1f")] + [(v, "x") for v in variants if v != "dense"],
+                  "tools/bench_distributed.py under torchrun: median of the steps after 3 warm-ups (forward, backward, "
+                  "fused AdamW), CUDA events on rank 0; 'one' is each GPU training the same model alone. Speedups "
+                  "are the dense twin's step time over the variant's under the same engine and mode.")
+    for engine in args.engines.split(","):
+        for mode in args.modes.split(","):
+            ms = {}
+            for variant in ["dense", *[v for v in variants if v != "dense"]]:
+                model = model_for(variant, engine, mode, device)
+                ms[variant] = step_ms(model, ids, args.steps, engine)
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+            if rank == 0:
+                table.add(engine, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants if v != "dense"])
+    if rank == 0:
+        write(args.json, "bench_distributed.py", sys.argv[1:], [table])
+    if args.profile:
+        profile(*args.profile.split(":", 2), ids, device, rank)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
