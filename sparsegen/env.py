@@ -81,6 +81,17 @@ def dense_fallback() -> bool:
     return _switch("SPARSEGEN_DENSE_FALLBACK", True)
 
 
+def persistent_waves() -> int:
+    """Blocks a persistent kernel launches, in multiples of what the GPU runs at once:
+    SPARSEGEN_PERSISTENT_WAVES (a whole number >= 1, default 1). More waves leave fewer tiles
+    per block, so a kernel that shares the GPU with others (NCCL's, overlapping a backward)
+    waits less for its last blocks."""
+    raw = os.environ.get("SPARSEGEN_PERSISTENT_WAVES", "1").strip()
+    expect(raw.isdigit() and 1 <= int(raw) <= 64, "SPARSEGEN_PERSISTENT_WAVES of a whole number in [1, 64]",
+           repr(raw), ConfigError)
+    return int(raw)
+
+
 def kernel_bundles() -> list[Path]:
     """Read-only bundles of precompiled kernels, searched in order before the user cache:
     SPARSEGEN_KERNEL_BUNDLE=DIR[:DIR...] (os.pathsep between them)."""

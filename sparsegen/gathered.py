@@ -171,7 +171,7 @@ def _grid(kern, m: int, block_rows: int) -> tuple[int, int, int]:
     tiles = (block_rows, -(-m // kern.spec.tile.tile_m))
     if kern.spec.instr == "mma":
         return (*tiles, 1)
-    return (min(tiles[0] * tiles[1], runtime.sm_count(kern.device_index)), 1, 1)  # persistent
+    return (min(tiles[0] * tiles[1], runtime.persistent_blocks(runtime.sm_count(kern.device_index))), 1, 1)  # persistent
 
 
 class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):

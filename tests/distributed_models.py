@@ -25,8 +25,12 @@ VARIANTS = {
                     MLP: {"block": (64, 64), "density": 0.5}}, True),
     "int8+2:4": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "int8"}, MLP: {"sparsity": "2:4"}}, True),
 }
-# (loss, gradient) relative tolerances where bf16 rounding differs by more than the default
-TOLERANCES = {}
+# (loss, gradient) relative tolerances where rounding differs by more than bf16's default. e4m3
+# activations: a token's quantized values move a step where the product before them summed in
+# another order (the twin's M is twice a rank's: other kernels and splits); on an H100 the
+# layer norm weights' gradients then differed by 2.9e-2 between the twin and both FSDP2 and DDP
+# (which agreed with each other).
+TOLERANCES = {"scaled+bsr": (5e-3, 5e-2)}
 
 
 def config() -> transformers.LlamaConfig:
@@ -57,6 +61,12 @@ def _block_ell(model) -> None:
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
-    """Recompute the layer's activations in the backward (the composable API FSDP2 documents)."""
-    from torch.distributed._composable import checkpoint
-    checkpoint(layer)
+    """Recompute the layer's activations in the backward: its forward under non-reentrant
+    torch.utils.checkpoint, which torch.compile traces as one region (the composable
+    torch.distributed._composable.checkpoint's hooks around a compiled layer recompute its
+    tensors in another order: CheckpointError, dense layers included)."""
+    forward = layer.forward
+
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    layer.forward = checkpointed

@@ -67,7 +67,7 @@ def twin_run(variant: str, device, ids_per_step, accumulate: bool = False):
 
 def distributed_run(model, device, ids_per_step, local, step_model=None):
     """The same steps on each rank's slice of the batch (`local`: which rows)."""
-    step_model = step_model or model
+    step_model = model if step_model is None else step_model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR)
     losses, grads = [], None
     for ids in ids_per_step:
@@ -211,6 +211,7 @@ def load_on_one_process(variant: str, out: Path) -> str:
 
 def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
     """'' where the case holds, else why not."""
+    torch._dynamo.reset()  # (each case's model is new: no case inherits the last one's graphs or limits)
     kind, _, variant = name.partition(":")
     loose = models.TOLERANCES.get(variant, (2e-3, 1.5e-2))
     if kind.startswith("fsdp2"):

@@ -39,7 +39,8 @@ def run_cases(cases: list[str], out: Path, timeout: int) -> None:
 
 def assert_all_ok(run: subprocess.CompletedProcess, cases: list[str], ranks: int) -> None:
     failures = [line for line in run.stdout.splitlines() if line.startswith("FAIL")]
-    assert run.returncode == 0 and not failures, "\n".join(failures)[-6000:] + run.stderr[-3000:]
+    # (the whole output: a failed case's traceback follows its FAIL line)
+    assert run.returncode == 0 and not failures, "\n".join(failures) + "\n" + run.stdout[-30000:] + run.stderr[-3000:]
     missing = [case for case in cases if run.stdout.count(f"ok {case}\n") != ranks]
     assert not missing, f"no result from every rank for {missing}\n" + run.stdout[-3000:] + run.stderr[-3000:]
 

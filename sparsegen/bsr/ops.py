@@ -203,9 +203,9 @@ def _grid(kern, m: int, n: int) -> tuple[int, int, int]:
     tiles = (-(-n // rows), -(-m // spec.tile.tile_m))
     if cluster > 1:  # persistent clusters, each taking `cluster` neighbouring token tiles of one tile row
         groups = tiles[0] * -(-tiles[1] // cluster)
-        return (cluster * min(groups, kern.resident_blocks // cluster), 1, 1)
+        return (cluster * min(groups, runtime.persistent_blocks(kern.resident_blocks) // cluster), 1, 1)
     if spec.instr in TMA_INSTRS:  # persistent: one block per SM walks the tiles
-        return (min(tiles[0] * tiles[1], runtime.sm_count(kern.device_index)), 1, 1)
+        return (min(tiles[0] * tiles[1], runtime.persistent_blocks(runtime.sm_count(kern.device_index))), 1, 1)
     return (*tiles, 1)
 
 

@@ -9,6 +9,7 @@ import threading
 import torch
 
 from ..jit import cache
+from .. import env
 from ..errors import LaunchError
 from ..jit.spec import KernelSpec
 
@@ -34,6 +35,12 @@ def device_name(device_index: int) -> str:
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_blocks(at_once: int) -> int:
+    """The blocks a persistent kernel launches where the GPU runs `at_once` of them together
+    (env.persistent_waves of that): each walks its share of the tiles."""
+    return at_once * env.persistent_waves()
 
 
 def _ensure_context(device_index: int) -> None:

@@ -80,7 +80,8 @@ def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, re
     if spec.instr != "tma":
         return (tiles_n, tiles_m, splits_k), k_split
     cluster = spec.tile.cluster  # a cluster's blocks take neighbouring W tiles: work items of `cluster` tiles
-    items, slots = -(-tiles_n // cluster) * tiles_m, (resident or runtime.sm_count(device_index)) // cluster
+    items = -(-tiles_n // cluster) * tiles_m
+    slots = runtime.persistent_blocks(resident or runtime.sm_count(device_index)) // cluster
     return (cluster * (items if splits_k > 1 else min(items, slots)), 1, splits_k), k_split
 
 
