@@ -214,6 +214,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
     torch._dynamo.reset()  # (each case's model is new: no case inherits the last one's graphs or limits)
     kind, _, variant = name.partition(":")
     loose = models.TOLERANCES.get(variant, (2e-3, 1.5e-2))
+    if "compile" in kind:  # Inductor's fused kernels round otherwise than the eager twin: the dense
+        loose = (loose[0], max(loose[1], 3e-2))  # model's k_proj gradients differed by 1.4e-2 on an H100
     if kind.startswith("fsdp2"):
         got = fsdp2_case(variant, device, world, rank, compiled="compile" in kind, checkpointed="ckpt" in kind)
         return compare(name, *got, *loose)

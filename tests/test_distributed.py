@@ -20,7 +20,7 @@ BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt
         + [f"dcp:{v}" for v in SAVED])
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "scaled+bsr"]]
-            + ["fsdp2-compile-ckpt:bsr", "ddp-compile:bsr", "ddp-compile:2:4"])
+            + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe", "ddp-compile:bsr", "ddp-compile:2:4"])
 # NVLink multicast off, as the GPU machines require (and harmless elsewhere)
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 

@@ -55,6 +55,37 @@ def test_mask_refreshes_every_interval_in_training_only():
     assert torch.equal(layer.mask, semi24.transposable_mask(layer.weight.detach()))
 
 
+def test_reentrant_checkpointing_counts_each_step_once_in_the_recomputation():
+    """Reentrant checkpointing runs the forward without grad (no step: as any such forward)
+    and counts the step when it recomputes it in the backward: the schedule holds."""
+    plain, checkpointed = make(mask_interval=2), make(mask_interval=2)
+    for step in range(5):
+        x = torch.randn(6, 64, dtype=torch.float64, requires_grad=True)
+        plain(x).sum().backward()
+        torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=True).sum().backward()
+        assert int(checkpointed.step) == int(plain.step) == step + 1
+        assert torch.equal(checkpointed.mask, plain.mask)
+
+
+def test_activation_checkpointing_counts_each_step_once_and_recomputes_with_the_forwards_mask():
+    """The recomputation in the backward is no step of its own: the schedule, the masks and
+    the weights follow the run without checkpointing, step for step."""
+    reentrant = False
+    plain, checkpointed = make(mask_interval=2), make(mask_interval=2)
+    optimizers = [torch.optim.SGD(layer.parameters(), lr=0.5) for layer in (plain, checkpointed)]
+    for step in range(5):
+        x = torch.randn(6, 64, dtype=torch.float64, requires_grad=True)
+        plain(x).square().sum().backward()
+        torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=reentrant).square().sum().backward()
+        assert int(checkpointed.step) == int(plain.step) == step + 1
+        assert torch.equal(checkpointed.mask, plain.mask)
+        torch.testing.assert_close(checkpointed.weight.grad, plain.weight.grad)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(checkpointed.weight, plain.weight)
+
+
 def test_the_schedule_counts_on_a_device_tensor_and_only_training_forwards_with_grad():
     layer = make(mask_interval=2)
     x = torch.randn(4, 64, dtype=torch.float64)

@@ -19,7 +19,8 @@ class _EllLinear(torch.autograd.Function):
     def forward(ctx, x, values, bias, cols, out_features):
         ctx.save_for_backward(x, values, cols)
         ctx.has_bias = bias is not None
-        return ops.BELL_DDS(x, values, bias, cols, values.shape[1], out_features)
+        return ops.BELL_DDS(x, values, bias, cols, values.shape[1], out_features, "none")  # (every op argument: a
+        # compiled graph calls the op by its schema, which has no defaults)
 
     @staticmethod
     def backward(ctx, dy):

@@ -175,6 +175,23 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         layer.refresh_mask()
         return layer
 
+    _uncounted = False  # the last training forward ran without grad (reentrant checkpointing's)
+
+    def _counts_a_step(self) -> bool:
+        """Whether this training forward is a step of the schedule: one with grad, once.
+        Activation checkpointing's recomputation inside the backward is no new step (counting
+        it refreshed the mask twice as often, and between a forward and its recomputation) -
+        unless the forward it repeats ran without grad (reentrant checkpointing), uncounted."""
+        if torch.compiler.is_compiling():  # (compiled graphs recompute no mutation)
+            return torch.is_grad_enabled()
+        if not torch.is_grad_enabled():
+            self._uncounted = True
+            return False
+        recomputing = torch._C._current_graph_task_id() != -1  # (a forward inside a backward)
+        counts = self._uncounted or not recomputing
+        self._uncounted = False
+        return counts
+
     _optional = ("step",)  # checkpoints of sparsegen before the device-side schedule lack it
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
@@ -205,7 +222,7 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         calls.check_inputs(x, weight, bias, self.in_features)
-        if self.training and torch.is_grad_enabled():
+        if self.training and self._counts_a_step():
             # (the weight as the products see it: the autocast copy, if any)
             _scheduled_refresh_call(weight.detach(), self.mask, self.step, self.scale, self.mask_interval,
                                     self.method, self.soft_threshold)
