@@ -19,7 +19,7 @@ import torch.distributed as dist
 import bench_models  # tools/ is on sys.path when run as a script
 from bench_record import Table, write
 
-ENGINES, MODES = ("one", "fsdp2", "ddp"), ("eager", "compile")
+ENGINES, MODES = ("one", "fsdp2", "ddp", "ddp-nobuf"), ("eager", "compile")
 
 
 def config():
@@ -40,9 +40,9 @@ def model_for(variant: str, engine: str, mode: str, device) -> torch.nn.Module:
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-    if engine == "ddp":
+    if engine.startswith("ddp"):  # ddp-nobuf: without DDP's broadcast of every buffer before each forward
         from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device.index])
+        model = DistributedDataParallel(model, device_ids=[device.index], broadcast_buffers=engine == "ddp")
         return torch.compile(model) if mode == "compile" else model
     if mode == "compile":
         for layer in model.model.layers:
@@ -50,34 +50,59 @@ def model_for(variant: str, engine: str, mode: str, device) -> torch.nn.Module:
     return model
 
 
-def step_ms(model, ids, steps: int, engine: str) -> float:
-    """Median ms of a forward, backward and fused AdamW step, after 3 warm-up steps."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    times = []
-    for i in range(3 + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if engine != "one":
-            dist.barrier()
-        start.record()
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
+class Steps:
+    """A model's training steps (forward, backward, fused AdamW) on the rank's batch."""
+
+    def __init__(self, model, ids, engine: str):
+        self.model, self.ids, self.engine = model, ids, engine
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def run(self, steps: int) -> list[float]:
+        """ms of each of `steps` steps (CUDA events; ranks start each step together)."""
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.engine != "one":
+                dist.barrier()
+            start.record()
+            self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            end.record()
+            torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return times
+
+
+def interleaved_ms(variants: list[str], engine: str, mode: str, ids, device, steps: int) -> dict:
+    """Median step ms per variant, the variants' models held together and timed in turns
+    (rounds of 2 steps each after 3 warm-up steps): a drift of the machine's speed during the
+    run reaches every variant alike."""
+    runs = {variant: Steps(model_for(variant, engine, mode, device), ids, engine) for variant in variants}
+    for run in runs.values():
+        run.run(3)
+    times = {variant: [] for variant in variants}
+    for _ in range(-(-steps // 2)):
+        for variant, run in runs.items():
+            times[variant] += run.run(2)
+    return {variant: statistics.median(t) for variant, t in times.items()}
 
 
 def profile(engine: str, mode: str, variant: str, ids, device, rank: int) -> None:
     """torch.profiler over 3 steps after the warm-up, and dynamo's counters since the start."""
     from torch._dynamo.utils import counters
 
-    model = model_for(variant, engine, mode, device)
-    step_ms(model, ids, 1, engine)
+    from sparsegen.launch import calls
+
+    run = Steps(model_for(variant, engine, mode, device), ids, engine)
+    run.run(3)
+    builds, build_outside = [], calls.outside_graphs.run  # index tensors a layer derived again (per_layout)
+    calls.outside_graphs.run = lambda build, *rest: builds.append(build) or build_outside(build, *rest)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        step_ms(model, ids, 0, engine)
+        run.run(3)
+    calls.outside_graphs.run = build_outside
+    print(f"rank {rank}: {len(builds)} derived index tensors built again in 3 steps", flush=True)
     if rank == 0:
         print(f"==== {engine} {mode} {variant}: 3 steps", flush=True)
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
@@ -92,7 +117,7 @@ def main() -> int:
     parser.add_argument("--variants", default="dense,b64d0.25,2:4t-mlp")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--profile", help="ENGINE:MODE:VARIANT: after the table, where its step's time goes "
+    parser.add_argument("--profile", help="ENGINE:MODE:VARIANT[,...]: after the table, where its step's time goes "
                         "(GPU kernels, host operators, recompiles and graph breaks) on rank 0")
     args = parser.parse_args()
     dist.init_process_group("nccl")
@@ -105,23 +130,20 @@ def main() -> int:
     table = Table("Training", f"Llama-1B-shaped (4 layers) training step on {world} H100s, 4 x 1024 tokens per GPU",
                   [("engine", ""), ("mode", ""), ("dense ms", ".1f")] + [(v, "x") for v in variants if v != "dense"],
                   "tools/bench_distributed.py under torchrun: median of the steps after 3 warm-ups (forward, backward, "
-                  "fused AdamW), CUDA events on rank 0; 'one' is each GPU training the same model alone. Speedups "
+                  "fused AdamW), CUDA events on rank 0, the variants' models timed in turns, 2 steps each; 'one' is each GPU training the same model alone. Speedups "
                   "are the dense twin's step time over the variant's under the same engine and mode.")
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            ms = {}
-            for variant in ["dense", *[v for v in variants if v != "dense"]]:
-                model = model_for(variant, engine, mode, device)
-                ms[variant] = step_ms(model, ids, args.steps, engine)
-                del model
-                gc.collect()
-                torch.cuda.empty_cache()
+            ms = interleaved_ms(["dense", *[v for v in variants if v != "dense"]], engine, mode, ids, device,
+                                args.steps)
+            gc.collect()
+            torch.cuda.empty_cache()
             if rank == 0:
                 table.add(engine, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants if v != "dense"])
     if rank == 0:
         write(args.json, "bench_distributed.py", sys.argv[1:], [table])
-    if args.profile:
-        profile(*args.profile.split(":", 2), ids, device, rank)
+    for spec in args.profile.split(",") if args.profile else []:
+        profile(*spec.split(":", 2), ids, device, rank)
     dist.destroy_process_group()
     return 0
 

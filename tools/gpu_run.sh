@@ -129,7 +129,7 @@ for step in "${steps[@]}"; do
     distributed_bench) # FSDP2 / DDP training steps against dense (issue 40), NVLink multicast off (KINDS.md)
          timeout ${DIST_BENCH_TIMEOUT:-500} \
            python3 -m torch.distributed.run --nproc_per_node=${NGPU:-2} tools/bench_distributed.py ${DIST_BENCH_ARGS:-} \
-           --json "$R/70_distributed_train${DIST_TAG:-}.json" 2>&1 | tee "$OUT/distributed_bench${DIST_TAG:-}.log" | grep -E "^\||====|recompiles" ;;
+           --json "$R/70_distributed_train${DIST_TAG:-}.json" 2>&1 | tee "$OUT/distributed_bench${DIST_TAG:-}.log" | grep -E "^\||====|recompiles|built again" ;;
     train_profile) timeout 100 python3 tools/profile_train.py 2>&1 | tee "$OUT/train_profile.log" | grep -E " ms|corpus|batches" ;;
     train_demo) timeout 420 python3 tools/train_demo.py --out "$OUT" 2>&1 | tee "$OUT/train_demo.log" | tail -8 ;;
     train_demo_seeds) timeout 500 python3 tools/train_demo.py --out "$OUT/seeds" --models dense,0.5,2:4-train --seeds 0,1,2 --steps 400 --json "$R/44_train_demo_seeds.json" \
