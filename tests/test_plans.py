@@ -61,3 +61,41 @@ def test_packed_launch_binds_parameters_in_kernel_order():
     read = [ctypes.c_uint64.from_address(launch.array[i]).value for i in (1, 2, 3)]
     assert read == [0xABC0, 0xDEF0, 7]
     assert [ctypes.c_int32.from_address(launch.array[i]).value for i in (4, 5)] == [3, 4]
+
+
+def test_an_index_rewritten_in_place_with_its_own_values_is_not_derived_again():
+    """DistributedDataParallel rewrites every buffer before each forward (the same values, a
+    new version): what a layer derived from its index stays; a real change is derived again."""
+    from sparsegen.launch import calls
+    index = torch.randint(0, 100, (64,), dtype=torch.int32)
+    builds = []
+
+    def derive(t, scale):
+        builds.append(1)
+        return t * scale
+
+    first = calls.per_layout("doubled", index, derive, index, 2)
+    index.copy_(index.clone())                 # the broadcast: same values, version moved
+    assert calls.per_layout("doubled", index, derive, index, 2) is first and len(builds) == 1
+    index[3] += 1                              # a real edit in place
+    again = calls.per_layout("doubled", index, derive, index, 2)
+    assert len(builds) == 2 and torch.equal(again, index * 2)
+    assert calls.per_layout("doubled", index, derive, index, 3) is not again and len(builds) == 3
+
+
+def test_the_transposable_answer_survives_a_rewrite_and_follows_a_change(monkeypatch):
+    """2:4 metadata rewritten with its own values keeps its answer; new metadata (a magnitude
+    mask, not 2:4 along columns) gets a new one."""
+    from sparsegen.semi24 import autograd, format as semi24
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    both_ways, by_rows = semi24.transposable_mask(weight), semi24.magnitude_mask(weight)
+    _, metadata = semi24.compress(weight * both_ways, both_ways)
+    _, other = semi24.compress(weight * by_rows, by_rows)
+    checks, columns_24 = [], autograd._columns_24
+    monkeypatch.setattr(autograd, "_columns_24", lambda *args: checks.append(1) or columns_24(*args))
+    assert autograd.stored_transposable(metadata, 32, 64)
+    metadata.copy_(metadata.clone())
+    assert autograd.stored_transposable(metadata, 32, 64) and len(checks) == 1
+    metadata.copy_(other)
+    assert not autograd.stored_transposable(metadata, 32, 64) and len(checks) == 2

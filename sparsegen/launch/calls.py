@@ -168,14 +168,36 @@ def per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool = 
     the graph replays. A build that reads the index on the host cannot run then at all."""
     stamp = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else t for t in inputs)
     entries = _PER_LAYOUT.setdefault(key, {})
-    if what in entries and entries[what][0] == stamp:
-        return entries[what][1]
+    entry = entries.get(what)
+    if entry is not None and (entry[0] == stamp or rewritten_as_it_was(entry[0], stamp, entry[2], inputs)):
+        entries[what] = (stamp, *entry[1:])
+        return entry[1]
     if key.is_cuda and torch.cuda.is_current_stream_capturing():
         expect(not reads_host, f"a warm-up call of the layer before CUDA graph capture (its {what} index is "
                "built on the host once per layout)", "a first call inside the capture")
         return build(*inputs)
-    entries[what] = (stamp, outside_graphs.run(build, inputs, key.device))
+    entries[what] = (stamp, outside_graphs.run(build, inputs, key.device), snapshot(inputs))
     return entries[what][1]
+
+
+def snapshot(inputs: tuple) -> tuple:
+    """Copies of the tensors among `inputs` (index tensors: small), for rewritten_as_it_was."""
+    return tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+def rewritten_as_it_was(old_stamp: tuple, stamp: tuple, kept: tuple, inputs: tuple) -> bool:
+    """Whether inputs whose versions moved at the same addresses hold what `kept` holds: one
+    comparison (a sync) instead of deriving again. DistributedDataParallel's default rewrites
+    every buffer in place before each forward (broadcast_buffers) with the values it had;
+    deriving every layer's index again each step cost its training step 0.77x of dense on 2
+    H100s, where the same run without the broadcast gave 1.09x."""
+    if len(old_stamp) != len(stamp) or not kept or not all(
+            (a[0] == b[0]) if isinstance(a, tuple) and isinstance(b, tuple) else a == b
+            for a, b in zip(old_stamp, stamp)):
+        return False
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs) and torch.cuda.is_current_stream_capturing():
+        return False  # (no comparison can be read during a capture)
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(kept, inputs))
 
 
 def fits_in_place(out: torch.Tensor) -> bool:

@@ -105,7 +105,15 @@ def stored_transposable(metadata: Tensor, n: int, k: int) -> bool:
     if n % semi24.COL_GRANULE:
         return False
     capturing = metadata.is_cuda and torch.cuda.is_current_stream_capturing()  # (the cache keeps no result then)
-    return _TRANSPOSABLE.get(metadata, (metadata._version, n, k), lambda: not capturing and _columns_24(metadata, n, k))
+    stamp = ((metadata.data_ptr(), metadata._version),)
+    kept = _TRANSPOSABLE.get(metadata, (n, k), lambda: {})
+    if kept and (kept["stamp"] == stamp or calls.rewritten_as_it_was(kept["stamp"], stamp, kept["copy"], (metadata,))):
+        kept["stamp"] = stamp
+        return kept["answer"]
+    answer = not capturing and _columns_24(metadata, n, k)
+    if not capturing:
+        kept.update(stamp=stamp, copy=calls.snapshot((metadata,)), answer=answer)
+    return answer
 
 
 def _columns_24(metadata: Tensor, n: int, k: int) -> bool:
