@@ -141,7 +141,8 @@ def main() -> int:
             if rank == 0:
                 table.add(engine, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants if v != "dense"])
     if rank == 0:
-        write(args.json, "bench_distributed.py", sys.argv[1:], [table])
+        write(args.json, "bench_distributed.py", sys.argv[1:], [table],
+              launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
     for spec in args.profile.split(",") if args.profile else []:
         profile(*spec.split(":", 2), ids, device, rank)
     dist.destroy_process_group()

@@ -26,12 +26,12 @@ def commit() -> str:
         return "unknown"
 
 
-def meta(tool: str, argv: list[str]) -> dict:
+def meta(tool: str, argv: list[str], launcher: str = "PYTHONPATH=. python") -> dict:
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else f"no GPU, {os.cpu_count()} CPU cores"
     return dict(tool=tool, gpu=gpu, date=str(datetime.date.today()), torch=torch.__version__, commit=commit(),
-                command=" ".join(["PYTHONPATH=. python", f"tools/{tool}", *argv]))
+                command=" ".join([launcher, f"tools/{tool}", *argv]))
 
 
 def cell_text(value, fmt: str) -> str:
@@ -77,6 +77,9 @@ class Table:
                     rows=self.rows, notes=self.notes)
 
 
-def write(path: Path | None, tool: str, argv: list[str], tables: list[Table]) -> None:
+def write(path: Path | None, tool: str, argv: list[str], tables: list[Table],
+          launcher: str = "PYTHONPATH=. python") -> None:
+    """Record `tables` at `path` with what ran them (`launcher`: how the tool was started)."""
     if path is not None:
-        path.write_text(json.dumps(dict(meta=meta(tool, argv), tables=[t.as_dict() for t in tables]), indent=1))
+        path.write_text(json.dumps(dict(meta=meta(tool, argv, launcher), tables=[t.as_dict() for t in tables]),
+                                   indent=1))
