@@ -33,17 +33,18 @@ VARIANTS = {
 TOLERANCES = {"scaled+bsr": (5e-3, 5e-2)}
 
 
-def config() -> transformers.LlamaConfig:
+def config(mlp_bias: bool = False) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                    max_position_embeddings=128, tie_word_embeddings=False)
+                                    max_position_embeddings=128, tie_word_embeddings=False, mlp_bias=mlp_bias)
 
 
 def build(variant: str, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """The variant's model in bf16 on `device`, the same for a given seed on every rank."""
+    """The variant's model in bf16 on `device`, the same for a given seed on every rank
+    (VARIANT+bias: the MLP's projections with biases)."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config())
-    rules, fuse = VARIANTS[variant]
+    model = transformers.LlamaForCausalLM(config(mlp_bias=variant.endswith("+bias")))
+    rules, fuse = VARIANTS[variant.removesuffix("+bias")]
     if rules is None:
         _block_ell(model)
     elif rules:

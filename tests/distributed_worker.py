@@ -22,6 +22,12 @@ STEPS = 3
 WHOLE = "whole.safetensors"  # a dcp case's whole state, as rank 0 gathered it
 
 
+def say(text: str) -> None:
+    """One line in one write: the ranks share stdout, and print's separate writes interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def loss_of(model, ids) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
@@ -81,20 +87,24 @@ def distributed_run(model, device, ids_per_step, local, step_model=None):
     return losses, grads, {name: full(p.detach()).clone() for name, p in model.named_parameters()}
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name in the unwrapped model (DDP adds module., torch.compile _orig_mod.)."""
+    return name.removeprefix("module.").replace("_orig_mod.", "")
+
+
 def compare(case: str, got, want, loss_tolerance: float, grad_tolerance: float) -> str:
     """Why `got` (losses, first gradients, final parameters) is not `want`, or '' where it is."""
     (losses, grads, params), (want_losses, want_grads, want_params) = got, want
-    names = [name.removeprefix("module.").replace("_orig_mod.", "") for name in grads]
+    names = [plain_name(name) for name in grads]
     if sorted(names) != sorted(want_grads):
         return f"gradients of {sorted(set(names) ^ set(want_grads))} on one side only"
     worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
     grad_errors = {name: relative_error(g, want_grads[name]) for name, g in zip(names, grads.values())}
     worst_name = max(grad_errors, key=grad_errors.get)
-    param_errors = {name.removeprefix("module.").replace("_orig_mod.", ""): relative_error(p, want_params[
-        name.removeprefix("module.").replace("_orig_mod.", "")]) for name, p in params.items()}
-    print(f"{case}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; worst "
-          f"gradient error {grad_errors[worst_name]:.1e} ({worst_name}); worst parameter error "
-          f"{max(param_errors.values()):.1e}", flush=True)
+    param_errors = {plain_name(name): relative_error(p, want_params[plain_name(name)]) for name, p in params.items()}
+    say(f"{case}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; worst "
+        f"gradient error {grad_errors[worst_name]:.1e} ({worst_name}); worst parameter error "
+        f"{max(param_errors.values()):.1e}")
     if worst_loss > loss_tolerance:
         return f"losses {losses} against the twin's {want_losses}"
     if grad_errors[worst_name] > grad_tolerance:
@@ -149,6 +159,51 @@ def ddp_accumulated(wrapped, device, ids, rank):
     return [loss], grads, {name: p.detach().clone() for name, p in wrapped.named_parameters()}
 
 
+def tp_plan(variant: str) -> dict:
+    """Each MLP's first projections column-wise, its last row-wise (a fused GatedMLP's gate_up
+    and down), by sparsegen's styles, which give nn.Linear torch's own behaviour."""
+    from sparsegen.parallel import ColwiseParallel, RowwiseParallel
+
+    fused = models.VARIANTS[variant.removesuffix("+bias")][1] and variant != "dense"
+    first = ["gate_up"] if fused else ["gate_proj", "up_proj"]
+    last = "down_proj"
+    plan = {f"model.layers.*.mlp.{name}": ColwiseParallel() for name in first}
+    plan[f"model.layers.*.mlp.{last}"] = RowwiseParallel()
+    return plan
+
+
+def tp_case(variant: str, device, world: int) -> str:
+    """Tensor parallelism over the ranks: every rank sees the whole batch; logits before and
+    after 2 SGD steps, and the losses, against the one-process twin."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    ids = batches(device, 1)[:2]
+    twin, model = models.build(variant, device), models.build(variant, device)
+    parallelize_module(model, init_device_mesh(device.type, (world,)), tp_plan(variant))
+    errors = []
+    for m in (twin, model):
+        optimizer = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=models.LR)
+        with torch.no_grad():
+            before = m(input_ids=ids[0]).logits.float()
+        losses = []
+        for batch in ids:
+            loss = loss_of(m, batch)
+            loss.backward()
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            errors.append((before, losses, m(input_ids=ids[0]).logits.float()))
+    (want_before, want_losses, want_after), (before, losses, after) = errors
+    worst = max(relative_error(before, want_before), relative_error(after, want_after))
+    say(f"tp:{variant}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; "
+        f"worst logits error {worst:.1e}")
+    if max(abs(a - b) / b for a, b in zip(losses, want_losses)) > 5e-3:
+        return f"losses {losses} against the twin's {want_losses}"
+    return f"logits off by {worst:.2e}" if worst > 2e-2 else ""
+
+
 def dcp_case(variant: str, device, world: int, rank: int, out: Path):
     """FSDP2 model trained a step, saved with torch.distributed.checkpoint; loaded back into a
     fresh sharded model (exact), and its whole state kept for tests/test_distributed.py to load
@@ -185,7 +240,7 @@ def dcp_case(variant: str, device, world: int, rank: int, out: Path):
         if not torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits):
             return "the model loaded back gives other logits"
     if rank == 0:
-        print(f"dcp:{variant}: {len(whole)} tensors saved on {world} ranks and loaded back exactly", flush=True)
+        say(f"dcp:{variant}: {len(whole)} tensors saved on {world} ranks and loaded back exactly")
     return ""
 
 
@@ -205,7 +260,7 @@ def load_on_one_process(variant: str, out: Path) -> str:
     differ = [name for name in whole if not torch.equal(whole[name], mine.get(name))]
     if sorted(whole) != sorted(mine) or differ:
         return f"loaded on one process, the state differs: {differ or sorted(set(whole) ^ set(mine))}"
-    print(f"dcp:{variant}: {len(whole)} tensors loaded on one process exactly", flush=True)
+    say(f"dcp:{variant}: {len(whole)} tensors loaded on one process exactly")
     return ""
 
 
@@ -224,6 +279,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
         return compare(name, *got, *loose)
     if kind == "dcp":
         return dcp_case(variant, device, world, rank, out)
+    if kind == "tp":
+        return tp_case(variant, device, world)
     return f"no case kind {kind!r}"
 
 
@@ -258,7 +315,7 @@ def report(cases) -> int:
             why = case()
         except Exception:  # noqa: BLE001 (reported per case, the next ones still run)
             why = traceback.format_exc()[-2500:]
-        print(f"ok {name}" if not why else f"FAIL {name}: {why}", flush=True)
+        say(f"ok {name}" if not why else f"FAIL {name}: {why}")
         failed += bool(why)
     return 1 if failed else 0
 

@@ -1,6 +1,7 @@
 """Sparse models on more than one process: FSDP2 (MixedPrecisionPolicy, activation
-checkpointing, per-layer torch.compile after sharding), DDP (no_sync, compiled) and
-torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2 and on 1), each against a
+checkpointing, per-layer torch.compile after sharding), DDP (no_sync, compiled),
+torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2 and on 1) and tensor
+parallelism (sparsegen.parallel's styles through parallelize_module), each against a
 twin in one process that sees every rank's batch (tests/distributed_worker.py says how).
 On 2 GPUs with NCCL; on the CPU with gloo (no compile there: Inductor's C++ build of every
 case would take minutes on the CI machine, and gloo moves no float8, so e4m3 runs on GPUs)."""
@@ -17,7 +18,8 @@ TRAINABLE = ["bsr", "bsr-unfused", "2:4", "2:4-unfused", "2:4-recipe", "bdiag", 
 SAVED = ["bsr", "2:4-recipe", "bell", "int8+2:4"]
 BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt:bsr", "fsdp2-ckpt:2:4-recipe"]
         + [f"ddp:{v}" for v in [*TRAINABLE, "int8+2:4"]] + ["ddp-nosync:bsr", "ddp-nosync:2:4"]
-        + [f"dcp:{v}" for v in SAVED])
+        + [f"dcp:{v}" for v in SAVED]
+        + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused"]])
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "scaled+bsr"]]
             + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe", "ddp-compile:bsr", "ddp-compile:2:4"])

@@ -1,0 +1,152 @@
+"""Tensor parallelism for sparsegen's layers through PyTorch's own API: ColwiseParallel and
+RowwiseParallel as torch.distributed.tensor.parallel has them, which also take
+Sparse24Linear and BlockSparseLinear (fused gated ones included):
+
+    parallelize_module(model, mesh, {"model.layers.*.mlp.gate_up": sparsegen.parallel.ColwiseParallel(),
+                                     "model.layers.*.mlp.down": sparsegen.parallel.RowwiseParallel()})
+
+A column-wise layer keeps whole output rows on each rank (2:4 metadata and block rows with
+them; a gated layer whole gate/up pairs) and returns its share of the features; a row-wise
+layer keeps whole 2:4 groups and whole blocks of its input columns and sums the ranks'
+partial products (the bias lives on the first rank, so it is added once). These are the layouts torch's styles give nn.Linear by
+default (input Replicate / output Shard(-1) column-wise, input Shard(-1) / output Replicate
+row-wise) with plain tensors in and out; nn.Linear modules get torch's own behaviour. A
+sparse layer's parameters become its rank's part as plain tensors (not DTensors): each
+rank's optimizer steps its own part, and its state_dict holds that part.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
+from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
+
+from .bsr.nn import BlockSparseLinear
+from .errors import InputError, expect
+from .jit import epilogues
+from .semi24.nn import Sparse24Linear
+
+SPLITTABLE = (Sparse24Linear, BlockSparseLinear)
+_GROUP_COLUMNS = 64  # a row-wise 2:4 split keeps whole 4-groups, at the kernels' K granule
+
+
+class ColwiseParallel(_TorchColwise):
+    """torch's ColwiseParallel; a sparsegen layer keeps its rank's output rows."""
+
+    def _apply(self, module: nn.Module, device_mesh):
+        if not isinstance(module, SPLITTABLE):
+            return super()._apply(module, device_mesh)
+        _expect_default_layouts(self, Replicate(), Shard(-1), "ColwiseParallel")
+        group, rank, ranks = _group_of(device_mesh)
+        rows = _share(module.out_features, ranks, rank, _row_granule(module), "out_features")
+        _become(module, _part(module, rows, slice(None), keep_bias=True))
+        module.register_forward_pre_hook(lambda _, args: (_GradientSummed.apply(args[0], group), *args[1:]))
+        return module
+
+
+class RowwiseParallel(_TorchRowwise):
+    """torch's RowwiseParallel; a sparsegen layer keeps its rank's input columns and sums."""
+
+    def _apply(self, module: nn.Module, device_mesh):
+        if not isinstance(module, SPLITTABLE):
+            return super()._apply(module, device_mesh)
+        _expect_default_layouts(self, Shard(-1), Replicate(), "RowwiseParallel")
+        expect(getattr(module, "epilogue", "none") == "none", "a row-wise layer without a fused epilogue (it "
+               "applies to the sum over ranks)", getattr(module, "epilogue", None))
+        group, rank, ranks = _group_of(device_mesh)
+        columns = _share(module.in_features, ranks, rank, _column_granule(module), "in_features")
+        # the bias stays with the first rank alone: the sum over ranks adds it once
+        _become(module, _part(module, slice(None), columns, keep_bias=rank == 0))
+        module.register_forward_hook(lambda _, args, y: _SummedOverRanks.apply(y, group))
+        return module
+
+
+def _expect_default_layouts(style, inputs, outputs, name: str) -> None:
+    expect(tuple(style.input_layouts) == (inputs,) and tuple(style.output_layouts) == (outputs,)
+           and style.use_local_output,
+           f"{name}() with its default layouts for a sparsegen layer", "other input/output layouts", InputError)
+
+
+def _group_of(device_mesh):
+    expect(device_mesh.ndim == 1, "a 1-D device mesh for tensor parallelism", f"{device_mesh.ndim} dimensions")
+    group = device_mesh.get_group()
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _share(total: int, ranks: int, rank: int, granule: int, what: str) -> slice:
+    expect(total % (ranks * granule) == 0, f"{what} a multiple of {ranks} ranks x {granule} (whole blocks, "
+           "2:4 groups or gate/up pairs per rank)", total)
+    size = total // ranks
+    return slice(rank * size, (rank + 1) * size)
+
+
+def _row_granule(module) -> int:
+    granule = module.block[0] if isinstance(module, BlockSparseLinear) else 16
+    if epilogues.is_gated(getattr(module, "epilogue", "none")):
+        granule = max(granule, 2 * epilogues.GATE_GROUP)
+    return granule
+
+
+def _column_granule(module) -> int:
+    return module.block[1] if isinstance(module, BlockSparseLinear) else _GROUP_COLUMNS
+
+
+def _part(module, rows: slice, columns: slice, keep_bias: bool) -> nn.Module:
+    """A layer of the same kind holding `module`'s weight rows and columns (exactly: the
+    stored positions are kept, not chosen again), its bias rows where kept."""
+    weight = module.to_dense_weight().detach()[rows, columns]
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+    if isinstance(module, BlockSparseLinear):
+        block_rows = slice(_blocks(rows, module.block[0]), _blocks(rows, module.block[0], end=True))
+        block_cols = slice(_blocks(columns, module.block[1]), _blocks(columns, module.block[1], end=True))
+        part = BlockSparseLinear.from_dense(dense, block=module.block, layout=module.layout[block_rows, block_cols])
+    else:
+        part = Sparse24Linear.from_dense(dense, mask=module.mask[rows, columns])
+    part.bias = nn.Parameter(module.bias.detach()[rows].clone()) if keep_bias and module.bias is not None else None
+    part.epilogue = getattr(module, "epilogue", "none")
+    return part.train(module.training)
+
+
+def _blocks(cut: slice, size: int, end: bool = False):
+    value = cut.stop if end else cut.start
+    return None if value is None else value // size
+
+
+def _become(module: nn.Module, part: nn.Module) -> None:
+    """`module` (the object its parent holds) takes `part`'s parameters, buffers and sizes."""
+    hooks = {name: value for name, value in vars(module).items() if name.endswith("hooks") or "hooks_" in name}
+    vars(module).update({name: value for name, value in vars(part).items() if name not in hooks})
+
+
+class _GradientSummed(torch.autograd.Function):
+    """X as it is; its gradient summed over the ranks (each rank's rows give a part of dX)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        dx = dx.contiguous()
+        dist.all_reduce(dx, group=ctx.group)
+        return dx, None
+
+
+class _SummedOverRanks(torch.autograd.Function):
+    """The ranks' partial products summed; the gradient reaches each as it is."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
