@@ -1,6 +1,6 @@
 """Tensor parallelism for sparsegen's layers through PyTorch's own API: ColwiseParallel and
 RowwiseParallel as torch.distributed.tensor.parallel has them, which also take
-Sparse24Linear and BlockSparseLinear (fused gated ones included):
+Sparse24Linear, ScaledSparse24Linear and BlockSparseLinear (fused gated ones included):
 
     parallelize_module(model, mesh, {"model.layers.*.mlp.gate_up": sparsegen.parallel.ColwiseParallel(),
                                      "model.layers.*.mlp.down": sparsegen.parallel.RowwiseParallel()})
@@ -26,9 +26,11 @@ from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 from .bsr.nn import BlockSparseLinear
 from .errors import InputError, expect
 from .jit import epilogues
+from .semi24 import format as semi24
 from .semi24.nn import Sparse24Linear
+from .semi24.scaled import ScaledSparse24Linear
 
-SPLITTABLE = (Sparse24Linear, BlockSparseLinear)
+SPLITTABLE = (Sparse24Linear, BlockSparseLinear, ScaledSparse24Linear)
 _GROUP_COLUMNS = 64  # a row-wise 2:4 split keeps whole 4-groups, at the kernels' K granule
 
 
@@ -90,12 +92,16 @@ def _row_granule(module) -> int:
 
 
 def _column_granule(module) -> int:
+    if isinstance(module, ScaledSparse24Linear):
+        return semi24.BYTE_COL_GRANULE
     return module.block[1] if isinstance(module, BlockSparseLinear) else _GROUP_COLUMNS
 
 
 def _part(module, rows: slice, columns: slice, keep_bias: bool) -> nn.Module:
     """A layer of the same kind holding `module`'s weight rows and columns (exactly: the
     stored positions are kept, not chosen again), its bias rows where kept."""
+    if isinstance(module, ScaledSparse24Linear):
+        return _scaled_part(module, rows, columns, keep_bias)
     weight = module.to_dense_weight().detach()[rows, columns]
     dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
@@ -108,6 +114,21 @@ def _part(module, rows: slice, columns: slice, keep_bias: bool) -> nn.Module:
         part = Sparse24Linear.from_dense(dense, mask=module.mask[rows, columns])
     part.bias = nn.Parameter(module.bias.detach()[rows].clone()) if keep_bias and module.bias is not None else None
     part.epilogue = getattr(module, "epilogue", "none")
+    return part.train(module.training)
+
+
+def _scaled_part(module: ScaledSparse24Linear, rows: slice, columns: slice, keep_bias: bool) -> nn.Module:
+    """The one-byte layer's part as stored: its bytes, kept positions and channel scales
+    (a column slice of whole 4-groups keeps each row's scale: the ranks' partial products
+    are scaled alike, and each quantizes its own activation columns per token)."""
+    n, k = module.out_features, module.in_features
+    groups = slice(None if columns.start is None else columns.start // 4, None if columns.stop is None else columns.stop // 4)
+    halves = slice(None if columns.start is None else columns.start // 2, None if columns.stop is None else columns.stop // 2)
+    positions = semi24.stored_positions(module.metadata, n, k)[rows, groups]
+    bias = module.bias.detach()[rows] if keep_bias and module.bias is not None else None
+    part = ScaledSparse24Linear(module.values[rows, halves].contiguous(), semi24.pack_metadata(positions.contiguous()),
+                                module.weight_scale[rows], bias, module.input_scale)
+    part.epilogue = module.epilogue
     return part.train(module.training)
 
 

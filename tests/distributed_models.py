@@ -24,6 +24,8 @@ VARIANTS = {
     "scaled+bsr": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "e4m3"},
                     MLP: {"block": (64, 64), "density": 0.5}}, True),
     "int8+2:4": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "int8"}, MLP: {"sparsity": "2:4"}}, True),
+    "int8-mlp": ({MLP: {"sparsity": "2:4", "weight_dtype": "int8"}}, True),          # frozen one-byte MLP
+    "int8-mlp-unfused": ({MLP: {"sparsity": "2:4", "weight_dtype": "int8"}}, False),
 }
 # (loss, gradient) relative tolerances where rounding differs by more than bf16's default. e4m3
 # activations: a token's quantized values move a step where the product before them summed in

@@ -172,15 +172,19 @@ def tp_plan(variant: str) -> dict:
     return plan
 
 
-def tp_case(variant: str, device, world: int) -> str:
+def tp_case(variant: str, device, world: int, compiled: bool = False) -> str:
     """Tensor parallelism over the ranks: every rank sees the whole batch; logits before and
-    after 2 SGD steps, and the losses, against the one-process twin."""
+    after 2 SGD steps, and the losses, against the one-process twin (`compiled`: the
+    parallelized model under torch.compile)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     ids = batches(device, 1)[:2]
     twin, model = models.build(variant, device), models.build(variant, device)
     parallelize_module(model, init_device_mesh(device.type, (world,)), tp_plan(variant))
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
     errors = []
     for m in (twin, model):
         optimizer = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=models.LR)
@@ -279,8 +283,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
         return compare(name, *got, *loose)
     if kind == "dcp":
         return dcp_case(variant, device, world, rank, out)
-    if kind == "tp":
-        return tp_case(variant, device, world)
+    if kind.startswith("tp"):
+        return tp_case(variant, device, world, compiled="compile" in kind)
     return f"no case kind {kind!r}"
 
 

@@ -19,10 +19,12 @@ SAVED = ["bsr", "2:4-recipe", "bell", "int8+2:4"]
 BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt:bsr", "fsdp2-ckpt:2:4-recipe"]
         + [f"ddp:{v}" for v in [*TRAINABLE, "int8+2:4"]] + ["ddp-nosync:bsr", "ddp-nosync:2:4"]
         + [f"dcp:{v}" for v in SAVED]
-        + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused"]])
+        + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused", "int8-mlp",
+                               "int8-mlp-unfused+bias"]])
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "scaled+bsr"]]
-            + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe", "ddp-compile:bsr", "ddp-compile:2:4"])
+            + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe", "ddp-compile:bsr", "ddp-compile:2:4"]
+            + ["tp-compile:bsr", "tp-compile:2:4-unfused+bias"])
 # NVLink multicast off, as the GPU machines require (and harmless elsewhere)
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 

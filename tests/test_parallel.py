@@ -1,0 +1,64 @@
+"""sparsegen.parallel's parts of a layer, on the CPU in one process: each rank's part holds
+exactly its rows or columns of the layer's weight (stored positions, bytes and scales kept),
+a gated part keeps whole gate/up pairs, and splits that would cut a block, a 2:4 group or a
+pair are refused. (tests/test_distributed.py runs the styles across processes.)"""
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen import parallel
+from sparsegen.errors import InputError
+
+
+def layers():
+    torch.manual_seed(0)
+    dense = nn.Linear(256, 128)
+    return {"2:4": sparsegen.Sparse24Linear.from_dense(dense),
+            "block": sparsegen.BlockSparseLinear.from_dense(dense, block=(32, 32), density=0.5),
+            "int8": sparsegen.ScaledSparse24Linear.from_dense(dense, "int8")}
+
+
+@pytest.mark.parametrize("kind", ["2:4", "block", "int8"])
+@pytest.mark.parametrize("ranks, rank", [(2, 0), (2, 1), (4, 3)])
+def test_each_part_holds_exactly_its_rows_and_its_columns(kind, ranks, rank):
+    layer = layers()[kind]
+    whole = layer.to_dense_weight()
+    rows = parallel._share(layer.out_features, ranks, rank, parallel._row_granule(layer), "out_features")
+    columns = parallel._share(layer.in_features, ranks, rank, parallel._column_granule(layer), "in_features")
+    by_rows = parallel._part(layer, rows, slice(None), keep_bias=True)
+    by_columns = parallel._part(layer, slice(None), columns, keep_bias=False)
+    assert torch.equal(by_rows.to_dense_weight(), whole[rows])
+    assert torch.equal(by_columns.to_dense_weight(), whole[:, columns])
+    assert torch.equal(by_rows.bias.detach(), layer.bias.detach()[rows]) and by_columns.bias is None
+    x = torch.randn(5, layer.in_features)
+    if kind != "int8":  # (one-byte layers quantize their own columns of X per token: tested across ranks)
+        parts = [parallel._part(layer, slice(None), parallel._share(256, ranks, r, parallel._column_granule(layer),
+                                                                    ""), keep_bias=False) for r in range(ranks)]
+        summed = sum(p(x[:, parallel._share(256, ranks, r, parallel._column_granule(layer), "")])
+                     for r, p in enumerate(parts))
+        torch.testing.assert_close(summed + layer.bias.detach(), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_gated_part_keeps_whole_gate_up_pairs():
+    torch.manual_seed(0)
+    gate, up = nn.Linear(64, 128, bias=False), nn.Linear(64, 128, bias=False)
+    with torch.no_grad():
+        fused = sparsegen.Sparse24Linear.from_dense(_interleaved(gate, up)).fuse("swiglu")
+    x = torch.randn(3, 64)
+    rows = parallel._share(256, 2, 1, parallel._row_granule(fused), "out_features")
+    part = parallel._part(fused, rows, slice(None), keep_bias=True)
+    torch.testing.assert_close(part(x), fused(x)[:, 64:], rtol=1e-5, atol=1e-5)
+
+
+def _interleaved(gate: nn.Linear, up: nn.Linear) -> nn.Linear:
+    from sparsegen.jit import epilogues
+    pair = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False)
+    pair.weight.copy_(epilogues.interleave_rows(gate.weight, up.weight))
+    return pair
+
+
+@pytest.mark.parametrize("total, granule", [(96, 64), (100, 4), (128, 48)])
+def test_a_split_that_cuts_a_block_group_or_pair_is_refused(total, granule):
+    with pytest.raises(InputError, match="a multiple of 2 ranks"):
+        parallel._share(total, 2, 0, granule, "in_features")
