@@ -26,6 +26,8 @@ class CheckedLoad:
         """What the layer rebuilds from what it loaded."""
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
+        for adapt in getattr(self, "_load_adapters", ()):  # (sparsegen.parallel: a whole layer's
+            adapt(state_dict, prefix)                       # entries become this rank's part first)
         self._check_state(state_dict, prefix)
         state = dict(state_dict)
         state.update({prefix + name: getattr(self, name) for name in self._rebuilt if prefix + name in state})

@@ -11,15 +11,17 @@ layer keeps whole 2:4 groups and whole blocks of its input columns and sums the 
 partial products (the bias lives on the first rank, so it is added once). These are the layouts torch's styles give nn.Linear by
 default (input Replicate / output Shard(-1) column-wise, input Shard(-1) / output Replicate
 row-wise) with plain tensors in and out; nn.Linear modules get torch's own behaviour. A
-sparse layer's parameters become its rank's part as plain tensors (not DTensors): each
-rank's optimizer steps its own part, and its state_dict holds that part.
+sparse layer's parameters become its rank's part as plain tensors, which each rank's
+optimizer steps; its state_dict shows the whole layer as DTensors (2:4 layers: a
+torch.distributed.checkpoint then reshards) or, for block-sparse parts, each rank's own
+entries under names of their own.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
@@ -45,6 +47,7 @@ class ColwiseParallel(_TorchColwise):
         rows = _share(module.out_features, ranks, rank, _row_granule(module), "out_features")
         _become(module, _part(module, rows, slice(None), keep_bias=True))
         module.register_forward_pre_hook(lambda _, args: (_GradientSummed.apply(args[0], group), *args[1:]))
+        _save_as_whole(module, device_mesh, dim=0, rank=rank, ranks=ranks)
         return module
 
 
@@ -62,6 +65,7 @@ class RowwiseParallel(_TorchRowwise):
         # the bias stays with the first rank alone: the sum over ranks adds it once
         _become(module, _part(module, slice(None), columns, keep_bias=rank == 0))
         module.register_forward_hook(lambda _, args, y: _SummedOverRanks.apply(y, group))
+        _save_as_whole(module, device_mesh, dim=1, rank=rank, ranks=ranks)
         return module
 
 
@@ -141,6 +145,45 @@ def _become(module: nn.Module, part: nn.Module) -> None:
     """`module` (the object its parent holds) takes `part`'s parameters, buffers and sizes."""
     hooks = {name: value for name, value in vars(module).items() if name.endswith("hooks") or "hooks_" in name}
     vars(module).update({name: value for name, value in vars(part).items() if name not in hooks})
+
+
+# What a column-wise (dim 0) or row-wise (dim 1) part of a 2:4 layer holds of the whole
+# layer's tensors: 2:4 metadata is laid out in tiles of 16 rows x 32 columns, so a part's is
+# the whole's rows or columns of tiles. (A row-wise part's bias sits on the first rank alone,
+# its scales are the whole's.)
+_SHARDS = {0: ("values", "metadata", "bias", "weight_scale"), 1: ("values", "metadata")}
+
+
+def _save_as_whole(module, device_mesh, dim: int, rank: int, ranks: int) -> None:
+    """A part's state_dict holds DTensors of the whole layer's shapes (so
+    torch.distributed.checkpoint saves every rank's part and loads them on any split, or
+    none), and load_state_dict takes them back as this rank's part. A block-sparse part holds
+    a share of the blocks no DTensor describes: its state_dict is refused (by name) rather
+    than let a checkpoint keep one rank's part under the whole layer's names."""
+    if isinstance(module, BlockSparseLinear):
+        module._register_state_dict_hook(_refused)
+        return
+    names = _SHARDS[dim]
+
+    def whole(_, state, prefix, *rest):
+        for name in names:
+            t = state.get(prefix + name)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                state[prefix + name] = DTensor.from_local(t, device_mesh, [Shard(dim)], run_check=False)
+
+    def part(state, prefix):
+        for name in names:
+            t = state.get(prefix + name)
+            if isinstance(t, DTensor):
+                state[prefix + name] = t.redistribute(device_mesh, [Shard(dim)]).to_local()
+    module._register_state_dict_hook(whole)
+    module._load_adapters = [part]
+
+
+def _refused(module, state, prefix, *rest):
+    raise InputError(f"Expected a state_dict whose entries describe whole layers. Got {prefix or 'a '}"
+                     "tensor-parallel BlockSparseLinear part, whose share of the blocks no DTensor describes: "
+                     "save the model before parallelize_module (or each rank's part by its own name)")
 
 
 class _GradientSummed(torch.autograd.Function):

@@ -17,6 +17,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import distributed_models as models  # noqa: E402 (tests/ beside this file)
+import sparsegen  # noqa: E402
 
 STEPS = 3
 WHOLE = "whole.safetensors"  # a dcp case's whole state, as rank 0 gathered it
@@ -208,6 +209,59 @@ def tp_case(variant: str, device, world: int, compiled: bool = False) -> str:
     return f"logits off by {worst:.2e}" if worst > 2e-2 else ""
 
 
+def tp_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
+    """A tensor-parallel model trained a step, saved with torch.distributed.checkpoint, loads
+    back into a fresh one exactly; its logits are kept for the one-process load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def parallel(seed: int):
+        model = models.build(variant, device, seed=seed)
+        return parallelize_module(model, init_device_mesh(device.type, (world,)), tp_plan(variant))
+
+    model, ids = parallel(0), batches(device, 1)[0]
+    if "bsr" in variant:  # (a block-sparse part's state is refused by name, not saved as one rank's)
+        try:
+            get_model_state_dict(model)
+        except sparsegen.InputError as error:
+            return "" if "tensor-parallel BlockSparseLinear part" in str(error) else f"refused: {error}"
+        return "a tensor-parallel block-sparse state_dict was given"
+    loss_of(model, ids).backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR).step()
+    folder = out / f"tpdcp_{variant.replace(':', '')}"
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
+    fresh = parallel(5)
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(fresh, state)
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, fresh(input_ids=ids).logits
+    if rank == 0:
+        safetensors.torch.save_file({"ids": ids.cpu(), "logits": want.float().cpu()}, folder / "logits.safetensors")
+    return "" if torch.equal(want, got) else f"loaded back, the logits differ by {relative_error(got, want):.2e}"
+
+
+def load_tp_on_one_process(variant: str, out: Path) -> str:
+    """The tensor-parallel checkpoint in one plain model: 2:4 layers reshard into whole ones
+    (logits as the parallel model's, within the split's rounding)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = out / f"tpdcp_{variant.replace(':', '')}"
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    model = models.build(variant, device, seed=7)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    model.load_state_dict(state)
+    kept = safetensors.torch.load_file(folder / "logits.safetensors")
+    with torch.no_grad():
+        logits = model(input_ids=kept["ids"].to(device)).logits.float().cpu()
+    error = relative_error(logits, kept["logits"])
+    say(f"tpdcp:{variant}: loaded on one process, logits within {error:.1e}")
+    return "" if error < 2e-2 else f"loaded on one process, the logits differ by {error:.2e}"
+
+
 def dcp_case(variant: str, device, world: int, rank: int, out: Path):
     """FSDP2 model trained a step, saved with torch.distributed.checkpoint; loaded back into a
     fresh sharded model (exact), and its whole state kept for tests/test_distributed.py to load
@@ -283,6 +337,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
         return compare(name, *got, *loose)
     if kind == "dcp":
         return dcp_case(variant, device, world, rank, out)
+    if kind == "tpdcp":
+        return tp_dcp_case(variant, device, world, rank, out)
     if kind.startswith("tp"):
         return tp_case(variant, device, world, compiled="compile" in kind)
     return f"no case kind {kind!r}"
@@ -297,7 +353,8 @@ def main() -> int:
                         "process (run without torchrun, after them)")
     args = parser.parse_args()
     if args.load_one:
-        return report([(name, lambda name=name: load_on_one_process(name.partition(":")[2], args.out))
+        loaders = dict(dcp=load_on_one_process, tpdcp=load_tp_on_one_process)
+        return report([(name, lambda name=name: loaders[name.partition(":")[0]](name.partition(":")[2], args.out))
                        for name in args.cases.split(",")])
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
