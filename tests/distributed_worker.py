@@ -243,17 +243,24 @@ def tp_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
     return "" if torch.equal(want, got) else f"loaded back, the logits differ by {relative_error(got, want):.2e}"
 
 
-def load_tp_on_one_process(variant: str, out: Path) -> str:
-    """The tensor-parallel checkpoint in one plain model: 2:4 layers reshard into whole ones
-    (logits as the parallel model's, within the split's rounding)."""
+def loaded_in_one_process(variant: str, folder: Path):
+    """(A plain model of the variant with the checkpoint in `folder` loaded, its device), in
+    this process alone (no process group)."""
     import torch.distributed.checkpoint as dcp
 
-    folder = out / f"tpdcp_{variant.replace(':', '')}"
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model = models.build(variant, device, seed=7)
     state = model.state_dict()
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state)
+    return model, device
+
+
+def load_tp_on_one_process(variant: str, out: Path) -> str:
+    """The tensor-parallel checkpoint in one plain model: 2:4 layers reshard into whole ones
+    (logits as the parallel model's, within the split's rounding)."""
+    folder = out / f"tpdcp_{variant.replace(':', '')}"
+    model, device = loaded_in_one_process(variant, folder)
     kept = safetensors.torch.load_file(folder / "logits.safetensors")
     with torch.no_grad():
         logits = model(input_ids=kept["ids"].to(device)).logits.float().cpu()
@@ -305,14 +312,8 @@ def dcp_case(variant: str, device, world: int, rank: int, out: Path):
 def load_on_one_process(variant: str, out: Path) -> str:
     """The checkpoint dcp_case saved on several ranks, loaded into a plain model in one process
     (no process group): every tensor equals the saved whole state."""
-    import torch.distributed.checkpoint as dcp
-
     folder = out / f"dcp_{variant.replace(':', '')}"
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    model = models.build(variant, device, seed=7)
-    state = model.state_dict()
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    model.load_state_dict(state)
+    model, _ = loaded_in_one_process(variant, folder)
     whole = safetensors.torch.load_file(folder / WHOLE)
     mine = {name: t.cpu() for name, t in model.state_dict().items()}
     differ = [name for name in whole if not torch.equal(whole[name], mine.get(name))]
