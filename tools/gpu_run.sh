@@ -126,6 +126,9 @@ for step in "${steps[@]}"; do
     train) python3 tools/bench.py --train --json "$R/40_train_bsr.json" 2>&1 | tee "$OUT/train.log" ;;
     cputests) timeout 500 python3 -m pytest -q tests/test_patching.py tests/test_autograd.py 2>&1 | tee "$OUT/cpu_tests.log" | tail -3 ;;
     distributed) timeout ${DIST_TIMEOUT:-500} python3 -m pytest -q -m gpu tests/test_distributed.py -rs 2>&1 | tee "$OUT/distributed.log" | tail -30 ;;
+    tp_bench) # tensor parallelism of the MLPs against the dense twin under the same plan (issue 40 item 5)
+         timeout ${TP_BENCH_TIMEOUT:-500} python3 -m torch.distributed.run --nproc_per_node=${NGPU:-2} tools/bench_tp.py \
+           ${TP_BENCH_ARGS:-} --json "$R/71_tp${DIST_TAG:-}.json" 2>&1 | tee "$OUT/tp_bench${DIST_TAG:-}.log" | grep "^|" ;;
     distributed_bench) # FSDP2 / DDP training steps against dense (issue 40), NVLink multicast off (KINDS.md)
          timeout ${DIST_BENCH_TIMEOUT:-500} \
            python3 -m torch.distributed.run --nproc_per_node=${NGPU:-2} tools/bench_distributed.py ${DIST_BENCH_ARGS:-} \
