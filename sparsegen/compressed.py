@@ -42,7 +42,7 @@ class LoadResult(NamedTuple):
 
 
 def load_compressed(model: nn.Module, path, fuse: bool = True, strict: bool = True,
-                    allow_nonfinite: bool = False) -> LoadResult:
+                    allow_nonfinite: bool = False, device=None) -> LoadResult:
     """Load the compressed-tensors checkpoint at `path` (a directory) into `model`, a model
     built from the same config: each 2:4 layer becomes a Sparse24Linear (16-bit weights) or
     a ScaledSparse24Linear (FP8 / int8 weights, per-channel scales), every other tensor is
@@ -54,19 +54,24 @@ def load_compressed(model: nn.Module, path, fuse: bool = True, strict: bool = Tr
     and, with `strict` (the default, as in load_state_dict), every entry of the model's
     state_dict must come from the checkpoint and every tensor of the checkpoint must be used,
     before anything in the model changes; a refusal is an InputError and leaves the model
-    as it was. With strict=False what matches is loaded and the rest is reported."""
+    as it was. With strict=False what matches is loaded and the rest is reported.
+
+    A model built with its parameters on the meta device (to be sharded once loaded) takes
+    the checkpoint's tensors on `device` (default: where its buffers are): the dense model
+    is never allocated."""
     expect(isinstance(model, nn.Module), "a torch.nn.Module built from the checkpoint's config",
            type(model).__name__)
     folder = pathlib.Path(path)
-    device = _device_of(model)
+    device = _device_of(model, device)
     config = _quantization_config(folder)
     plan = _Plan(model, checkpoint_files.read_tensors(folder), config, allow_nonfinite)
     if strict:
         _refuse_incomplete(plan)
+    _refuse_meta_left(model, plan)
     for name, layer in plan.layers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer.to(device))
-    model.load_state_dict(plan.rest, strict=False)
+    _load_rest(model, plan.rest, device)
     names = sorted(plan.layers)
     if fuse:
         names = _fused_names(names, patching.fuse_loaded_gated_mlps(model))
@@ -123,13 +128,14 @@ def _listed(keys: list[str]) -> str:
 
 def _missing(model: nn.Module, own: dict, covered: set) -> list[str]:
     """The model's entries nothing covers; tied tensors (one parameter under two names, as
-    lm_head and embed_tokens often are) are covered by either name."""
-    def storage(tensor: torch.Tensor) -> tuple:  # (state_dict detaches: tied tensors share memory, not identity)
-        return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device
-    names_of: dict[tuple, list[str]] = {}
-    for key, tensor in own.items():
-        names_of.setdefault(storage(tensor), []).append(key)
-    return sorted(key for key, tensor in own.items() if not covered.intersection(names_of[storage(tensor)]))
+    lm_head and embed_tokens often are) are covered by either name. Ties are told by the
+    module's own tensors (state_dict's are detached copies; on the meta device every
+    tensor has the address 0)."""
+    names_by_tensor: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names_by_tensor.setdefault(id(tensor), []).append(name)
+    tied = {name: names for names in names_by_tensor.values() for name in names}
+    return sorted(key for key in own if not covered.intersection(tied.get(key, [key])))
 
 
 def _fused_names(names: list[str], fused_mlps: list[str]) -> list[str]:
@@ -138,13 +144,41 @@ def _fused_names(names: list[str], fused_mlps: list[str]) -> list[str]:
     return sorted({renamed.get(name, name) for name in names})
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    """The model's device; a model on the meta device is refused (the layers built here would
-    be moved there and lose the checkpoint's values)."""
-    first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    expect(device.type != "meta", "a model with its tensors allocated (on the CPU or a GPU)", "the meta device")
-    return device
+def _device_of(model: nn.Module, device) -> torch.device:
+    """Where the loaded tensors go: `device`, else the device of the model's allocated
+    tensors. A model whose parameters are on the meta device (built without memory, as
+    accelerate's init_empty_weights does, to shard it once loaded) needs one of the two: its
+    tensors are then the checkpoint's, put there, and the dense model is never allocated."""
+    real = [t.device for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
+    if device is not None:
+        device = torch.device(device)
+        expect(all(d == device for d in real), f"device= where the model's allocated tensors are ({real[0] if real else None})",
+               str(device))
+        return device
+    expect(real or not any(True for _ in model.parameters()), "a model with its tensors allocated (on the CPU or a GPU), "
+           "or device= for one on the meta device", "the meta device and no device=")
+    return real[0] if real else torch.device("cpu")
+
+
+def _refuse_meta_left(model: nn.Module, plan: "_Plan") -> None:
+    """A tensor on the meta device that nothing in the checkpoint replaces (a buffer that is
+    not saved, such as rotary frequencies) would stay without values: refused by name."""
+    replaced = tuple(name + "." for name in plan.layers)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta" and name not in plan.rest and not name.startswith(replaced)]
+    expect(not left, "every tensor of a model on the meta device to come from the checkpoint (build the "
+           "model's buffers on the device: accelerate's init_empty_weights() leaves them there)",
+           f"none for {_listed(left)}")
+
+
+def _load_rest(model: nn.Module, rest: dict, device: torch.device) -> None:
+    """The checkpoint's other tensors into the model: copied into allocated ones, put in place
+    of meta ones (on `device`, in the model's dtype)."""
+    own = dict([*model.named_parameters(), *model.named_buffers()])
+    meta = {key for key in rest if key in own and own[key].device.type == "meta"}
+    if meta:
+        model.load_state_dict({key: rest[key].to(device, own[key].dtype) for key in meta}, strict=False, assign=True)
+    model.load_state_dict({key: value for key, value in rest.items() if key not in meta}, strict=False)
 
 
 def _layer(model: nn.Module, name: str, tensors: dict, config: dict, used: set, allow_nonfinite: bool) -> nn.Module:

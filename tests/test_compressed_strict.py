@@ -180,3 +180,43 @@ def test_tied_embeddings_are_covered_by_either_name(bf16):
     assert result.missing_keys == [] and result.unexpected_keys == []
     stored = safetensors_torch.load_file(str(bf16 / "model.safetensors"))
     assert torch.equal(model.lm_head.weight, stored["model.embed_tokens.weight"])
+
+
+def parameters_on_meta(model):
+    """The model as accelerate's init_empty_weights() builds it: parameters without memory,
+    buffers (rotary frequencies) allocated."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    return model
+
+
+def test_a_model_with_its_parameters_on_meta_loads_without_the_dense_model(tmp_path):
+    """What a sharded model is built from: nothing dense allocated, every tensor the file's."""
+    folder = checkpoint(tmp_path, "bf16")
+    plain, empty = tiny_llama(2), parameters_on_meta(tiny_llama(3))
+    sparsegen.load_compressed(plain, folder)
+    result = sparsegen.load_compressed(empty, folder, device="cpu")
+    assert not [n for n, t in [*empty.named_parameters(), *empty.named_buffers()] if t.is_meta]
+    assert [type(m) for m in empty.modules()] == [type(m) for m in plain.modules()] and result.layers
+    ids = torch.randint(0, 311, (2, 9))
+    torch.testing.assert_close(logits(empty, ids), logits(plain, ids), rtol=0, atol=0)
+
+
+def test_a_meta_tensor_the_file_does_not_hold_is_refused_by_name(tmp_path):
+    folder = checkpoint(tmp_path, "bf16")
+    with torch.device("meta"):  # (buffers too: the rotary frequencies, which no checkpoint holds)
+        model = tiny_llama(2)
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(InputError, match="rotary_emb.inv_freq"):
+        sparsegen.load_compressed(model, folder, device="cpu")
+    assert [type(m) for m in model.modules()] == before
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(InputError, match="device= for one on the meta device"):
+        sparsegen.load_compressed(parameters_on_meta(torch.nn.Linear(4, 4)), folder)
+
+
+def test_a_device_other_than_the_models_is_refused(tmp_path):
+    folder = checkpoint(tmp_path, "bf16")
+    refused(folder, r"device= where the model's allocated tensors are \(cpu\)", device="meta")
