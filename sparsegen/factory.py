@@ -7,21 +7,14 @@ import warnings
 
 import torch
 
-from .bdiag.nn import BlockDiagonalLinear
-from .bell.nn import BlockEllLinear
-from .bsr.nn import BlockSparseLinear
-from .errors import InputError, expect
-from .semi24.nn import Sparse24Linear
-from .semi24.scaled import ScaledSparse24Linear
-from .semi24.train import Sparse24TrainingLinear
+from .errors import expect
+from .jit import registry
 
-TRAINING_OPTIONS = ("method", "mask_interval", "dw_sparse", "soft_threshold")
-# What each sparsity takes beyond in/out features, bias, device and dtype.
-TAKES = {"block": ("block", "density", "layout"),
-         "2:4": ("weight_dtype", *TRAINING_OPTIONS),
-         "block-diagonal": ("nblocks", "density"),
-         "block-ell": ("block", "density", "per_row")}
-SPARSITIES = tuple(TAKES)
+# Every layout's faces (registry.Face, declared in its package): what `sparsity` names, and
+# what each takes beyond in/out features, bias, device and dtype.
+FACES = {face.sparsity: face for face in registry.faces()}
+TAKES = {sparsity: face.takes for sparsity, face in FACES.items()}
+SPARSITIES = tuple(FACES)
 DENSITY_TOLERANCE = 0.01  # |asked - built| beyond this warns
 
 
@@ -45,7 +38,7 @@ def linear(in_features: int, out_features: int, block=None, density: float | Non
     expect(not unused, f"only arguments that sparsity={sparsity!r} takes: {', '.join(TAKES[sparsity])}",
            f"also {', '.join(unused)}")
     _check_device(device)
-    layer = _BUILDERS[sparsity](in_features, out_features, bias, device, dtype, given)
+    layer = FACES[sparsity].build(in_features, out_features, bias, device, dtype, given)
     _warn_if_density_differs(given.get("density"), layer)
     return layer
 
@@ -55,51 +48,6 @@ def _check_device(device) -> None:
     if device is not None and torch.device(device).type == "cuda":
         expect(torch.cuda.is_available(), "a device this torch can use",
                f"{device!r}, but torch.cuda.is_available() is False (a CPU-only torch, or no GPU)")
-
-
-def _block(in_features, out_features, bias, device, dtype, given) -> BlockSparseLinear:
-    return BlockSparseLinear(in_features, out_features, given.get("block", (32, 32)), given.get("density", 0.5),
-                             bias, device, dtype, given.get("layout"))
-
-
-def _sparse24(in_features, out_features, bias, device, dtype, given):
-    recipe = {name: given[name] for name in TRAINING_OPTIONS if name in given}
-    if "weight_dtype" in given:
-        expect(not recipe, "no training options for one-byte weights (an inference layer)", sorted(recipe))
-        dense = torch.nn.Linear(in_features, out_features, bias, device, dtype)
-        return ScaledSparse24Linear.from_dense(dense, given["weight_dtype"])
-    if recipe:
-        return Sparse24TrainingLinear(in_features, out_features, bias, device, dtype, **recipe)
-    return Sparse24Linear(in_features, out_features, bias, device, dtype)
-
-
-def _block_diagonal(in_features, out_features, bias, device, dtype, given) -> BlockDiagonalLinear:
-    _one_of(given, "nblocks", "density")
-    if "nblocks" in given:
-        return BlockDiagonalLinear(in_features, out_features, given["nblocks"], bias, device, dtype)
-    density = given.get("density", 0.5)
-    expect(isinstance(density, (int, float)) and not isinstance(density, bool) and 0 < density <= 1,
-           "density in (0, 1] (block-diagonal: 1 / the number of diagonal blocks)", repr(density))
-    nblocks = max(1, round(1 / density))
-    try:
-        return BlockDiagonalLinear(in_features, out_features, nblocks, bias, device, dtype)
-    except InputError as error:
-        raise InputError(f"density={density!r} means {nblocks} diagonal blocks (1 / density, rounded), "
-                         f"which this shape cannot take: {error} Pass nblocks= to choose them.") from None
-
-
-def _block_ell(in_features, out_features, bias, device, dtype, given) -> BlockEllLinear:
-    _one_of(given, "per_row", "density")
-    return BlockEllLinear(in_features, out_features, given.get("block", (32, 32)), given.get("density", 0.5),
-                          given.get("per_row"), bias, device, dtype)
-
-
-def _one_of(given: dict, first: str, second: str) -> None:
-    expect(not (first in given and second in given), f"{first} or {second}, not both (each sets the other)",
-           f"{first}={given.get(first)!r} and {second}={given.get(second)!r}")
-
-
-_BUILDERS = {"block": _block, "2:4": _sparse24, "block-diagonal": _block_diagonal, "block-ell": _block_ell}
 
 
 def _warn_if_density_differs(asked, layer) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import expect
 from .launch import calls, lean
 from .jit import epilogues
 
@@ -54,3 +55,9 @@ class SparseLinearForward:
         if needs_grad(x, values, bias):
             return epilogues.differentiable(self._differentiable_product(x, values, bias), self.epilogue)
         return self._product(x, values, bias)
+
+
+def one_of(given: dict, first: str, second: str) -> None:
+    """Two arguments that set each other: one may be given, not both."""
+    expect(not (first in given and second in given), f"{first} or {second}, not both (each sets the other)",
+           f"{first}={given.get(first)!r} and {second}={given.get(second)!r}")

@@ -82,6 +82,27 @@ def test_layouts_import_no_other_layout():
             assert not others, f"{module} imports other layouts' {others}"
 
 
+# Modules outside the layouts that still import one (issue 41 shrinks this to the package's
+# exports): sparsegen.linear reads every layout from the registry's faces and is not here.
+NAMING_LAYOUTS = {"__init__": {"bsr", "semi24"}, "compressed": {"semi24"}, "parallel": {"bsr", "semi24"},
+                  "patching": {"bdiag", "bsr", "semi24"}, "tune": {"bdiag", "bell", "bsr", "semi24"}}
+
+
+def test_only_the_listed_modules_outside_the_layouts_import_one():
+    for module in MODULES:
+        if tier(module) != "layout":
+            named = {m.split(".")[0] for m in imports_of(module) if tier(m) == "layout"}
+            assert named <= NAMING_LAYOUTS.get(module, set()), \
+                f"{module} imports the layouts {named}: read them from jit.registry (faces, lowerings) instead"
+
+
+def test_sparsegen_linear_reaches_every_registered_face():
+    from sparsegen import factory
+    from sparsegen.jit import registry
+    assert set(factory.SPARSITIES) == {face.sparsity for face in registry.faces()}
+    assert len(factory.SPARSITIES) >= len(registry.LAYOUTS)  # (every shipped layout has a face)
+
+
 def test_no_import_circle():
     graph = {module: imports_of(module) for module in MODULES}
 

@@ -1,7 +1,7 @@
 """docs/adding-a-layout.md, followed to the letter: its code blocks, written where their
 info strings say into a copy of the package, plus the registry line it asks for, make a layout
-that renders, compiles (NVRTC, no GPU), precompiles and runs a CPU forward and backward equal
-to float64 math written out here; a broken template makes `sparsegen show` print the NVRTC log.
+that renders, compiles (NVRTC, no GPU), precompiles, is built by sparsegen.linear through its
+face, and runs a CPU forward and backward equal to float64 math written out here; a broken template makes `sparsegen show` print the NVRTC log.
 Everything runs in a subprocess that imports the copy, not the checkout."""
 import os
 import re
@@ -43,7 +43,7 @@ def run(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_the_tutorial_names_its_files():
     assert set(tutorial_files()) == {"sparsegen/band/specs.py", "templates/band/band_dds.cu.j2",
-                                     "sparsegen/band/ops.py", "sparsegen/band/nn.py"}
+                                     "sparsegen/band/ops.py", "sparsegen/band/nn.py", "sparsegen/band/face.py"}
 
 
 def test_show_renders_and_compiles_the_tutorial_kernel(copy):
@@ -60,7 +60,13 @@ from sparsegen.band.nn import BandLinear
 assert sparsegen.__file__.startswith(%r), sparsegen.__file__
 assert any(s.op == "band_dds" for s in spec.default_specs(80))
 torch.manual_seed(0)
-layer = BandLinear(320, 192, block=(64, 64), rowblocks=2).double()
+layer = sparsegen.linear(320, 192, sparsity="block-band", block=(64, 64), rowblocks=2).double()
+assert type(layer) is BandLinear
+try:
+    sparsegen.linear(320, 192, sparsity="block-band", density=0.5)
+    raise SystemExit("an argument the face does not take was accepted")
+except sparsegen.InputError as error:
+    assert "density" in str(error), error
 weight = torch.zeros(192, 320, dtype=torch.float64)
 for r in range(3):
     for j in range(2):

@@ -23,4 +23,4 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list:
 
 registry.register(registry.Layout("bdiag", (
     gathered_specs.product_rules("bdiag_dds", "bdiag/bdiag_dds.cu.j2", params=(DIAGROWS,)),
-), default_specs, Path(__file__).parent, lowerings_module="ops"))
+), default_specs, Path(__file__).parent, lowerings_module="ops", faces_module="face"))

@@ -25,4 +25,4 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 
 registry.register(registry.Layout("bell", (
     gathered_specs.product_rules("bell_dds", "bell/bell_dds.cu.j2", index="cols"),
-), default_specs, Path(__file__).parent, lowerings_module="ops"))
+), default_specs, Path(__file__).parent, lowerings_module="ops", faces_module="face"))

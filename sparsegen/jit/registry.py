@@ -35,6 +35,10 @@ def _not_int8(spec: Spec) -> bool:
     return spec.dtype != "int8"
 
 
+def _no_spills(spec: Spec) -> tuple[int, str]:
+    return 0, "0"
+
+
 @dataclass(frozen=True)
 class Param:
     """A parameter of a layout's op beyond the fields every KernelSpec has (V:N:M's V, a
@@ -90,6 +94,8 @@ class OpRules:
     accs: tuple[str, ...] = ("f32",)                # accumulator types its templates implement (spec.ACCS)
     args: ProductArgs | None = None                 # a forward product op's arguments (its custom op's)
     float_output: Callable[[Spec], bool] = _not_int8  # Y in a float type (epilogues need one): int8 sums are int32
+    known_spills: Callable[[Spec], tuple[int, str]] = _no_spills  # (LDL/STL allowed, stack bytes pattern) the
+                                                                   # SASS test accepts for a spec (tests/test_compile.py)
 
     def __post_init__(self):
         for param in self.params:
@@ -116,12 +122,24 @@ class Lowering:
 
 
 @dataclass(frozen=True)
+class Face:
+    """How users ask for a layout: `sparsegen.linear(sparsity=<sparsity>, ...)` builds its layer
+    by `build(in_features, out_features, bias, device, dtype, given)`, where `given` holds the
+    arguments the user passed among `takes` (every other one is refused before build runs)."""
+
+    sparsity: str                                   # e.g. "block-ell"
+    takes: tuple[str, ...]                          # the arguments beyond in/out features, bias, device, dtype
+    build: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class Layout:
     name: str                                       # the package: sparsegen.<name>, templates/<name>/
     ops: tuple[OpRules, ...]
     default_specs: Callable[[int, tuple, list | None], list]  # (arch, dtypes, blocks) -> what precompile builds
     package_dir: Path                               # its Python, hashed with the templates (cache aliases)
     lowerings_module: str | None = None             # a module of it with LOWERINGS (Lowering, ...): compiled graphs
+    faces_module: str | None = None                 # a module of it with FACES (Face, ...): sparsegen.linear
 
 
 _REGISTERED: dict[str, Layout] = {}
@@ -164,6 +182,13 @@ def lowerings() -> tuple[Lowering, ...]:
     modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.lowerings_module}")
                for layout in layouts() if layout.lowerings_module]
     return tuple(lowering for module in modules for lowering in module.LOWERINGS)
+
+
+def faces() -> tuple[Face, ...]:
+    """Every layout's faces, in LAYOUTS order (importing their modules: the layers)."""
+    modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.faces_module}")
+               for layout in layouts() if layout.faces_module]
+    return tuple(face for module in modules for face in module.FACES)
 
 
 def _load() -> None:

@@ -218,4 +218,4 @@ registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_expand, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_quantize", "semi24/sp24_quantize.cu.j2", _validate_quantize, _no_smem,
                      context=_quantize_context, tensor_cores=False, params=(SOURCE,)),
-), default_specs, Path(__file__).parent, lowerings_module="compiled"))
+), default_specs, Path(__file__).parent, lowerings_module="compiled", faces_module="face"))

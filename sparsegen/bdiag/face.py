@@ -1,0 +1,26 @@
+"""How users ask for block-diagonal layers: sparsegen.linear(sparsity="block-diagonal",
+nblocks= or density=) (registry.Face)."""
+from __future__ import annotations
+
+from ..errors import InputError, expect
+from ..jit import registry
+from ..layer import one_of
+from .nn import BlockDiagonalLinear
+
+
+def build(in_features, out_features, bias, device, dtype, given) -> BlockDiagonalLinear:
+    one_of(given, "nblocks", "density")
+    if "nblocks" in given:
+        return BlockDiagonalLinear(in_features, out_features, given["nblocks"], bias, device, dtype)
+    density = given.get("density", 0.5)
+    expect(isinstance(density, (int, float)) and not isinstance(density, bool) and 0 < density <= 1,
+           "density in (0, 1] (block-diagonal: 1 / the number of diagonal blocks)", repr(density))
+    nblocks = max(1, round(1 / density))
+    try:
+        return BlockDiagonalLinear(in_features, out_features, nblocks, bias, device, dtype)
+    except InputError as error:
+        raise InputError(f"density={density!r} means {nblocks} diagonal blocks (1 / density, rounded), "
+                         f"which this shape cannot take: {error} Pass nblocks= to choose them.") from None
+
+
+FACES = (registry.Face("block-diagonal", ("nblocks", "density"), build),)
