@@ -9,18 +9,15 @@ import re
 import torch
 from torch import nn
 
-from .jit import epilogues
+from .jit import epilogues, registry
 from .errors import InputError, expect
-from .bdiag.nn import BlockDiagonalLinear
-from .bsr.nn import BlockSparseLinear
-from .gathered import FixedRowsLinear
 from .semi24.nn import Sparse24Linear
 from .semi24.scaled import ScaledSparse24Linear, check_gated_pair
-from .semi24.train import Sparse24TrainingLinear
 
-# The settings each sparsity takes in a rule (any other is refused, naming it).
-RULE_SETTINGS = {"block": ("block", "density", "layout"), "2:4": ("method", "training", "weight_dtype"),
-                 "block-diagonal": ("nblocks", "density")}
+# Every layout's face that takes patch rules (registry.Face: declared in its package), and the
+# settings each sparsity takes in a rule (any other is refused, naming it).
+FACES = {face.sparsity: face for face in registry.faces() if face.patch is not None}
+RULE_SETTINGS = {sparsity: face.rule for sparsity, face in FACES.items()}
 _SETTINGS = ("sparsity", *dict.fromkeys(key for keys in RULE_SETTINGS.values() for key in keys))
 
 
@@ -33,7 +30,9 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     "transposable"; always pruned from the dense weights), or a Sparse24TrainingLinear for
     {"sparsity": "2:4", "training": {options}}, or a ScaledSparse24Linear for {"sparsity":
     "2:4", "weight_dtype": "e4m3" or "int8"} (weights quantized per output channel,
-    activations per token); the first matching pattern wins.
+    activations per token), or the layer of any other layout's face that takes rules
+    ({"sparsity": "block-diagonal", "nblocks": 4}, {"sparsity": "block-ell", "block": (64, 64),
+    "per_row": 2}; RULE_SETTINGS lists each one's settings); the first matching pattern wins.
     With from_dense, the blocks of largest norm keep their pretrained values.
 
     With `fuse`, the kernels also take over what follows the replaced layers in recognised
@@ -190,11 +189,10 @@ def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
 
 def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
     """Gate and up as plain linears of one shape and bias, an activation with a gated
-    epilogue, a down projection, and settings that describe the pair (no fixed layout, no
-    training recipe; not block-diagonal, whose blocks would pair gate rows with up rows)."""
+    epilogue, a down projection, and settings under which the layout pairs them (its face
+    says: no fixed block layout, no training recipe, no block-diagonal or block-ELL)."""
     return (_gated_parts(mlp, (nn.Linear,)) and mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape
-            and "layout" not in settings and "training" not in settings
-            and settings.get("sparsity") != "block-diagonal")
+            and FACES[settings.get("sparsity", "block")].pairs(settings))
 
 
 def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
@@ -239,9 +237,6 @@ def _regex(pattern) -> re.Pattern:
         raise InputError(f"Expected rule patterns that are regular expressions. Got {pattern!r} ({error}).") from None
 
 
-_TRAINING_OPTIONS = ("mask_interval", "method", "dw_sparse", "soft_threshold")
-
-
 def _checked(pattern: str, settings) -> dict:
     expect(isinstance(settings, dict) and set(settings) <= set(_SETTINGS),
            f"settings for {pattern!r} as a dict with keys from {_SETTINGS}", settings)
@@ -250,11 +245,7 @@ def _checked(pattern: str, settings) -> dict:
     unused = sorted(set(settings) - {"sparsity", *RULE_SETTINGS[sparsity]})
     expect(not unused, f"only settings that sparsity {sparsity!r} takes for {pattern!r}: "
            f"{', '.join(RULE_SETTINGS[sparsity])}", f"also {', '.join(unused)}")
-    expect("weight_dtype" not in settings or "training" not in settings,
-           f"weight_dtype or training for {pattern!r}, not both (one-byte layers are for inference)", settings)
-    training = settings.get("training", {})
-    expect(isinstance(training, dict) and set(training) <= set(_TRAINING_OPTIONS),
-           f"'training' settings for {pattern!r} as a dict with keys from {_TRAINING_OPTIONS}", training)
+    FACES[sparsity].check_rule(pattern, settings)
     return dict(settings)
 
 
@@ -272,28 +263,8 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None,
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias
-    block = settings.get("block", (32, 32))
     try:
-        if settings.get("sparsity", "block") == "2:4":  # 2:4 always prunes the given weights
-            if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products
-                return Sparse24TrainingLinear.from_dense(linear, **dict(settings["training"]))
-            if "weight_dtype" in settings:  # one-byte weights and activations, scaled
-                return ScaledSparse24Linear.from_dense(linear, settings["weight_dtype"], settings.get("method", "magnitude"))
-            return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
-        if settings.get("sparsity") == "block-diagonal":  # from_dense keeps the diagonal blocks
-            nblocks = settings.get("nblocks", max(1, round(1 / settings.get("density", 0.5))))
-            if from_dense:
-                return BlockDiagonalLinear.from_dense(linear, nblocks)
-            return BlockDiagonalLinear(linear.in_features, linear.out_features, nblocks, module.bias is not None,
-                                       weight.device, weight.dtype)
-        expect(settings.get("sparsity", "block") == "block", "sparsity 'block', '2:4' or 'block-diagonal'",
-               repr(settings.get("sparsity")))
-        if from_dense:
-            return BlockSparseLinear.from_dense(linear, block, settings.get("density", 0.5),
-                                                settings.get("layout"))
-        return BlockSparseLinear(linear.in_features, linear.out_features, block,
-                                 settings.get("density", 0.5), module.bias is not None,
-                                 weight.device, weight.dtype, settings.get("layout"))
+        return FACES[settings.get("sparsity", "block")].patch(linear, settings, from_dense)
     except InputError as error:
         raise InputError(f"{name}: {error}") from None
 
@@ -308,9 +279,14 @@ def dense_copy(model: nn.Module) -> nn.Module:
     for name, module in list(twin.named_modules()):
         if isinstance(module, ScaledSparse24Linear):
             _replace(twin, name, module.to_linear(dtype))
-        elif isinstance(module, (BlockSparseLinear, Sparse24Linear, Sparse24TrainingLinear, FixedRowsLinear)):
+        elif _is_sparse_layer(module):
             _replace(twin, name, module.to_linear())
     return twin
+
+
+def _is_sparse_layer(module: nn.Module) -> bool:
+    """A layer of any of sparsegen's layouts: each has to_linear (its weight as nn.Linear)."""
+    return type(module).__module__.startswith("sparsegen.") and callable(getattr(module, "to_linear", None))
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:

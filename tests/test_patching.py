@@ -43,6 +43,20 @@ def test_patch_replaces_matching_linears_and_keeps_the_kept_blocks():
     assert net[0].up.values.grad is not None
 
 
+def test_a_block_ell_rule_keeps_the_largest_blocks_of_each_block_row():
+    """Every layout's face that takes rules is reachable from patch: block-ELL keeps, in each
+    block row, the per_row blocks of largest norm with their pretrained values."""
+    from sparsegen.bell.nn import BlockEllLinear
+    net, reference = model(), model()
+    sparsegen.patch(net, {r"0\.up": {"sparsity": "block-ell", "block": (32, 32), "per_row": 1}})
+    layer, dense = net[0].up, reference[0].up.weight.detach()
+    assert isinstance(layer, BlockEllLinear)
+    kept = layer.to_dense_weight().detach()
+    norms = dense.reshape(8, 32, 2, 32).norm(dim=(1, 3))
+    assert torch.equal((kept.reshape(8, 32, 2, 32).abs().sum(dim=(1, 3)) > 0), norms == norms.max(1, keepdim=True).values)
+    torch.testing.assert_close(kept[kept != 0], dense[kept != 0])
+
+
 def test_density_one_patch_is_exactly_the_dense_model():
     net, reference = model(), model()
     sparsegen.patch(net, {r".*\.(up|down)": {"block": (16, 16), "density": 1.0}})
@@ -118,14 +132,17 @@ def test_patch_gpt2_with_24_matches_the_pruned_dense_model():
     {r"\d+\.up": {"block": (32, 32), "density": 0.5}, r"\d+\.down": {"block": (16, 32), "density": 0.25}},
     {r"\d+\.(up|down)": {"sparsity": "2:4"}},
     {r"\d+\.(up|down)": {"sparsity": "2:4", "training": {"mask_interval": 5}}},
-], ids=["block", "2:4", "2:4-recipe"])
+    {r"\d+\.(up|down)": {"sparsity": "block-ell", "block": (32, 32), "per_row": 1}},
+], ids=["block", "2:4", "2:4-recipe", "block-ell"])
 def test_dense_copy_computes_what_the_patched_model_does(rules):
     """sparsegen.dense_copy: plain nn.Linear layers holding the weights the sparse layers'
     products use (the recipe's masked weight too); the patched model is left as it was."""
     net = model().double()
     sparsegen.patch(net, rules)
     twin = sparsegen.dense_copy(net)
-    sparse_kinds = (sparsegen.BlockSparseLinear, sparsegen.Sparse24Linear, sparsegen.Sparse24TrainingLinear)
+    from sparsegen.bell.nn import BlockEllLinear
+    sparse_kinds = (sparsegen.BlockSparseLinear, sparsegen.Sparse24Linear, sparsegen.Sparse24TrainingLinear,
+                    BlockEllLinear)
     assert not any(isinstance(m, sparse_kinds) for m in twin.modules())
     assert sum(isinstance(m, sparse_kinds) for m in net.modules()) == 4
     x = torch.randn(3, 7, 64, dtype=torch.float64)

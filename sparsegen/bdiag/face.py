@@ -23,4 +23,16 @@ def build(in_features, out_features, bias, device, dtype, given) -> BlockDiagona
                          f"which this shape cannot take: {error} Pass nblocks= to choose them.") from None
 
 
-FACES = (registry.Face("block-diagonal", ("nblocks", "density"), build),)
+def patched(linear, settings: dict, from_dense: bool) -> BlockDiagonalLinear:
+    """A patch rule's layer: the linear's diagonal blocks, or fresh ones. (Never a gated
+    pair: the diagonal blocks of interleaved gate/up rows would pair gate rows with up rows.)"""
+    nblocks = settings.get("nblocks", max(1, round(1 / settings.get("density", 0.5))))
+    if from_dense:
+        return BlockDiagonalLinear.from_dense(linear, nblocks)
+    weight = linear.weight
+    return BlockDiagonalLinear(linear.in_features, linear.out_features, nblocks, linear.bias is not None,
+                               weight.device, weight.dtype)
+
+
+FACES = (registry.Face("block-diagonal", ("nblocks", "density"), build, rule=("nblocks", "density"),
+                       patch=patched),)

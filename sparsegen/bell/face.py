@@ -13,4 +13,16 @@ def build(in_features, out_features, bias, device, dtype, given) -> BlockEllLine
                           given.get("per_row"), bias, device, dtype)
 
 
-FACES = (registry.Face("block-ell", ("block", "density", "per_row"), build),)
+def patched(linear, settings: dict, from_dense: bool) -> BlockEllLinear:
+    """A patch rule's layer: the blocks of largest norm in each block row, or fresh ones."""
+    one_of(settings, "per_row", "density")
+    block, density, per_row = settings.get("block", (32, 32)), settings.get("density", 0.5), settings.get("per_row")
+    if from_dense:
+        return BlockEllLinear.from_dense(linear, block, density, per_row)
+    weight = linear.weight
+    return BlockEllLinear(linear.in_features, linear.out_features, block, density, per_row, linear.bias is not None,
+                          weight.device, weight.dtype)
+
+
+FACES = (registry.Face("block-ell", ("block", "density", "per_row"), build, rule=("block", "density", "per_row"),
+                       patch=patched),)

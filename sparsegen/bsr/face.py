@@ -1,5 +1,5 @@
 """How users ask for block-CSR layers: sparsegen.linear(sparsity="block", block=, density=
-or layout=) (registry.Face)."""
+or layout=) and patch rules of those settings (registry.Face)."""
 from __future__ import annotations
 
 from ..jit import registry
@@ -11,4 +11,16 @@ def build(in_features, out_features, bias, device, dtype, given) -> BlockSparseL
                              bias, device, dtype, given.get("layout"))
 
 
-FACES = (registry.Face("block", ("block", "density", "layout"), build),)
+def patched(linear, settings: dict, from_dense: bool) -> BlockSparseLinear:
+    """A patch rule's layer: the blocks of largest norm of the linear's weight (or `layout`),
+    or fresh ones."""
+    block, density, layout = settings.get("block", (32, 32)), settings.get("density", 0.5), settings.get("layout")
+    if from_dense:
+        return BlockSparseLinear.from_dense(linear, block, density, layout)
+    weight = linear.weight
+    return BlockSparseLinear(linear.in_features, linear.out_features, block, density, linear.bias is not None,
+                             weight.device, weight.dtype, layout)
+
+
+FACES = (registry.Face("block", ("block", "density", "layout"), build, rule=("block", "density", "layout"),
+                       patch=patched, pairs=lambda settings: "layout" not in settings),)

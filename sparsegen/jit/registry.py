@@ -130,6 +130,14 @@ class Face:
     sparsity: str                                   # e.g. "block-ell"
     takes: tuple[str, ...]                          # the arguments beyond in/out features, bias, device, dtype
     build: Callable[..., Any]
+    # sparsegen.patch: the settings a rule of this sparsity takes (besides "sparsity"), the layer
+    # for a linear (`patch(linear, settings, from_dense)`; None: no rules of it), the layout's
+    # own check of a rule's settings, and whether a gated MLP's gate and up under these settings
+    # become one layer with a gated epilogue (rows interleaved: the layout must allow it)
+    rule: tuple[str, ...] = ()
+    patch: Callable[..., Any] | None = None
+    check_rule: Callable[[str, dict], None] = lambda pattern, settings: None
+    pairs: Callable[[dict], bool] = lambda settings: False
 
 
 @dataclass(frozen=True)

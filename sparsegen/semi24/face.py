@@ -25,4 +25,24 @@ def build(in_features, out_features, bias, device, dtype, given):
     return Sparse24Linear(in_features, out_features, bias, device, dtype)
 
 
-FACES = (registry.Face("2:4", ("weight_dtype", *TRAINING_OPTIONS), build),)
+def patched(linear, settings: dict, from_dense: bool):
+    """A patch rule's layer, always pruned from the linear's weight: the 2by4 recipe's with
+    "training", a one-byte one with "weight_dtype", else a Sparse24Linear by "method"."""
+    if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products
+        return Sparse24TrainingLinear.from_dense(linear, **dict(settings["training"]))
+    if "weight_dtype" in settings:  # one-byte weights and activations, scaled
+        return ScaledSparse24Linear.from_dense(linear, settings["weight_dtype"], settings.get("method", "magnitude"))
+    return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
+
+
+def check_rule(pattern: str, settings: dict) -> None:
+    expect("weight_dtype" not in settings or "training" not in settings,
+           f"weight_dtype or training for {pattern!r}, not both (one-byte layers are for inference)", settings)
+    training = settings.get("training", {})
+    options = ("mask_interval", "method", "dw_sparse", "soft_threshold")
+    expect(isinstance(training, dict) and set(training) <= set(options),
+           f"'training' settings for {pattern!r} as a dict with keys from {options}", training)
+
+
+FACES = (registry.Face("2:4", ("weight_dtype", *TRAINING_OPTIONS), build, rule=("method", "training", "weight_dtype"),
+                       patch=patched, check_rule=check_rule, pairs=lambda settings: "training" not in settings),)
