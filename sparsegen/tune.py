@@ -18,24 +18,18 @@ import torch.nn.functional as F
 
 from .launch import crossovers, dense_path, runtime
 from .errors import expect
-from .jit import private_files, trust
-from .bdiag.nn import BlockDiagonalLinear
-from .bell.nn import BlockEllLinear
-from .bsr.nn import BlockSparseLinear
-from .semi24.nn import Sparse24Linear
+from .jit import private_files, registry, trust
 
 # (out_features, in_features): attention and MLP projections of BERT-base, Llama-7B-like and
 # Llama-1B-like models, and square layers from 768 to 8192.
 SHAPES = [(768, 768), (3072, 768), (768, 3072), (2048, 2048), (8192, 2048), (2048, 8192),
           (4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192)]
 TOKENS = [1, 16, 128, 512, 2048, 8192]
-# (layout, block, density): ("sp24", (0, 0), 1.0), ("bsr" or "bell", block, density), or
-# ("bdiag", (0, 0), 1 / nblocks): its tile is the layer's own choice, recorded with the point.
-LAYOUTS = [("sp24", (0, 0), 1.0), ("bsr", (64, 64), 0.5), ("bsr", (64, 64), 0.25), ("bsr", (128, 128), 0.25),
-           ("bsr", (128, 128), 0.5), ("bsr", (32, 32), 0.5), ("bsr", (32, 32), 0.25), ("bsr", (16, 16), 0.25),
-           ("bell", (64, 64), 0.5), ("bell", (64, 64), 0.25), ("bell", (32, 32), 0.5),
-           ("bdiag", (0, 0), 0.5), ("bdiag", (0, 0), 0.25)]
-NAMES = tuple(dict.fromkeys(layout for layout, _, _ in LAYOUTS))
+# Each tuned layout's points, as its face declares them (registry.Tuning): (key, block,
+# density), e.g. ("sp24", (0, 0), 1.0), ("bsr", (64, 64), 0.5), ("bdiag", (0, 0), 1 / nblocks).
+TUNINGS = {face.tuning.key: face.tuning for face in registry.faces() if face.tuning is not None}
+LAYOUTS = [(key, block, density) for key, tuning in TUNINGS.items() for block, density in tuning.points]
+NAMES = tuple(TUNINGS)
 QUICK = dict(shapes=SHAPES[::3], tokens=TOKENS[1::2],
              layouts=[next(row for row in LAYOUTS if row[0] == name) for name in NAMES])  # one row of each
 
@@ -63,33 +57,21 @@ def graph_ms(call, reps: int = 20) -> float:
     return min(times)
 
 
-def _layer(layout: str, n: int, k: int, block, density: float):
-    kwargs = dict(device="cuda", dtype=torch.bfloat16)
-    if layout == "sp24":
-        return Sparse24Linear(k, n, **kwargs)
-    if layout == "bdiag":
-        return BlockDiagonalLinear(k, n, nblocks=round(1 / density), **kwargs)
-    kind = BlockEllLinear if layout == "bell" else BlockSparseLinear
-    return kind(k, n, block=block, density=density, **kwargs)
-
-
 @torch.no_grad()
 def measure(layout: str, n: int, k: int, m: int, block=(0, 0), density: float = 1.0) -> crossovers.Point:
     """One point: the sparse layer (its kernels, never the dense path) against cuBLAS."""
-    layer = _layer(layout, n, k, block, density)
+    layer = TUNINGS[layout].layer(n, k, block, density, device="cuda", dtype=torch.bfloat16)
     weight, bias = layer.to_dense_weight(), layer.bias
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     with dense_path.disabled():
         sparse = graph_ms(lambda: layer(x))
     dense = graph_ms(lambda: F.linear(x, weight, bias))
-    block = layer.block if layout == "bdiag" else block  # (the tile its calls look up)
+    block = TUNINGS[layout].tile(layer, block)  # (the tile its calls look up)
     return crossovers.Point(layout, n, k, m, dense / sparse, tuple(block), density)
 
 
 def fits(layout: str, n: int, k: int, block, density: float) -> bool:
-    if layout == "bdiag":  # (16-wide tiles inside each diagonal block at least)
-        return n % (16 * round(1 / density)) == 0 and k % (16 * round(1 / density)) == 0
-    return layout == "sp24" or (n % block[0] == 0 and k % block[1] == 0)
+    return TUNINGS[layout].fits(n, k, block, density)
 
 
 def run(shapes=SHAPES, tokens=TOKENS, layouts=LAYOUTS, out: Path | None = None, log=print) -> Path:
@@ -133,7 +115,7 @@ def summary(points) -> str:
     for layout, block, density in dict.fromkeys((p.layout, p.block, p.density) for p in points):
         mine = [p for p in points if (p.layout, p.block, p.density) == (layout, block, density)]
         losing = sum(p.speedup < crossovers.LOSES_BELOW for p in mine)
-        label = layout if layout == "sp24" else f"{layout} b{block[0]}x{block[1]} d{density:g}"
+        label = layout if tuple(block) == (0, 0) and density == 1 else f"{layout} b{block[0]}x{block[1]} d{density:g}"
         lines.append(f"{label}: dense path in {losing} of {len(mine)} cells")
     return "\n".join(lines)
 

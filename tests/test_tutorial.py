@@ -83,6 +83,9 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     built = run(copy, "-m", "sparsegen", "precompile", "--arch", "sm_80", "--dtype", "bf16", "--block", "64")
     assert built.returncode == 0, built.stderr
+    tuned = run(copy, "-m", "sparsegen", "tune", "--quick", "--layout", "band", "--out", str(copy / "band.json"))
+    assert "layouts among" not in tuned.stderr and ("needs a CUDA GPU" in tuned.stderr or tuned.returncode == 0), \
+        tuned.stderr
 
 
 def test_a_broken_template_shows_the_nvrtc_log(copy, tmp_path):

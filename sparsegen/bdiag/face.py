@@ -34,5 +34,14 @@ def patched(linear, settings: dict, from_dense: bool) -> BlockDiagonalLinear:
                                weight.device, weight.dtype)
 
 
+def _fits(n: int, k: int, block, density: float) -> bool:
+    """16-wide tiles inside each diagonal block at least."""
+    return n % (16 * round(1 / density)) == 0 and k % (16 * round(1 / density)) == 0
+
+
 FACES = (registry.Face("block-diagonal", ("nblocks", "density"), build, rule=("nblocks", "density"),
-                       patch=patched),)
+                       patch=patched,
+                       tuning=registry.Tuning("bdiag", (((0, 0), 0.5), ((0, 0), 0.25)),
+                                              lambda n, k, block, density, **factory: BlockDiagonalLinear(
+                                                  k, n, nblocks=round(1 / density), **factory),
+                                              fits=_fits, tile=lambda layer, block: tuple(layer.block))),)

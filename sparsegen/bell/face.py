@@ -25,4 +25,7 @@ def patched(linear, settings: dict, from_dense: bool) -> BlockEllLinear:
 
 
 FACES = (registry.Face("block-ell", ("block", "density", "per_row"), build, rule=("block", "density", "per_row"),
-                       patch=patched),)
+                       patch=patched,
+                       tuning=registry.Tuning("bell", (((64, 64), 0.5), ((64, 64), 0.25), ((32, 32), 0.5)),
+                                              lambda n, k, block, density, **factory: BlockEllLinear(
+                                                  k, n, block=block, density=density, **factory))),)

@@ -23,4 +23,9 @@ def patched(linear, settings: dict, from_dense: bool) -> BlockSparseLinear:
 
 
 FACES = (registry.Face("block", ("block", "density", "layout"), build, rule=("block", "density", "layout"),
-                       patch=patched, pairs=lambda settings: "layout" not in settings),)
+                       patch=patched, pairs=lambda settings: "layout" not in settings,
+                       tuning=registry.Tuning("bsr", (((64, 64), 0.5), ((64, 64), 0.25), ((128, 128), 0.25),
+                                                      ((128, 128), 0.5), ((32, 32), 0.5), ((32, 32), 0.25),
+                                                      ((16, 16), 0.25)),
+                                              lambda n, k, block, density, **factory: BlockSparseLinear(
+                                                  k, n, block=block, density=density, **factory))),)

@@ -121,6 +121,24 @@ class Lowering:
         return self.own_args or op_rules(self.op).args
 
 
+def _whole_blocks(n: int, k: int, block, density: float) -> bool:
+    return n % block[0] == 0 and k % block[1] == 0
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What `sparsegen tune` measures of a layout against cuBLAS: its key in the crossover
+    tables (launch/crossovers.py), its (block, density) points, a layer of a shape
+    (`layer(out, in, block, density, **factory)`), which weight shapes a point fits, and the
+    tile its calls look the table up by (a layer may choose its own)."""
+
+    key: str                                        # e.g. "bell"
+    points: tuple[tuple[tuple[int, int], float], ...]
+    layer: Callable[..., Any]
+    fits: Callable[[int, int, tuple, float], bool] = _whole_blocks
+    tile: Callable[[Any, tuple], tuple] = lambda layer, block: tuple(block)
+
+
 @dataclass(frozen=True)
 class Face:
     """How users ask for a layout: `sparsegen.linear(sparsity=<sparsity>, ...)` builds its layer
@@ -138,6 +156,7 @@ class Face:
     patch: Callable[..., Any] | None = None
     check_rule: Callable[[str, dict], None] = lambda pattern, settings: None
     pairs: Callable[[dict], bool] = lambda settings: False
+    tuning: Tuning | None = None                    # sparsegen tune's points (None: not tuned)
 
 
 @dataclass(frozen=True)

@@ -45,4 +45,7 @@ def check_rule(pattern: str, settings: dict) -> None:
 
 
 FACES = (registry.Face("2:4", ("weight_dtype", *TRAINING_OPTIONS), build, rule=("method", "training", "weight_dtype"),
-                       patch=patched, check_rule=check_rule, pairs=lambda settings: "training" not in settings),)
+                       patch=patched, check_rule=check_rule, pairs=lambda settings: "training" not in settings,
+                       tuning=registry.Tuning("sp24", (((0, 0), 1.0),),
+                                              lambda n, k, block, density, **factory: Sparse24Linear(k, n, **factory),
+                                              fits=lambda n, k, block, density: True)),)
