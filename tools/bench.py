@@ -314,6 +314,33 @@ def overheads() -> Table:
     return table
 
 
+def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008))) -> Table:
+    """Any tuned layout by its face (registry.Tuning: the points `sparsegen tune` measures),
+    forward and forward + backward against a dense nn.Linear of the same weight, bf16: a new
+    layout is benchmarked with no edit here (--layout NAME)."""
+    from sparsegen import tune
+
+    if key not in tune.TUNINGS:
+        raise SystemExit(f"bench.py: Expected --layout among {tune.NAMES}. Got {key!r}.")
+    tuning = tune.TUNINGS[key]
+    table = Table("Block-sparse layers", f"The {key} layout (its face's tuning points) against dense, bf16",
+                  [("M, K, N", ""), ("block", ""), ("density", ".3g"), ("dense ms", ".3f"), ("sparse ms", ".3f"),
+                   ("speedup", "x"), ("train dense ms", ".3f"), ("train sparse ms", ".3f"), ("train speedup", "x")])
+    for (m, k, n), (block, density) in itertools.product(shapes, tuning.points):
+        if not tuning.fits(n, k, block, density):
+            continue
+        layer = tuning.layer(n, k, block, density, device="cuda", dtype=torch.bfloat16)
+        dense = layer.to_linear().requires_grad_()
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            forward = interleaved(*(lambda f=f: median_ms(lambda: f(x)) for f in (dense, layer)))
+        train = interleaved(*(lambda f=f: median_ms(lambda: f(x).backward(dy)) for f in (dense, layer)))
+        table.add(f"{m}, {k}, {n}", f"{block[0]}x{block[1]}", layer.density if hasattr(layer, "density") else density,
+                  *forward, forward[0] / forward[1], *train, train[0] / train[1])
+    return table
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one shape, bf16 only")
@@ -326,12 +353,14 @@ def main(argv=None) -> None:
     parser.add_argument("--bell", action="store_true", help="the block-ELL layout against block-CSR and dense")
     parser.add_argument("--bdiag", action="store_true", help="the block-diagonal layout against dense and torch.bmm")
     parser.add_argument("--acc", action="store_true", help="fp16 accumulators against f32 on the mma.sync kernel")
+    parser.add_argument("--layout", help="any tuned layout by its registry key (sp24, bsr, bell, bdiag, or a new one's)")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.tune:
         return run_tuning()
     modes = [(args.bell, bench_bell), (args.bdiag, bench_bdiag), (args.acc, bench_acc), (args.compile, compile_times),
              (args.train, bench_training), (args.overheads, overheads)]
+    modes.append((args.layout, lambda: bench_layout(args.layout)))
     tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
     write(args.json, "bench.py", argv, tables)
 
