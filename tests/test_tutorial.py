@@ -52,6 +52,13 @@ def test_show_renders_and_compiles_the_tutorial_kernel(copy):
     assert "(r + blk) % 16" in done.stdout and "compiled for sm_90a" in done.stderr
 
 
+def test_the_layouts_own_check_refuses_a_spec_by_name(copy):
+    """The tutorial's `check` runs after the kit's: a band wider than the grid is refused."""
+    done = run(copy, "-m", "sparsegen", "show", KERNEL.replace("xrowblocks4", "xrowblocks32"))
+    assert done.returncode != 0
+    assert "Expected rowblocks <= gridcols (a band wraps once). Got 32 > 16." in done.stderr, done.stderr
+
+
 def test_precompile_builds_it_and_layer_matches_float64(copy):
     script = r'''
 import torch, sparsegen

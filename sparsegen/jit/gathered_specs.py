@@ -23,13 +23,24 @@ MAX_PARAM = 4096  # a kernel per value: a bound on what a name may ask to compil
 SMALL_ROWS = 64  # M up to this takes the 64-row tile (no work on padding rows)
 
 
-def product_rules(op: str, template: str, params: tuple[Param, ...] = (), index: str | None = None) -> OpRules:
+def product_rules(op: str, template: str, params: tuple[Param, ...] = (), index: str | None = None,
+                  check=None) -> OpRules:
     """The registry entry of a fixed-rows forward op: `rowblocks` then the layout's own
-    `params`; its custom op takes (x, values, bias[, index], *params, out_features, epilogue)."""
+    `params`; its custom op takes (x, values, bias[, index], *params, out_features, epilogue).
+    `check(spec)`, the layout's own rule on its specs (raising SpecError: "Expected X. Got Y."),
+    runs after the kit's."""
     tensors = ("x", "values", "bias") + ((index,) if index else ())
     params = (ROWBLOCKS, *params)
-    return OpRules(op, template, validate, smem_bytes, epilogues=True, params=params, accs=("f32", "f16"),
-                   args=ProductArgs(tensors, tuple(p.name for p in params)), known_spills=known_spills)
+    return OpRules(op, template, validate if check is None else _then(check), smem_bytes, epilogues=True,
+                   params=params, accs=("f32", "f16"), args=ProductArgs(tensors, tuple(p.name for p in params)),
+                   known_spills=known_spills)
+
+
+def _then(check):
+    def validate_then_check(spec: KernelSpec) -> None:
+        validate(spec)
+        check(spec)
+    return validate_then_check
 
 
 def known_spills(spec: KernelSpec) -> tuple[int, str]:
