@@ -117,8 +117,8 @@ class FixedRowsProduct:
 
     def into(self, x, values, bias, *rest, out):
         """The launcher a compiled graph calls: Y into Inductor's buffer `out`."""
-        plan = self.lean_plan(x, values, *rest) if calls.fits_in_place(out) else None
-        if plan is not None and lean.runs(plan, x):
+        plan = self.lean_plan(x, values, *rest)
+        if plan is not None and lean.runs_into(plan, x, out, x.data_ptr() | out.data_ptr()):
             plan.run(x, values, bias, out)
         else:
             out.copy_(self.overload(x, values, bias, *rest))

@@ -36,8 +36,9 @@ def runs(plan, x: torch.Tensor) -> bool:
 
 
 def runs_into(plan, x: torch.Tensor, out: torch.Tensor, addresses: int) -> bool:
-    """runs, and `out` is a buffer the plan writes in place (`addresses`: x's and out's
-    data_ptr() or-ed, read once by a compiled graph's launcher)."""
+    """Whether a lean plan runs a compiled graph's call into `out`: x and out contiguous and
+    16-byte aligned (`addresses`: their data_ptr() or-ed, read once by the launcher), and no
+    CUDA graph capture where the plan's graphs take the dense path."""
     return (not addresses & 15 and x.is_contiguous() and out.is_contiguous()
             and not (plan.dense and torch.cuda.is_current_stream_capturing()))
 
