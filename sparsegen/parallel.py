@@ -3,18 +3,18 @@ RowwiseParallel as torch.distributed.tensor.parallel has them, which also take
 Sparse24Linear, ScaledSparse24Linear and BlockSparseLinear (fused gated ones included):
 
     parallelize_module(model, mesh, {"model.layers.*.mlp.gate_up": sparsegen.parallel.ColwiseParallel(),
-                                     "model.layers.*.mlp.down": sparsegen.parallel.RowwiseParallel()})
+                                     "model.layers.*.mlp.down_proj": sparsegen.parallel.RowwiseParallel()})
 
 A column-wise layer keeps whole output rows on each rank (2:4 metadata and block rows with
 them; a gated layer whole gate/up pairs) and returns its share of the features; a row-wise
 layer keeps whole 2:4 groups and whole blocks of its input columns and sums the ranks'
-partial products (the bias lives on the first rank, so it is added once). These are the layouts torch's styles give nn.Linear by
-default (input Replicate / output Shard(-1) column-wise, input Shard(-1) / output Replicate
-row-wise) with plain tensors in and out; nn.Linear modules get torch's own behaviour. A
-sparse layer's parameters become its rank's part as plain tensors, which each rank's
-optimizer steps; its state_dict shows the whole layer as DTensors (2:4 layers: a
-torch.distributed.checkpoint then reshards) or, for block-sparse parts, each rank's own
-entries under names of their own.
+partial products (the bias lives on the first rank, so it is added once). These are the
+layouts torch's styles give nn.Linear by default (input Replicate / output Shard(-1)
+column-wise, input Shard(-1) / output Replicate row-wise) with plain tensors in and out;
+nn.Linear modules get torch's own behaviour. A sparse layer's parameters become its rank's
+part as plain tensors, which each rank's optimizer steps; a 2:4 part's state_dict shows
+the whole layer as DTensors (so torch.distributed.checkpoint saves and reshards it), a
+block-sparse part's is refused.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class ColwiseParallel(_TorchColwise):
         rows = _share(module.out_features, ranks, rank, _row_granule(module), "out_features")
         _become(module, _part(module, rows, slice(None), keep_bias=True))
         module.register_forward_pre_hook(lambda _, args: (_GradientSummed.apply(args[0], group), *args[1:]))
-        _save_as_whole(module, device_mesh, dim=0, rank=rank, ranks=ranks)
+        _save_as_whole(module, device_mesh, dim=0)
         return module
 
 
@@ -65,7 +65,7 @@ class RowwiseParallel(_TorchRowwise):
         # the bias stays with the first rank alone: the sum over ranks adds it once
         _become(module, _part(module, slice(None), columns, keep_bias=rank == 0))
         module.register_forward_hook(lambda _, args, y: _SummedOverRanks.apply(y, group))
-        _save_as_whole(module, device_mesh, dim=1, rank=rank, ranks=ranks)
+        _save_as_whole(module, device_mesh, dim=1)
         return module
 
 
@@ -154,7 +154,7 @@ def _become(module: nn.Module, part: nn.Module) -> None:
 _SHARDS = {0: ("values", "metadata", "bias", "weight_scale"), 1: ("values", "metadata")}
 
 
-def _save_as_whole(module, device_mesh, dim: int, rank: int, ranks: int) -> None:
+def _save_as_whole(module, device_mesh, dim: int) -> None:
     """A part's state_dict holds DTensors of the whole layer's shapes (so
     torch.distributed.checkpoint saves every rank's part and loads them on any split, or
     none), and load_state_dict takes them back as this rank's part. A block-sparse part holds
