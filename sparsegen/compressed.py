@@ -152,11 +152,11 @@ def _device_of(model: nn.Module, device) -> torch.device:
     real = [t.device for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
     if device is not None:
         device = torch.device(device)
-        expect(all(d == device for d in real), f"device= where the model's allocated tensors are ({real[0] if real else None})",
-               str(device))
+        expect(all(d == device for d in real),
+               f"device= where the model's allocated tensors are ({real[0] if real else None})", str(device))
         return device
-    expect(real or not any(True for _ in model.parameters()), "a model with its tensors allocated (on the CPU or a GPU), "
-           "or device= for one on the meta device", "the meta device and no device=")
+    expect(real or next(model.parameters(), None) is None, "a model with its tensors allocated (on the CPU or a "
+           "GPU), or device= for one on the meta device", "the meta device and no device=")
     return real[0] if real else torch.device("cpu")
 
 

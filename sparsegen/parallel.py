@@ -111,9 +111,8 @@ def _part(module, rows: slice, columns: slice, keep_bias: bool) -> nn.Module:
     with torch.no_grad():
         dense.weight.copy_(weight)
     if isinstance(module, BlockSparseLinear):
-        block_rows = slice(_blocks(rows, module.block[0]), _blocks(rows, module.block[0], end=True))
-        block_cols = slice(_blocks(columns, module.block[1]), _blocks(columns, module.block[1], end=True))
-        part = BlockSparseLinear.from_dense(dense, block=module.block, layout=module.layout[block_rows, block_cols])
+        layout = module.layout[_divided(rows, module.block[0]), _divided(columns, module.block[1])]
+        part = BlockSparseLinear.from_dense(dense, block=module.block, layout=layout)
     else:
         part = Sparse24Linear.from_dense(dense, mask=module.mask[rows, columns])
     part.bias = nn.Parameter(module.bias.detach()[rows].clone()) if keep_bias and module.bias is not None else None
@@ -126,19 +125,18 @@ def _scaled_part(module: ScaledSparse24Linear, rows: slice, columns: slice, keep
     (a column slice of whole 4-groups keeps each row's scale: the ranks' partial products
     are scaled alike, and each quantizes its own activation columns per token)."""
     n, k = module.out_features, module.in_features
-    groups = slice(None if columns.start is None else columns.start // 4, None if columns.stop is None else columns.stop // 4)
-    halves = slice(None if columns.start is None else columns.start // 2, None if columns.stop is None else columns.stop // 2)
-    positions = semi24.stored_positions(module.metadata, n, k)[rows, groups]
+    positions = semi24.stored_positions(module.metadata, n, k)[rows, _divided(columns, 4)]  # (per 4-group)
     bias = module.bias.detach()[rows] if keep_bias and module.bias is not None else None
-    part = ScaledSparse24Linear(module.values[rows, halves].contiguous(), semi24.pack_metadata(positions.contiguous()),
+    values = module.values[rows, _divided(columns, 2)].contiguous()  # (two kept per 4-group)
+    part = ScaledSparse24Linear(values, semi24.pack_metadata(positions.contiguous()),
                                 module.weight_scale[rows], bias, module.input_scale)
     part.epilogue = module.epilogue
     return part.train(module.training)
 
 
-def _blocks(cut: slice, size: int, end: bool = False):
-    value = cut.stop if end else cut.start
-    return None if value is None else value // size
+def _divided(cut: slice, by: int) -> slice:
+    """The slice of whole units of `by` that `cut` (a slice of whole units) covers."""
+    return slice(None if cut.start is None else cut.start // by, None if cut.stop is None else cut.stop // by)
 
 
 def _become(module: nn.Module, part: nn.Module) -> None:
