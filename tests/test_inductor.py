@@ -6,6 +6,7 @@ from torch._inductor import config
 from torch._inductor.utils import run_and_get_code
 
 import sparsegen
+from sparsegen.semi24.scaled import dequantized
 
 
 def compiled_code(layer, x):
@@ -26,8 +27,9 @@ LAYERS = {
     "scaled-e4m3": lambda bias: scaled(bias),
     "scaled-int8": lambda bias: scaled(bias, "int8"),
 }
-LAUNCHERS = {"block-sparse": "sparsegen_bsr_dds", "2:4": "sparsegen_sp24_dds", "scaled-e4m3": "sparsegen_sp24_scaled_dds",
-             "scaled-int8": "sparsegen_sp24_scaled_dds"}
+# A graph input is no kernel Inductor computes: the scaled layers quantize it in their launcher
+LAUNCHERS = {"block-sparse": "sparsegen_bsr_dds", "2:4": "sparsegen_sp24_dds",
+             "scaled-e4m3": "sparsegen_sp24_scaled_linear", "scaled-int8": "sparsegen_sp24_scaled_linear"}
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -36,8 +38,50 @@ def test_compiled_graph_calls_the_launcher_into_its_own_buffer(kind, bias):
     layer = LAYERS[kind](bias)
     x = torch.randn(3, 5, layer.in_features, dtype=torch.bfloat16 if kind.startswith("scaled") else torch.float32)
     got, (source, *_) = compiled_code(layer, x)
-    assert f"extern_kernels.{LAUNCHERS[kind]}{'' if bias else '_no_bias'}(" in source, source
+    missing = ('' if bias else '_no_bias') + ('_no_input_scale' if kind.startswith("scaled") else '')
+    assert f"extern_kernels.{LAUNCHERS[kind]}{missing}(" in source, source
     assert "torch.ops.sparsegen" not in source
+    with torch.no_grad():
+        torch.testing.assert_close(got, layer(x))
+
+
+class NormThenScaled(torch.nn.Module):
+    """A norm, then a scaled layer: the norm's kernel quantizes (as in a decoder layer)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.norm, self.layer = torch.nn.RMSNorm(layer.in_features, dtype=torch.bfloat16), layer
+
+    def forward(self, x):
+        return self.layer(self.norm(x))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("weight_dtype", ["e4m3", "int8"])
+def test_scaled_layer_after_a_norm_quantizes_in_the_norms_kernel(weight_dtype, static):
+    dense = torch.nn.Linear(128, 48, dtype=torch.bfloat16)
+    layer = sparsegen.ScaledSparse24Linear.from_dense(dense, weight_dtype, input_scale=0.05 if static else None)
+    model = NormThenScaled(layer)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert "extern_kernels.sparsegen_sp24_scaled_dds(" in source, source
+    assert "sparsegen_sp24_scaled_linear" not in source and "torch.ops.sparsegen" not in source
+    with torch.no_grad():  # float64 of the stored weight times the norm's output
+        weight = dequantized(layer.values, layer.metadata, layer.weight_scale).double()
+        reference = model.norm(x).double() @ weight.t() + layer.bias.double()
+        error = lambda y: float((y.double() - reference).norm() / reference.norm())
+        # Inductor quantizes the norm's float32 result, eager mode its bf16 rounding: tokens
+        # differ by a step of the one-byte type here and there, the error stays as small
+        assert error(got) < 1.5 * error(model(x)) + 1e-3, (error(got), error(model(x)))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_static_scale_on_a_graph_input_reaches_the_launcher(bias):
+    dense = torch.nn.Linear(128, 48, bias=bias, dtype=torch.bfloat16)
+    layer = sparsegen.ScaledSparse24Linear.from_dense(dense, "int8", input_scale=0.03)
+    x = torch.randn(7, 128, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(layer, x)
+    assert f"extern_kernels.sparsegen_sp24_scaled_linear{'' if bias else '_no_bias'}(" in source, source
     with torch.no_grad():
         torch.testing.assert_close(got, layer(x))
 

@@ -69,9 +69,7 @@ class ProductArgs:
         ints = "".join(f", int {name}" for name in self.ints)
         return f"{op}({tensors}{ints}, int out_features, str epilogue) -> Tensor"
 
-    @property
-    def bias_at(self) -> int:
-        return self.tensors.index("bias")
+    optional = ("bias",)                             # the tensors a call may pass as None
 
     def out_features_and_epilogue(self, args: tuple) -> tuple[int, str]:
         at = len(self.tensors) + len(self.ints)
@@ -114,7 +112,9 @@ class Lowering:
     launcher: Callable
     output_dtype: Callable = lambda dtype, args: dtype  # Y's dtype for X's (and the op's arguments)
     own_args: object = None                          # an op that is no registered product: its
-                                                     # ProductArgs-like tensors / bias_at / out_features_and_epilogue
+                                                     # ProductArgs-like tensors / optional / out_features_and_epilogue
+    inline: Callable | None = None                  # inline(args, Inductor's lowerings, computed_in_graph(x)):
+                                                     # the op as other ops' lowerings, or None (the launcher)
 
     @property
     def args(self) -> ProductArgs:

@@ -8,7 +8,7 @@ from ..launch import calls, lean, plans
 from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
 from . import ops
-from . import scaled  # noqa: F401 (defines torch.ops.sparsegen.sp24_scaled_dds)
+from . import scaled  # (defines torch.ops.sparsegen.sp24_scaled_dds and sp24_scaled_linear)
 
 # The launcher's plans, per weight and call signature (the graph's checks ran when it was traced).
 _PLANS = plans.PlanCache()
@@ -33,7 +33,7 @@ class _ScaledArgs:
     """sp24_scaled_dds's arguments as the lowering reads them (scaled.py's schema: x, values,
     metadata, x_scale, w_scale, bias, then epilogue and Y's dtype)."""
     tensors = ("x", "values", "metadata", "x_scale", "w_scale", "bias")
-    bias_at = 5
+    optional = ("bias",)
 
     @staticmethod
     def out_features_and_epilogue(args: tuple) -> tuple:
@@ -62,7 +62,53 @@ def sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, bias, epilogue, 
                                                               out_dtype))
 
 
+class _ScaledLinearArgs:
+    """sp24_scaled_linear's (scaled.py): x, values, metadata, w_scale, bias, input_scale, then
+    epilogue and Y's dtype."""
+    tensors = ("x", "values", "metadata", "w_scale", "bias", "input_scale")
+    optional = ("bias", "input_scale")
+
+    @staticmethod
+    def out_features_and_epilogue(args: tuple) -> tuple:
+        return args[1].get_size()[0], args[6]
+
+
+def sp24_scaled_linear_into(x, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype, *, out):
+    """x quantized by the sp24_quantize kernel, then the scaled product into Inductor's buffer."""
+    xq, x_scale = scaled.quantized_activations(x, values, input_scale)
+    sp24_scaled_dds_into(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype, out=out)
+
+
+def _quantized_by_inductor(args: tuple, lower: dict, computed_in_graph):
+    """sp24_scaled_linear as PyTorch's ops and sp24_scaled_dds, where Inductor computes x in a
+    kernel of its own (a norm, a copy) that the quantization then joins; None elsewhere (the
+    launcher's sp24_quantize kernel: one launch where Inductor's may take three)."""
+    x, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype = args
+    if not computed_in_graph(x):
+        return None
+    aten, prims, dtype = torch.ops.aten, torch.ops.prims, values.get_dtype()
+    as_float = lower[prims.convert_element_type.default](x, torch.float32)
+    if input_scale is None:  # scaled.row_scales
+        largest = lower[aten.amax.default](lower[aten.abs.default](x), [-1])
+        scale = lower[prims.convert_element_type.default](largest, torch.float32)
+        x_scale = lower[aten.clamp_min.default](lower[aten.mul.Tensor](scale, scaled._INVERSE[dtype]), scaled._TINY)
+    else:
+        every_row = lower[aten.expand.default](lower[prims.convert_element_type.default](input_scale, torch.float32),
+                                                [x.get_size()[0]])
+        x_scale = lower[aten.clone.default](every_row)
+    q = lower[aten.div.Tensor](as_float, lower[aten.unsqueeze.default](x_scale, -1))  # scaled.quantize
+    largest = scaled._LARGEST[dtype]
+    q = lower[aten.clamp_max.default](lower[aten.clamp_min.default](q, -largest), largest)
+    if dtype == torch.int8:
+        q = lower[aten.round.default](q)
+    xq = lower[prims.convert_element_type.default](q, dtype)
+    product = lower[torch.ops.sparsegen.sp24_scaled_dds.default]
+    return product(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+
+
 LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
                               output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype)),
              registry.Lowering("sp24_scaled_dds", sp24_scaled_dds_into, output_dtype=lambda dtype, args: args[7],
-                               own_args=_ScaledArgs))
+                               own_args=_ScaledArgs),
+             registry.Lowering("sp24_scaled_linear", sp24_scaled_linear_into, output_dtype=lambda dtype, args: args[7],
+                               own_args=_ScaledLinearArgs, inline=_quantized_by_inductor))

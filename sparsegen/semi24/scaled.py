@@ -6,9 +6,9 @@ Y[t, f] = x_scale[t] * w_scale[f] * sum_k Xq[t, k] Wq[f, k] + bias[f], then the 
 epilogue (an activation, or a gated product: epilogues.Fusable). The generated 2:4 kernel
 takes the one-byte operands and applies both scales, the bias and the epilogue to its float32
 sums before it rounds them once into Y (bf16 or fp16: the kernels' `scales` parameter). The
-quantization before it is one pass too: the generated sp24_quantize kernel in eager mode,
-PyTorch ops under torch.compile, which fuses them into one kernel (with the norm before it,
-where there is one). Both compute the same bytes.
+quantization before it is one pass too: the generated sp24_quantize kernel, or under
+torch.compile Inductor's kernel that computes the activations (a norm's), where there is one
+(compiled.py). Both compute the same bytes.
 """
 from __future__ import annotations
 
@@ -85,17 +85,15 @@ def _fake_scaled_dds(xq, values, metadata, x_scale, w_scale, bias, epilogue, out
     return xq.new_empty((xq.shape[0], epilogues.output_features(epilogue, values.shape[0])), dtype=out_dtype)
 
 
-_scaled_dds_op = library.define(
+library.define(  # what the lowering of sp24_scaled_linear calls where Inductor quantizes
     "sp24_scaled_dds(Tensor x, Tensor values, Tensor metadata, Tensor x_scale, Tensor w_scale, Tensor? bias, "
     "str epilogue, ScalarType out_dtype) -> Tensor", _scaled_dds, _fake_scaled_dds)
-scaled_dds = library.eager_or_op(_scaled_dds_op, _scaled_dds)
 
 
 def quantized_activations(x2: Tensor, values: Tensor, input_scale: Tensor | None) -> tuple[Tensor, Tensor]:
     """(x2 [M, K] in the values' one-byte dtype, its float32 scale per row [M]) in one pass: the
-    sp24_quantize kernel eagerly on the GPU; PyTorch's ops while torch.compile traces (Inductor
-    fuses them with what precedes them) and off the GPU."""
-    if not torch.compiler.is_compiling() and ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x2):
+    sp24_quantize kernel on the GPU, PyTorch's ops elsewhere."""
+    if ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x2):
         return ops.sp24_quantize(x2, values.dtype, input_scale)
     if input_scale is None:
         x_scale = row_scales(x2, values.dtype)
@@ -104,16 +102,36 @@ def quantized_activations(x2: Tensor, values: Tensor, input_scale: Tensor | None
     return quantize(x2, x_scale, values.dtype), x_scale
 
 
+def _scaled_linear(x2: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor, bias: Tensor | None,
+                   input_scale: Tensor | None, epilogue: str, out_dtype: torch.dtype) -> Tensor:
+    """The activations quantized, then the scaled product: what a layer's call computes."""
+    xq, x_scale = quantized_activations(x2, values, input_scale)
+    return _scaled_dds(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+
+
+def _fake_scaled_linear(x2, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype):
+    return _fake_scaled_dds(x2, values, metadata, None, w_scale, bias, epilogue, out_dtype)
+
+
+# One op for a compiled graph. Its lowering (compiled.py) decides where the quantization runs:
+# in Inductor's kernel that computes x (a norm, a copy), or in our sp24_quantize kernel inside
+# the launcher where x comes from a kernel Inductor cannot join (an extern product, attention):
+# there Inductor's quantization of a decode step's few long rows took three launches.
+_scaled_linear_op = library.define(
+    "sp24_scaled_linear(Tensor x, Tensor values, Tensor metadata, Tensor w_scale, Tensor? bias, "
+    "Tensor? input_scale, str epilogue, ScalarType out_dtype) -> Tensor", _scaled_linear, _fake_scaled_linear)
+scaled_linear = library.eager_or_op(_scaled_linear_op, _scaled_linear)
+
+
 def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor, bias: Tensor | None,
                    input_scale: Tensor | None = None, epilogue: str = "none") -> Tensor:
     """x [..., K] (bf16, fp16 or float32) times the stored one-byte 2:4 weight, scales, bias and
     epilogue applied, in x's dtype (float32 inputs: computed in bfloat16, the kernels' widest Y)."""
     x2 = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantized_activations(x2, values, input_scale)
     out_dtype = x.dtype if x.dtype in ops.SCALED_OUTPUT_CODES else torch.bfloat16
     if bias is not None:
         bias = bias.to(out_dtype)
-    y = scaled_dds(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+    y = scaled_linear(x2, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
