@@ -46,3 +46,19 @@ def test_training_case_checks_the_loss_after_steps_against_the_masked_dense_twin
     monkeypatch.setattr(tool, "mask_gradients", lambda twin, model: None)
     tool.main(["--smoke", "--cases", "llama_train8k", "--variants", "b64d0.5", "--json", str(out)])
     assert json.loads(out.read_text())["rows"][0]["error"] > 0.05
+
+
+def test_apart_runs_each_variant_in_a_process_of_its_own_and_gathers_the_rows(tmp_path):
+    tool = load_tool()
+    out = tmp_path / "apart.json"
+    tool.main(["--smoke", "--apart", "--cases", "llama_decode1", "--variants", "dense,2:4,b64d0.5", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert "--apart" in result["meta"]["command"]
+    assert sorted(r["variant"] for r in result["rows"]) == ["2:4", "b64d0.5"]
+    assert all("failed" not in r and r["ms"] > 0 and r["error"] < 1e-4 for r in result["rows"])
+
+
+def test_without_options_drops_flags_and_options_with_their_values():
+    tool = load_tool()
+    argv = ["--apart", "--json", "a.json", "--cases=x", "--modes", "compile", "--variants", "2:4"]
+    assert tool.without_options(argv, ("--apart",), ("--json", "--cases", "--variants")) == ["--modes", "compile"]

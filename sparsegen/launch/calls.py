@@ -181,7 +181,14 @@ def per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool = 
 
 
 def snapshot(inputs: tuple) -> tuple:
-    """Copies of the tensors among `inputs` (index tensors: small), for rewritten_as_it_was."""
+    """Copies of the tensors among `inputs` (index tensors: small), for rewritten_as_it_was.
+    Kept past the call, so made outside any CUDA graph's memory pool: copied in a
+    reduce-overhead warm-up, they broke the recording that followed."""
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return outside_graphs.run(_copies, inputs, device)
+
+
+def _copies(*inputs):
     return tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
