@@ -86,6 +86,20 @@ def test_compiled_and_graphed_match_eager(weight_dtype, mode):
         assert relative_error(got, eager.double()) < 2e-2
 
 
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_compiled_layer_quantizes_a_graph_input_as_eager_mode_does(weight_dtype, static):
+    """X straight from the graph's input: the compiled launcher's planned sp24_quantize gives
+    eager mode's bytes, so the same output bit for bit, over shapes and poisoned memory."""
+    layer = gpu_layer(1024, 512, weight_dtype, input_scale=0.02 if static else None)
+    compiled = torch.compile(layer)
+    for m in (8, 3, 8, 64):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        torch.full((8 * m, 1024), float("nan"), device="cuda")  # freed: the buffers' memory next
+        with torch.no_grad():
+            assert torch.equal(compiled(x), layer(x))
+
+
 def test_checkpoint_layers_run_on_the_gpu(tmp_path):
     """A loaded FP8 checkpoint (tests/test_compressed.py builds it) moved to the GPU."""
     from test_compressed import checkpoint, decompressed, logits, tiny_llama
@@ -126,8 +140,9 @@ def test_quantize_kernel_gives_pytorchs_bytes_and_scales(weight_dtype, dtype, m,
 @pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
 def test_patched_gated_mlp_runs_fused_in_every_mode(weight_dtype, mode):
     """A Llama MLP patched with one-byte weights: gate and up as one scaled layer with the
-    swiglu epilogue, eagerly (sp24_quantize), compiled and graphed (Inductor's quantization),
-    against the same model unfused."""
+    swiglu epilogue, eagerly and compiled and graphed (Inductor's quantization in its norm or
+    copy kernels, the launcher's sp24_quantize after an extern kernel), against the same model
+    unfused."""
     from test_scaled24 import GatedMLP
     fused = nn.Sequential(GatedMLP(1024, 2048)).to("cuda", torch.bfloat16)
     unfused = nn.Sequential(GatedMLP(1024, 2048)).to("cuda", torch.bfloat16)
