@@ -188,7 +188,9 @@ def tp_case(variant: str, device, world: int, compiled: bool = False) -> str:
             layer.compile()
     errors = []
     for m in (twin, model):
-        optimizer = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=models.LR)
+        # (not foreach: torch's own styles make the dense layers' parameters DTensors, which
+        # one foreach op cannot take beside the other layers' plain tensors)
+        optimizer = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=models.LR, foreach=False)
         with torch.no_grad():
             before = m(input_ids=ids[0]).logits.float()
         losses = []
