@@ -83,6 +83,43 @@ def test_an_index_rewritten_in_place_with_its_own_values_is_not_derived_again():
     assert calls.per_layout("doubled", index, derive, index, 3) is not again and len(builds) == 3
 
 
+def test_a_rewrite_of_every_index_is_checked_once_for_all_layers(monkeypatch):
+    """DDP rewrites every layer's index before the forward: the first layer's check compares
+    them all at once (one host sync on a GPU), the later layers find theirs verified."""
+    from sparsegen.launch import calls, kept_index
+    indexes = [torch.randint(0, 100, (64 + i,), dtype=torch.int32) for i in range(5)]
+    builds, checks, check = [], [], kept_index._check_every_moved_index
+    monkeypatch.setattr(kept_index, "_check_every_moved_index", lambda: checks.append(1) or check())
+
+    def derive(t):
+        builds.append(1)
+        return t * 2
+
+    first = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    for t in indexes:
+        t.copy_(t.clone())
+    assert all(calls.per_layout("doubled", t, derive, t) is f for t, f in zip(indexes, first))
+    assert len(builds) == 5 and len(checks) == 1
+    indexes[2][0] += 1                          # one real change among the rewrites
+    for t in indexes[3:]:
+        t.copy_(t.clone())
+    again = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    assert len(builds) == 6 and len(checks) == 2
+    assert torch.equal(again[2], indexes[2] * 2) and all(again[i] is first[i] for i in (0, 1, 3, 4))
+
+
+def test_everything_derived_from_a_changed_index_is_derived_again():
+    """Two things derived from one index: the first rebuilt after a change makes a new copy of
+    the index, and the second must not take that copy for the values it was derived from."""
+    from sparsegen.launch import calls
+    index = torch.randint(0, 100, (64,), dtype=torch.int32)
+    calls.per_layout("doubled", index, lambda t: t * 2, index)
+    calls.per_layout("tripled", index, lambda t: t * 3, index)
+    index[5] += 7
+    assert torch.equal(calls.per_layout("doubled", index, lambda t: t * 2, index), index * 2)
+    assert torch.equal(calls.per_layout("tripled", index, lambda t: t * 3, index), index * 3)
+
+
 def test_the_transposable_answer_survives_a_rewrite_and_follows_a_change(monkeypatch):
     """2:4 metadata rewritten with its own values keeps its answer; new metadata (a magnitude
     mask, not 2:4 along columns) gets a new one."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import dense_path, library, outside_graphs, runtime
+from . import dense_path, kept_index, library, outside_graphs, runtime
 from ..jit import epilogues, registry
 from ..errors import InputError, expect
 from ..jit.spec import ARCHS
@@ -158,7 +158,8 @@ def product_without_weight(x, x2, bias, out, out_features: int, epilogue: str, d
 
 # Tensors derived from a layer's index that cost host work (or a sync) to build, kept while
 # the index tensor they are keyed by lives (by identity: a layer rebuilds its index tensors
-# when its layout changes; the stamp of data pointers and _version catches edits in place).
+# when its layout changes; the stamp of data pointers and _version catches edits in place,
+# and kept_index tells a rewrite with the same values - DDP's buffer broadcast - from a change).
 _PER_LAYOUT = WeakIdKeyDictionary()
 
 
@@ -166,45 +167,32 @@ def per_layout(what: str, key: torch.Tensor, build, *inputs, reads_host: bool = 
     """build(*inputs), remembered per (key tensor, what) until one of the tensor inputs changes.
     Not during CUDA graph capture: what a captured build allocates only holds its values when
     the graph replays. A build that reads the index on the host cannot run then at all."""
-    stamp = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else t for t in inputs)
+    stamp = tuple(kept_index.stamp_of(t) if isinstance(t, torch.Tensor) else t for t in inputs)
     entries = _PER_LAYOUT.setdefault(key, {})
     entry = entries.get(what)
-    if entry is not None and (entry[0] == stamp or rewritten_as_it_was(entry[0], stamp, entry[2], inputs)):
+    if entry is not None and (entry[0] == stamp or same_values(entry[2], inputs)):
         entries[what] = (stamp, *entry[1:])
         return entry[1]
     if key.is_cuda and torch.cuda.is_current_stream_capturing():
         expect(not reads_host, f"a warm-up call of the layer before CUDA graph capture (its {what} index is "
                "built on the host once per layout)", "a first call inside the capture")
         return build(*inputs)
-    entries[what] = (stamp, outside_graphs.run(build, inputs, key.device), snapshot(inputs))
+    entries[what] = (stamp, outside_graphs.run(build, inputs, key.device), generations(inputs))
     return entries[what][1]
 
 
-def snapshot(inputs: tuple) -> tuple:
-    """Copies of the tensors among `inputs` (index tensors: small), for rewritten_as_it_was.
-    Kept past the call, so made outside any CUDA graph's memory pool: copied in a
-    reduce-overhead warm-up, they broke the recording that followed."""
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    return outside_graphs.run(_copies, inputs, device)
+def generations(inputs: tuple) -> tuple:
+    """What `inputs` hold now: each tensor's kept_index generation, anything else as it is."""
+    return tuple(kept_index.generation(t) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
-def _copies(*inputs):
-    return tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs)
-
-
-def rewritten_as_it_was(old_stamp: tuple, stamp: tuple, kept: tuple, inputs: tuple) -> bool:
-    """Whether inputs whose versions moved at the same addresses hold what `kept` holds: one
-    comparison (a sync) instead of deriving again. DistributedDataParallel's default rewrites
-    every buffer in place before each forward (broadcast_buffers) with the values it had;
-    deriving every layer's index again each step cost its training step 0.77x of dense on 2
-    H100s, where the same run without the broadcast gave 1.09x."""
-    if len(old_stamp) != len(stamp) or not kept or not all(
-            (a[0] == b[0]) if isinstance(a, tuple) and isinstance(b, tuple) else a == b
-            for a, b in zip(old_stamp, stamp)):
-        return False
-    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs) and torch.cuda.is_current_stream_capturing():
-        return False  # (no comparison can be read during a capture)
-    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(kept, inputs))
+def same_values(kept: tuple, inputs: tuple) -> bool:
+    """Whether `inputs` hold what they held when `kept` (generations) was taken: one comparison
+    of every rewritten index at once (kept_index), and none for the later layers of a step.
+    Deriving every layer's index again each step cost DDP's training step 0.77x of dense on 2
+    H100s, where the same run without its buffer broadcast gave 1.09x."""
+    return len(kept) == len(inputs) and all(
+        kept_index.current(t) is k if isinstance(t, torch.Tensor) else t == k for k, t in zip(kept, inputs))
 
 
 def fits_in_place(out: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..launch import calls, library, plans
+from ..launch import calls, kept_index, library, plans
 from .. import env
 from ..jit import epilogues
 from . import format as semi24
@@ -105,14 +105,14 @@ def stored_transposable(metadata: Tensor, n: int, k: int) -> bool:
     if n % semi24.COL_GRANULE:
         return False
     capturing = metadata.is_cuda and torch.cuda.is_current_stream_capturing()  # (the cache keeps no result then)
-    stamp = ((metadata.data_ptr(), metadata._version),)
+    stamp = kept_index.stamp_of(metadata)
     kept = _TRANSPOSABLE.get(metadata, (n, k), lambda: {})
-    if kept and (kept["stamp"] == stamp or calls.rewritten_as_it_was(kept["stamp"], stamp, kept["copy"], (metadata,))):
+    if kept and (kept["stamp"] == stamp or kept_index.current(metadata) is kept["generation"]):
         kept["stamp"] = stamp
         return kept["answer"]
     answer = not capturing and _columns_24(metadata, n, k)
     if not capturing:
-        kept.update(stamp=stamp, copy=calls.snapshot((metadata,)), answer=answer)
+        kept.update(stamp=stamp, generation=kept_index.generation(metadata), answer=answer)
     return answer
 
 
