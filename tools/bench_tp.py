@@ -63,10 +63,10 @@ def main() -> int:
     for case in bench_models.cases(args.cases.split(","), device, args.smoke):
         for mode in args.modes.split(","):
             ms = {v: step_ms(case, v, mode, mesh, device, args.reps) for v in ["dense", *variants]}
-            if rank == 0:
+            if rank == 0:  # recorded row by row: a run stopped at its time limit keeps what it measured
                 table.add(case.name, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants])
-    if rank == 0:
-        write(args.json, "bench_tp.py", sys.argv[1:], [table], launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
+                write(args.json, "bench_tp.py", sys.argv[1:], [table],
+                      launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
     dist.destroy_process_group()
     return 0
 
