@@ -84,8 +84,10 @@ def sp24_scaled_linear_into(x, values, metadata, w_scale, bias, input_scale, epi
 
 # Inductor's own allocator for its buffers (a C++ call; torch.empty costs a few us more per
 # tensor on a slow host): on the current device, which a compiled graph has set.
-_empty_strided_cuda = getattr(getattr(torch._C, "_dynamo", None) and torch._C._dynamo.guards,
-                              "_empty_strided_cuda", None)
+try:
+    from torch._C._dynamo.guards import _empty_strided_cuda
+except ImportError:  # a torch without it: quantized_activations' allocations
+    _empty_strided_cuda = None
 _QUANTIZE_LAUNCHES: dict = {}
 
 
@@ -116,24 +118,29 @@ def _quantized_by_inductor(args: tuple, lower: dict, computed_in_graph):
     x, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype = args
     if not computed_in_graph(x):
         return None
-    aten, prims, dtype = torch.ops.aten, torch.ops.prims, values.get_dtype()
-    as_float = lower[prims.convert_element_type.default](x, torch.float32)
-    if input_scale is None:  # scaled.row_scales
-        largest = lower[aten.amax.default](lower[aten.abs.default](x), [-1])
-        scale = lower[prims.convert_element_type.default](largest, torch.float32)
-        x_scale = lower[aten.clamp_min.default](lower[aten.mul.Tensor](scale, scaled._INVERSE[dtype]), scaled._TINY)
-    else:
-        every_row = lower[aten.expand.default](lower[prims.convert_element_type.default](input_scale, torch.float32),
-                                                [x.get_size()[0]])
-        x_scale = lower[aten.clone.default](every_row)
-    q = lower[aten.div.Tensor](as_float, lower[aten.unsqueeze.default](x_scale, -1))  # scaled.quantize
-    largest = scaled._LARGEST[dtype]
+    aten, dtype = torch.ops.aten, values.get_dtype()
+    x_scale = _row_scales_by_inductor(lower, x, dtype, input_scale)
+    q = lower[aten.div.Tensor](_as(lower, x, torch.float32), lower[aten.unsqueeze.default](x_scale, -1))
+    largest = scaled._LARGEST[dtype]  # scaled.quantize from here
     q = lower[aten.clamp_max.default](lower[aten.clamp_min.default](q, -largest), largest)
     if dtype == torch.int8:
         q = lower[aten.round.default](q)
-    xq = lower[prims.convert_element_type.default](q, dtype)
     product = lower[torch.ops.sparsegen.sp24_scaled_dds.default]
-    return product(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+    return product(_as(lower, q, dtype), values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+
+
+def _row_scales_by_inductor(lower: dict, x, dtype, input_scale):
+    """scaled.row_scales (or the static scale for every row), as Inductor's lowerings."""
+    aten = torch.ops.aten
+    if input_scale is not None:
+        every_row = lower[aten.expand.default](_as(lower, input_scale, torch.float32), [x.get_size()[0]])
+        return lower[aten.clone.default](every_row)
+    magnitudes = _as(lower, lower[aten.amax.default](lower[aten.abs.default](x), [-1]), torch.float32)
+    return lower[aten.clamp_min.default](lower[aten.mul.Tensor](magnitudes, scaled._INVERSE[dtype]), scaled._TINY)
+
+
+def _as(lower: dict, t, dtype):
+    return lower[torch.ops.prims.convert_element_type.default](t, dtype)
 
 
 LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
