@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_smoke_run_records_a_row_per_case_and_mode(tmp_path):
     out = tmp_path / "tp.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(ROOT / "tools" / "bench_tp.py"), "--smoke", "--cases", "llama_decode1",
                           "--modes", "eager", "--variants", "dense,2:4,b64d0.5", "--json", str(out)],
                          env=env, capture_output=True, text=True, timeout=300)

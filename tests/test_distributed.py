@@ -31,7 +31,7 @@ ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1
 
 
 def run_cases(cases: list[str], out: Path, timeout: int) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(WORKER),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
                "--cases", ",".join(cases), "--out", str(out)]
     run = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert_all_ok(run, cases, ranks=2)
