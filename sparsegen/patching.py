@@ -11,8 +11,6 @@ from torch import nn
 
 from .jit import epilogues, registry
 from .errors import InputError, expect
-from .semi24.nn import Sparse24Linear
-from .semi24.scaled import ScaledSparse24Linear, check_gated_pair
 
 # Every layout's face that takes patch rules (registry.Face: declared in its package), and the
 # settings each sparsity takes in a rule (any other is refused, naming it).
@@ -114,41 +112,31 @@ class _GatedPlan:
 
     def build(self, from_dense: bool) -> GatedMLP:
         gate, up = self.mlp.gate_proj, self.mlp.up_proj
-        fused = _interleaved_linear(gate.weight, up.weight, gate.bias, up.bias)
+        fused = epilogues.interleaved_linear(gate.weight, up.weight, gate.bias, up.bias)
         layer = _build(fused, self.settings, from_dense, self.projections[0])
         # (down_proj as the mlp holds it now: replaced where a rule matched it)
         return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj)
 
 
-def _interleaved_linear(gate_weight, up_weight, gate_bias, up_bias) -> nn.Linear:
-    """One nn.Linear of a gated pair's weights (and biases), rows as interleave_rows lays them out."""
-    fused = nn.Linear(gate_weight.shape[1], 2 * gate_weight.shape[0], bias=gate_bias is not None, device="meta")
-    fused.weight = nn.Parameter(epilogues.interleave_rows(gate_weight.detach(), up_weight.detach()))
-    if gate_bias is not None:
-        fused.bias = nn.Parameter(epilogues.interleave_rows(gate_bias.detach(), up_bias.detach()))
-    return fused
-
-
 def fuse_loaded_gated_mlps(model: nn.Module) -> list[str]:
-    """What patch does to gated MLPs, for ones whose gate and up are already 2:4 layers of one
-    kind (a loaded checkpoint's, sparsegen.load_compressed): each becomes a GatedMLP of one
-    layer with the gated epilogue, each projection's stored values, kept positions (and
-    scales) unchanged. Returns the MLPs' names."""
-    found = [(name, mlp) for name, mlp in model.named_modules() if name and _fusable_pair(mlp)]
-    for name, mlp in found:
-        epilogue = _GATES[activation_of(mlp.act_fn)]
-        if type(mlp.gate_proj) is ScaledSparse24Linear:
-            layer = ScaledSparse24Linear.gated(mlp.gate_proj, mlp.up_proj, epilogue)
-        else:
-            layer = _gated_sparse24(mlp.gate_proj, mlp.up_proj, epilogue)
+    """What patch does to gated MLPs, for ones whose gate and up are already sparsegen layers
+    of one kind (a loaded checkpoint's, sparsegen.load_compressed) whose class fuses such a
+    pair (its `gated_pair`): each becomes a GatedMLP of one layer with the gated epilogue, each
+    projection's stored values, kept positions (and scales) unchanged. Returns the MLPs' names."""
+    found = [(name, mlp, layer) for name, mlp in model.named_modules() if name
+             for layer in [_loaded_pair(mlp)] if layer is not None]
+    for name, mlp, layer in found:
         _replace(model, name, GatedMLP(layer, mlp.down_proj))
-    return [name for name, _ in found]
+    return [name for name, _, _ in found]
 
 
-def _gated_sparse24(gate: Sparse24Linear, up: Sparse24Linear, epilogue: str) -> Sparse24Linear:
-    fused = _interleaved_linear(gate.to_dense_weight(), up.to_dense_weight(), gate.bias, up.bias)
-    mask = epilogues.interleave_rows(gate.mask, up.mask)  # the stored positions, zeros kept included
-    return Sparse24Linear.from_dense(fused, mask=mask).fuse(epilogue)
+def _loaded_pair(mlp: nn.Module) -> nn.Module | None:
+    """A gated MLP's gate and up as one layer, where they are of one layer class that fuses
+    them (gated_pair: None for a pair it cannot take as one); else None."""
+    kind = type(getattr(mlp, "gate_proj", None))
+    if not (hasattr(kind, "gated_pair") and _gated_parts(mlp, (kind,))):
+        return None
+    return kind.gated_pair(mlp.gate_proj, mlp.up_proj, _GATES[activation_of(mlp.act_fn)])
 
 
 def _gated_parts(mlp: nn.Module, kinds: tuple) -> bool:
@@ -158,21 +146,6 @@ def _gated_parts(mlp: nn.Module, kinds: tuple) -> bool:
     return (type(gate) in kinds and type(up) is type(gate) and (gate.bias is None) == (up.bias is None)
             and gate.out_features % epilogues.GATE_GROUP == 0 and hasattr(mlp, "down_proj")
             and activation_of(getattr(mlp, "act_fn", None)) in _GATES)
-
-
-def _fusable_pair(mlp: nn.Module) -> bool:
-    """A gated MLP of loaded 2:4 layers (scaled, or plain 16-bit) that fit one layer."""
-    if not _gated_parts(mlp, (ScaledSparse24Linear, Sparse24Linear)):
-        return False
-    gate, up = mlp.gate_proj, mlp.up_proj
-    if type(gate) is Sparse24Linear:
-        return (gate.values.shape == up.values.shape and gate.values.dtype == up.values.dtype
-                and gate.epilogue == up.epilogue == "none")
-    try:
-        check_gated_pair(gate, up)
-    except InputError:  # a pair the kernel cannot take as one (e.g. two static scales): left as it is
-        return False
-    return True
 
 
 def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
@@ -277,7 +250,7 @@ def dense_copy(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     dtype = _model_dtype(twin)
     for name, module in list(twin.named_modules()):
-        if isinstance(module, ScaledSparse24Linear):
+        if _keeps_own_dtypes(module):
             _replace(twin, name, module.to_linear(dtype))
         elif _is_sparse_layer(module):
             _replace(twin, name, module.to_linear())
@@ -289,10 +262,16 @@ def _is_sparse_layer(module: nn.Module) -> bool:
     return type(module).__module__.startswith("sparsegen.") and callable(getattr(module, "to_linear", None))
 
 
+def _keeps_own_dtypes(module: nn.Module) -> bool:
+    """A layer whose tensors keep their dtypes through a model's casts (one-byte weights and
+    float32 scales: its OWN_DTYPES); its to_linear takes the model's dtype."""
+    return bool(getattr(module, "OWN_DTYPES", ()))
+
+
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
     """The 16- or 32-bit float dtype of the model's first such tensor outside one-byte layers
     (their scales are float32 whatever the model's dtype), or None (the layers' default)."""
-    scaled = {id(t) for m in model.modules() if isinstance(m, ScaledSparse24Linear)
+    scaled = {id(t) for m in model.modules() if _keeps_own_dtypes(m)
               for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) not in scaled and tensor.dtype in (torch.float16, torch.bfloat16, torch.float32):

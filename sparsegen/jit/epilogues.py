@@ -142,6 +142,15 @@ def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return pair.reshape(2 * gate.shape[0], *gate.shape[1:])
 
 
+def interleaved_linear(gate_weight: torch.Tensor, up_weight: torch.Tensor, gate_bias, up_bias) -> "torch.nn.Linear":
+    """One nn.Linear of a gated pair's weights (and biases), rows as interleave_rows lays them out."""
+    fused = torch.nn.Linear(gate_weight.shape[1], 2 * gate_weight.shape[0], bias=gate_bias is not None, device="meta")
+    fused.weight = torch.nn.Parameter(interleave_rows(gate_weight.detach(), up_weight.detach()))
+    if gate_bias is not None:
+        fused.bias = torch.nn.Parameter(interleave_rows(gate_bias.detach(), up_bias.detach()))
+    return fused
+
+
 def split_rows(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up) of an interleaved weight or bias: the inverse of interleave_rows."""
     expect(fused.shape[0] % (2 * GATE_GROUP) == 0, f"a multiple of {2 * GATE_GROUP} rows for a gated epilogue",

@@ -63,6 +63,17 @@ class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         layer._adopt(linear.weight.detach(), linear.bias, method, mask)
         return layer
 
+    @classmethod
+    def gated_pair(cls, gate: "Sparse24Linear", up: "Sparse24Linear", epilogue: str) -> "Sparse24Linear | None":
+        """A gated MLP's gate and up (a loaded checkpoint's) as one layer with the gated
+        `epilogue`, rows interleaved, each keeping its stored positions (zeros kept included);
+        None where they cannot be one (other shapes or dtypes, an epilogue of their own)."""
+        if not (gate.values.shape == up.values.shape and gate.values.dtype == up.values.dtype
+                and gate.epilogue == up.epilogue == "none"):
+            return None
+        fused = epilogues.interleaved_linear(gate.to_dense_weight(), up.to_dense_weight(), gate.bias, up.bias)
+        return cls.from_dense(fused, mask=epilogues.interleave_rows(gate.mask, up.mask)).fuse(epilogue)
+
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))
 

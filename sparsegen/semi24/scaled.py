@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import checkpoint
-from ..errors import expect
+from ..errors import InputError, expect
 from ..jit import epilogues
 from ..launch import library
 from ..layer import dense_linear
@@ -210,6 +210,18 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
         layer = cls(values, semi24.pack_metadata(positions), both(gate.weight_scale, up.weight_scale), bias,
                     gate.input_scale)
         return layer.fuse(epilogue)
+
+    OWN_DTYPES = _OWN_DTYPES  # (sparsegen.dense_copy reads it: to_linear takes the model's dtype)
+
+    @classmethod
+    def gated_pair(cls, gate: "ScaledSparse24Linear", up: "ScaledSparse24Linear", epilogue: str):
+        """gated(gate, up, epilogue), or None for a pair it cannot take as one (check_gated_pair:
+        e.g. two static scales): a loaded checkpoint's gated MLP, fused where it can be."""
+        try:
+            check_gated_pair(gate, up)
+        except InputError:
+            return None
+        return cls.gated(gate, up, epilogue)
 
     def _apply(self, fn, recurse=True):
         """Casts (model.half(), model.to(torch.bfloat16)) would turn the float8 values and the
