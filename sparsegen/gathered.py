@@ -5,8 +5,9 @@ FixedRowsProduct is one registered op, called with the arguments its layout decl
 (registry.ProductArgs: x, values, bias[, index], *params, out_features, epilogue). On a
 covered GPU it launches the generated kernel, planned once per layout and call signature;
 elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
-torch.library op, which Inductor lowers to `into` (inductor.py). No gradient: each layout's
-autograd Function composes it.
+torch.library op, which Inductor lowers to `into` (inductor.py). No gradient of its own:
+FixedRowsLinear's training calls go through _KitLinear (the product forward, PyTorch's
+backward on the dense weight), or through a layout's own autograd Function.
 
 Where this GPU's crossover table (crossovers.py, `sparsegen tune`) says the layout's kernel
 loses at a call's shape, the call runs cuBLAS on a dense copy of W instead (dense_path.py),
@@ -61,12 +62,20 @@ class FixedRowsPlan:
         plans.run_product(self.launch, x2, values, bias, y)
 
 
+_PRODUCTS: dict[str, "FixedRowsProduct"] = {}  # by op: what _KitLinear calls, from the name it is given
+
+
 class FixedRowsProduct:
     """epilogue(X W^T + b) for the registered fixed-rows op `op`; `reference(x, values, bias,
-    *rest)` is its PyTorch definition (differentiable, traceable)."""
+    *rest)` is its PyTorch definition (differentiable, traceable); `dense_weight(values,
+    in_features, *the op's arguments after bias, up to out_features)` W as a dense tensor (the
+    dense path's copy, and the training backward's); `stored_blocks(dense, block, *the same)`
+    (optional) the blocks of a dense [N, K] tensor at the stored positions, values' shape."""
 
-    def __init__(self, op: str, reference: Callable, dense_weight: Callable | None = None):
-        self.op, self.reference, self.dense_weight = op, reference, dense_weight
+    def __init__(self, op: str, reference: Callable, dense_weight: Callable | None = None,
+                 stored_blocks: Callable | None = None):
+        self.op, self.reference, self.dense_weight, self.stored_blocks = op, reference, dense_weight, stored_blocks
+        _PRODUCTS[op] = self
         self.args = registry.op_rules(op).args
         self._plans = plans.PlanCache()
         self.overload = calls.define_product(op, self.any_device)
@@ -174,10 +183,55 @@ def _grid(kern, m: int, block_rows: int) -> tuple[int, int, int]:
     return (min(tiles[0] * tiles[1], runtime.persistent_blocks(runtime.sm_count(kern.device_index))), 1, 1)  # persistent
 
 
+class _KitLinear(torch.autograd.Function):
+    """X W^T + b for a call that needs gradients: the layout's product forward (the generated
+    kernel on the GPU, as inference runs it); the backward PyTorch's on W as the layout's
+    dense_weight gives it - dX = dY W, and dW at the stored blocks only (the transpose of
+    dense_weight, a linear map of values, applied to dY^T X) - which torch.compile traces
+    with the rest."""
+
+    @staticmethod
+    def forward(ctx, x, values, bias, op: str, *rest):
+        ctx.save_for_backward(x, values, *[t for t in rest if isinstance(t, torch.Tensor)])
+        ctx.op, ctx.has_bias = op, bias is not None
+        ctx.rest = tuple(None if isinstance(t, torch.Tensor) else t for t in rest)  # (tensors: saved)
+        return _PRODUCTS[op](x, values, bias, *rest, "none")  # (every argument: the op's schema has no defaults)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, values, *tensors = ctx.saved_tensors
+        rest, need = _with_saved(ctx.rest, tensors), ctx.needs_input_grad
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        weight, transposed = _weight_and_transpose(_PRODUCTS[ctx.op], values, x.shape[-1], rest)
+        dvalues = transposed(dy2.t() @ x2) if need[1] else None
+        dx = (dy2 @ weight).reshape(x.shape) if need[0] else None
+        dbias = dy2.sum(0) if ctx.has_bias and need[2] else None
+        return (dx, dvalues, dbias, None) + (None,) * len(rest)
+
+
+def _weight_and_transpose(product: "FixedRowsProduct", values, in_features: int, rest: tuple):
+    """(W as dense_weight gives it, the map from a dense [N, K] gradient to values' one): the
+    layout's stored_blocks where it has one, else dense_weight's transpose by torch.func.vjp
+    (several times stored_blocks' host time per call: a gather)."""
+    if product.stored_blocks is not None:
+        block = tuple(values.shape[2:])
+        return product.dense_weight(values, in_features, *rest), lambda dense: product.stored_blocks(dense, block, *rest)
+    weight, transposed = torch.func.vjp(lambda v: product.dense_weight(v, in_features, *rest), values)
+    return weight, lambda dense: transposed(dense)[0]
+
+
+def _with_saved(rest: tuple, tensors: list) -> tuple:
+    """rest with its tensors (None in it) put back, in order, from the saved ones."""
+    left = iter(tensors)
+    return tuple(next(left) if r is None else r for r in rest)
+
+
 class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """What a fixed-rows layout's nn.Linear replacement shares. A subclass sets PRODUCT (its
     FixedRowsProduct) and defines `op_args()` (its op's arguments after bias, up to
-    out_features), `to_dense_weight()` and `_differentiable_product(x, values, bias)`."""
+    out_features) and `to_dense_weight()`. Training runs the product forward and PyTorch's
+    backward on PRODUCT's dense_weight (_KitLinear); a layout without dense_weight, or with a
+    backward of its own, overrides `_differentiable_product(x, values, bias)`."""
 
     PRODUCT: FixedRowsProduct
 
@@ -198,6 +252,13 @@ class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, ch
 
     def _product(self, x, values, bias) -> torch.Tensor:
         return self.PRODUCT(x, values, bias, *self.op_args(), self.out_features, self.epilogue)
+
+    def _differentiable_product(self, x, values, bias) -> torch.Tensor:
+        """x W^T + b, before the layer's epilogue, with gradients (the kit applies the epilogue)."""
+        product = self.PRODUCT
+        if product.dense_weight is None:
+            return product.reference(x, values, bias, *self.op_args(), self.out_features)
+        return _KitLinear.apply(x, values, bias, product.op, *self.op_args(), self.out_features)
 
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
         calls.check_inputs(x, values, bias, self.in_features)

@@ -84,6 +84,11 @@ y = layer(x)
 assert torch.allclose(y, x @ weight.t() + layer.bias), "forward"
 y.square().sum().backward()
 assert torch.allclose(x.grad, (2 * y.detach()) @ weight), "dX"
+dweight = (2 * y.detach()).reshape(-1, 192).t() @ x.detach().reshape(-1, 320)
+for r in range(3):
+    for j in range(2):
+        c = (r + j) %% 5
+        assert torch.allclose(layer.values.grad[r, j], dweight[r * 64:(r + 1) * 64, c * 64:(c + 1) * 64]), "dW"
 print("ok")
 ''' % str(copy)
     done = run(copy, "-c", script)

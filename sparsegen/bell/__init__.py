@@ -2,5 +2,6 @@
 
 A layout through the layout kit (gathered_specs.py, gathered.py; docs/adding-a-layout.md):
 what is its own is the format and its index check (format), the column rule of its template
-(templates/bell/), its op's reference (ops), its backward (autograd) and its nn module (nn).
+(templates/bell/), its op's reference, dense weight and stored blocks (ops: the kit trains
+on them) and its nn module (nn).
 """

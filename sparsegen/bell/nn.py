@@ -8,7 +8,6 @@ from .. import gathered
 from ..errors import expect, positive_int
 from . import format as ell
 from . import ops
-from .autograd import block_ell_linear
 
 
 class BlockEllLinear(gathered.FixedRowsLinear):
@@ -49,9 +48,6 @@ class BlockEllLinear(gathered.FixedRowsLinear):
         cols = state_dict.get(prefix + "cols")
         if cols is not None:
             ell.check_cols(cols, ell.grid_shape(self.out_features, self.in_features, self.block), self.per_row)
-
-    def _differentiable_product(self, x, values, bias) -> torch.Tensor:
-        return block_ell_linear(x, values, bias, self.cols, self.out_features)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block=(32, 32), density: float = 0.5,
