@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tools"))
 import distributed_models as models  # noqa: E402 (tests/ beside this file)
+import ranks  # noqa: E402 (tools/: the distributed tools' process-group set-up)
 import sparsegen  # noqa: E402
 
 STEPS = 3
@@ -359,12 +361,7 @@ def main() -> int:
         loaders = dict(dcp=load_on_one_process, tpdcp=load_tp_on_one_process)
         return report([(name, lambda name=name: loaders[name.partition(":")[0]](name.partition(":")[2], args.out))
                        for name in args.cases.split(",")])
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = ranks.joined()
     failed = report([(name, lambda name=name: run_case(name, device, world, rank, args.out))
                      for name in args.cases.split(",")])
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import bench_models  # tools/ is on sys.path when run as a script
+import ranks
 from bench_record import Table, write
 
 ENGINES, MODES = ("one", "fsdp2", "ddp", "ddp-nobuf"), ("eager", "compile")
@@ -120,10 +121,7 @@ def main() -> int:
     parser.add_argument("--profile", help="ENGINE:MODE:VARIANT[,...]: after the table, where its step's time goes "
                         "(GPU kernels, host operators, recompiles and graph breaks) on rank 0")
     args = parser.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+    rank, world, device = ranks.joined()
     torch._dynamo.config.cache_size_limit = 64
     ids = bench_models.token_ids(32000, (4, 1024), "cpu").add(rank).remainder(32000).to(device)  # rank's own batch
     variants = args.variants.split(",")

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import bench_models  # tools/ is on sys.path when run as a script
+import ranks
 from bench_record import Table, write
 from sparsegen.parallel import ColwiseParallel, RowwiseParallel
 
@@ -48,12 +49,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, on whatever device there is")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = ranks.joined()
+    cuda = device.type == "cuda"
     mesh = init_device_mesh(device.type, (world,))
     variants = [v for v in args.variants.split(",") if v != "dense" and (cuda or not v.startswith("fp8"))]
     table = Table("Whole models", f"Tensor parallelism over {world} GPUs: each MLP split, attention replicated",
