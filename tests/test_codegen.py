@@ -43,6 +43,8 @@ OTHER_GOLDEN = [
                tile=TileConfig(256, 8, 1, 4, cluster=2), instr="tma", epilogue="swiglu", params={"scales": 1}),
     KernelSpec(op="sp24_dds", block=(16, 32), dtype="e4m3", trans="nt", arch=89, tile=TileConfig(64, 2, 2, 2),
                params={"scales": 2}),
+    KernelSpec(op="sp24_dds", block=(16, 32), dtype="e4m3", trans="nt", arch=90, tile=TileConfig(32, 8, 1, 6),
+               instr="tma", epilogue="swiglu", params={"scales": 1, "quantize": 1}),
     KernelSpec(op="sp24_compress", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_mask", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_expand", block=(16, 32), dtype="bf16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
@@ -164,7 +166,11 @@ def check_sp24_product(spec, source: str) -> None:
     one_byte, scales = spec.dtype in specmod.BYTE_DTYPES, spec.param_values.get("scales", 0)
     k, acc = 64 if one_byte else 32, "s32" if spec.dtype == "int8" else "f32"
     out = sparsegen.semi24.specs.SCALED_OUTPUTS.get(scales, "bf16" if one_byte else spec.dtype)
-    tail = rf"{re.escape(epilogues.device_struct(spec.epilogue))}, {'true' if scales else 'false'}>"
+    tail = rf"{re.escape(epilogues.device_struct(spec.epilogue))}, {'true' if scales else 'false'}"
+    if sparsegen.semi24.specs.quantizes_x(spec):  # X in the output's 16-bit type, quantized to the weight's
+        tail += rf", sg::QuantizeX<sg::{MMA[out]}, {'true' if spec.dtype == 'int8' else 'false'}>"
+        assert re.search(r"const unsigned short\* __restrict__ x16, const float\* __restrict__ x_scale", source)
+    tail += ">"
     if spec.instr == "tma":
         assert f"wgmma.mma_async.sp.sync.aligned.m64n{spec.tile.tile_m}k{k}.{acc}.{ptx}.{ptx} " in source
         assert re.search(rf"sg::Sp24DdsTma<WgmmaSp, sg::{MMA[out]}, unsigned short, {spec.tile.tile_m}, "

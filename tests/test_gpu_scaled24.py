@@ -7,7 +7,7 @@ from torch import nn
 
 import sparsegen
 from sparsegen.jit import epilogues
-from sparsegen.semi24 import ops
+from sparsegen.semi24 import ops, scaled
 from sparsegen.semi24.scaled import quantize, row_scales, scaled_reference
 from test_scaled24 import reference, relative_error
 
@@ -171,3 +171,55 @@ def test_input_gradient_on_the_gpu_matches_the_cpu(weight_dtype, mode):
     cpu_x = x.detach().cpu().requires_grad_()
     layer.cpu()(cpu_x).backward(dy.cpu())
     assert relative_error(x.grad.cpu(), cpu_x.grad.double()) < 5e-2
+
+
+QUANTIZING = ARCH == (9, 0)  # Hopper's wgmma.sp kernels quantize X themselves (a few tokens)
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k, n", [(1, 4096, 1024), (5, 192, 48), (8, 14336, 4096), (16, 640, 336),
+                                     (13, 4160, 208), (17, 1024, 464)])
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantizing_product_gives_the_two_launch_result_bit_for_bit(weight_dtype, dtype, m, k, n, epilogue, static):
+    """A decode step's product that quantizes X itself: the bytes and scales of sp24_quantize,
+    so the same Y as sp24_quantize then sp24_scaled_dds, bit for bit, and float64's within
+    rounding; an outlier, an all-zero row, Y poisoned first. Elsewhere than on Hopper the
+    layer keeps the two launches."""
+    layer = gpu_layer(k, n, weight_dtype, dtype, input_scale=0.03 if static else None)
+    x = torch.randn(m, k, device="cuda").mul_(torch.rand(m, 1, device="cuda") * 10).to(dtype)
+    x[0, -1] = 300.0
+    x[m // 2 if m > 1 else 0, : k // 2] = 0.0
+    values, metadata, w_scale = layer.values, layer.metadata, layer.weight_scale
+    quantizing = QUANTIZING and m <= ops.QUANTIZING_ROWS
+    assert ops.quantizes_in_product(x, values, metadata) == quantizing
+    xq, x_scale = ops.sp24_quantize(x, values.dtype, layer.input_scale)
+    two = ops.sp24_scaled_dds(xq, values, metadata, x_scale, w_scale, layer.bias, n, dtype, epilogue=epilogue)
+    assert torch.equal(scaled.scaled_linear(x, values, metadata, w_scale, layer.bias, layer.input_scale, epilogue,
+                                            dtype), two)
+    out = torch.full_like(two, float("nan"))
+    if quantizing:
+        ops.sp24_quantized_dds(x, values, metadata, w_scale, layer.bias, layer.input_scale, n, epilogue, out=out)
+        assert torch.equal(out, two)
+    out = two
+    want = scaled_reference(xq, values, metadata, x_scale, w_scale, layer.bias, epilogue)
+    assert relative_error(out, want) < 5e-3
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_compiled_decode_layer_is_one_launch(weight_dtype):
+    """Under plain torch.compile a decode step's one-byte layer whose X comes from outside the
+    graph's kernels runs one kernel (Hopper: it quantizes X itself), and gives eager's Y."""
+    layer = gpu_layer(2048, 1024, weight_dtype)
+    compiled = torch.compile(layer)
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        compiled(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = compiled(x)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert torch.equal(y, layer(x))
+    quantizing = [name for name in kernels if "_xquantize1" in name]
+    assert (len(quantizing), len(kernels)) == ((1, 1) if QUANTIZING else (0, 2)), kernels

@@ -73,8 +73,20 @@ class _ScaledLinearArgs:
         return args[1].get_size()[0], args[6]
 
 
+_QUANTIZING_PLANS = plans.PlanCache()
+
+
 def sp24_scaled_linear_into(x, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype, *, out):
-    """x quantized by the sp24_quantize kernel, then the scaled product into Inductor's buffer."""
+    """The scaled product into Inductor's buffer: by a kernel that quantizes x itself (a decode
+    step: one launch), else after the sp24_quantize kernel."""
+    plan = None if x.dtype != out_dtype else _QUANTIZING_PLANS.get(
+        metadata, (x.shape, x.dtype, values.data_ptr(), epilogue),
+        lambda: ops.sp24_quantizing_lean_plan(x, values, metadata, values.shape[0], epilogue))
+    x_address, y_address = x.data_ptr(), out.data_ptr()
+    if (plan is not None and lean.runs_into(plan, x, out, x_address | y_address)
+            and not torch.cuda.is_current_stream_capturing()):  # (graphs: the two kernels, ops.quantizes_in_product)
+        plan.run_at(x_address, bias.data_ptr() if bias is not None else 0, y_address, (input_scale, w_scale, None))
+        return
     if _empty_strided_cuda is not None and ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x):
         xq, x_scale = _quantized_by_plan(x, values.dtype, input_scale)
     else:

@@ -77,10 +77,13 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
     given = (values, metadata)
     values, metadata = calls.aligned(values), calls.aligned(metadata)  # TMA reads from 16-byte aligned rows
     (n, half_k), w_rows, per_byte = values.shape, specs.w_rows(spec), 2 // values.element_size()
-    maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, 64 * per_byte),
+    # X's boxes: a stage's 64 (16-bit) or 128 (one-byte) values per row, swizzled as wgmma reads
+    # them; a quantizing kernel's are its 16-bit X as they are (it writes the bytes itself)
+    x_box = (128, False) if specs.quantizes_x(spec) else (64 * per_byte,)
+    maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, *x_box),
             (values.dtype, n, half_k, w_rows, 32 * per_byte),
             (torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False))
-    launch = runtime.PackedLaunch(kern, grid, maps, (0, 0, 0, 0, 0, 0), ints)
+    launch = runtime.PackedLaunch(kern, grid, maps, (0,) * (6 + specs.quantizes_x(spec)), ints)
     launch.bind_map(1, values.data_ptr())
     launch.bind_map(2, metadata.data_ptr())
     # Only copies are kept: the caller's tensors live as long as the call, or (a kept plan) as
@@ -149,6 +152,51 @@ def sp24_lean_plan(x, values, metadata, out_features: int, epilogue: str = "none
     return plan
 
 
+QUANTIZING_ROWS = 16  # the most tokens a quantizing product takes: each block reads all of X (its scales)
+
+
+def quantizes_in_product(x2: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor) -> bool:
+    """Whether the scaled product takes these 16-bit activations and quantizes them itself
+    (one launch, not sp24_quantize's and the product's): wgmma.sp (sm_90), at most
+    QUANTIZING_ROWS tokens, rows as sp24_quantize takes them, W as TMA reads it - and no CUDA
+    graph being captured. Why: the quantizing kernel saves a launch's host time (a decode
+    step is host-bound) but takes more GPU time (each block reads all of X for its scales:
+    tools/probe_quantizing.py, 0.4-0.6x the two kernels' GPU time on an H100); a graph's replay
+    pays no host time per launch, so there the two kernels are faster."""
+    return (_quantizing_signature(x2, values, metadata) and quantizes_on_kernel(x2)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _quantizing_signature(x2, values, metadata) -> bool:
+    """quantizes_in_product but for X's address and strides (which a compiled call checks per call)."""
+    return (x2.dim() == 2 and 0 < x2.shape[0] <= QUANTIZING_ROWS and x2.dtype in SCALED_OUTPUT_CODES
+            and x2.shape[1] % 8 == 0 and runs_byte_kernels(values) and runtime.device_arch(x2.device) == 90
+            and values.shape[0] > 0 and calls.tma_ready(values) and calls.tma_ready(metadata))
+
+
+def sp24_quantizing_plan(x2, values, metadata, out_features: int, epilogue: str):
+    """The plan of a quantizing product (quantizes_in_product said yes): Y in x2's dtype."""
+    code = SCALED_OUTPUT_CODES[x2.dtype]
+    return _kept_sp24_plan(x2, values, metadata, out_features, None, epilogue, code, quantize=1)
+
+
+def sp24_quantizing_lean_plan(x2, values, metadata, out_features: int, epilogue: str):
+    """The quantizing plan a compiled graph's sp24_scaled_linear launches straight, or None."""
+    if not _quantizing_signature(x2, values, metadata) or torch.cuda.is_current_stream_capturing():
+        return None
+    return sp24_quantizing_plan(x2, values, metadata, out_features, epilogue)
+
+
+def sp24_quantized_dds(x2, values, metadata, w_scale, bias, input_scale, out_features: int, epilogue: str,
+                       out=None) -> torch.Tensor:
+    """What sp24_quantize then sp24_scaled_dds compute - the same bytes, the same Y - in one
+    launch, where quantizes_in_product says so. The caller checks the operands (scaled.py)."""
+    plan = sp24_quantizing_plan(x2, values, metadata, out_features, epilogue)
+    y = out if out is not None else x2.new_empty((x2.shape[0], plan.width))
+    plan.run(x2, values, bias, y, (input_scale, w_scale, None))
+    return y
+
+
 def sp24_scaled_lean_plan(x2, values, metadata, out_features: int, epilogue: str, code: int):
     """The plan a compiled graph's scaled product launches straight (one-byte X [M, K], Y's
     dtype code), or None where it takes sp24_scaled_dds's full path."""
@@ -162,10 +210,12 @@ def sp24_scaled_lean_plan(x2, values, metadata, out_features: int, epilogue: str
     return None if plan.dense else plan
 
 
-def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str, scales: int = 0):
+def _kept_sp24_plan(x2, values, metadata, out_features: int, splits, epilogue: str, scales: int = 0,
+                    quantize: int = 0):
     """The plan for these operands with default kernels, made once per weight and signature."""
     return _PLANS.get(metadata, (*x2.shape, x2.dtype, out_features, splits, values.data_ptr(), epilogue, scales),
-                      lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue, scales=scales))
+                      lambda: _sp24_plan(x2, values, metadata, out_features, splits, epilogue=epilogue, scales=scales,
+                                         quantize=quantize))
 
 
 def _sp24_dense_weight(values, metadata, out_features: int, k: int):
@@ -182,6 +232,7 @@ class _Sp24Plan:
     width: int                        # Y's columns (half of W's rows for a gated epilogue)
     dense: bool = False               # cuBLAS on a dense copy of W first (dense_path), in CUDA graphs
     dense_eager: bool = False         # and outside them (not host-bound: calls.dense_outside_graphs)
+    quantizes: bool = False           # takes X in 16 bits and quantizes it (specs.quantizes_x)
 
     def run(self, x2: torch.Tensor, values, bias, y: torch.Tensor, scales=None) -> None:
         """Launch on these operands (of the plan's signature, W as the plan bound it; Y
@@ -190,7 +241,8 @@ class _Sp24Plan:
 
     def run_at(self, x_address: int, bias_address: int, y_address: int, scales=None) -> None:
         """run, given the operands' addresses (bias 0 for none): a compiled graph's launcher
-        has read them already (every frame and query here is paid per launch)."""
+        has read them already (every frame and query here is paid per launch). A quantizing
+        plan's scales[0] is the static input scale, or None for a scale per token."""
         space = None
         if self.workspace:  # the kept workspace where it holds enough (capturing or not), else as made
             device_index = self.kern.device_index
@@ -199,8 +251,10 @@ class _Sp24Plan:
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
             launch.bind(0, x_address)
+            if self.quantizes:  # X's address twice: its boxes' map and the pointer its scales are found by
+                pointers[0] = x_address
             if scales is not None:
-                pointers[-6], pointers[-5] = scales[0].data_ptr(), scales[1].data_ptr()
+                pointers[-6], pointers[-5] = 0 if scales[0] is None else scales[0].data_ptr(), scales[1].data_ptr()
             pointers[-4], pointers[-3] = bias_address, y_address
             if space is not None:
                 pointers[-2], pointers[-1] = space.sums.data_ptr(), space.counts.data_ptr()
@@ -208,19 +262,20 @@ class _Sp24Plan:
 
 
 def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,
-               epilogue="none", scales: int = 0) -> _Sp24Plan:
-    """What sp24_dds launches for these operands (`scales`: the kernels' parameter)."""
+               epilogue="none", scales: int = 0, quantize: int = 0) -> _Sp24Plan:
+    """What sp24_dds launches for these operands (`scales`, `quantize`: the kernels' parameters;
+    a quantizing kernel's X is 16-bit, its weight type the values')."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    kern = dispatch.forward_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
-                        dispatch.narrow_tiles(m, out_features, device_index), epilogue, scales)
+    kern = dispatch.forward_kernel(values.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
+                        dispatch.narrow_tiles(m, out_features, device_index), epilogue, scales, quantize)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     split = grid[2] > 1  # a slice of partial sums per split (templates/common/sg_split_k.cuh)
     sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
-    dense = (calls.kernel_left_to_dispatch(tile, instr) and x2.dtype in calls.SIXTEEN_BIT
+    dense = (calls.kernel_left_to_dispatch(tile, instr) and values.dtype in calls.SIXTEEN_BIT
              and dense_path.wanted("sp24", device_index, out_features, k, m))
     return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), sums,
                      counters, epilogues.output_features(epilogue, out_features), dense,
-                     dense and calls.dense_outside_graphs(m, k, out_features))
+                     dense and calls.dense_outside_graphs(m, k, out_features), bool(quantize))
 
 
 def _split_workspace(plan: _Sp24Plan, device: torch.device) -> workspace.SplitWorkspace:

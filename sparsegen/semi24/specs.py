@@ -33,6 +33,10 @@ SCALED_CODES = {dtype: code for code, dtype in SCALED_DTYPES.items()}  # Y's (or
 SCALES = registry.Param("scales", 0, choices=(0, *SCALED_OUTPUTS), named_at_default=False,
                         doc="one-byte products only: 0 none (Y int32 for int8, bf16 for e4m3); 1 and 2 a float32 "
                             "scale per token and per feature applied before bias and epilogue, Y in bf16 (1) or fp16 (2)")
+QUANTIZED_X = registry.Param("quantize", 0, choices=(0, 1), named_at_default=False,
+                             doc="scaled products on wgmma.sp (tma) only: 1 takes X in the output's 16-bit type and "
+                                 "quantizes it per token in the kernel (sp24_quantize's bytes), for at most tile_m "
+                                 "<= 64 tokens (one token tile): a decode step's layer in one launch")
 SOURCE = registry.Param("src", 1, choices=tuple(SCALED_OUTPUTS),
                         doc="sp24_quantize's input: bf16 (1) or fp16 (2) activations")
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
@@ -48,6 +52,8 @@ def _dds_smem(spec: KernelSpec) -> int:
     if spec.instr == "tma":  # 128 bytes per X row, 64 + 8 (e4m3: 16) per W row
         staging = w_rows(spec) * 2 * (64 if t.tile_m >= 128 else 32)  # the store's token chunks
         ring = t.stages * (t.tile_m * 128 + w_rows(spec) * (64 + 16 // ELEMENT_BYTES[spec.dtype]))
+        if quantizes_x(spec):  # X's 16-bit boxes (twice a stage's X bytes) and their barriers
+            ring += t.stages * (t.tile_m * 256 + 8)
         return ring + staging + 1024 + 16 * t.stages
     # per stage: 256 bytes per X row; 128 of values + 16 (8-bit: 32) of metadata per W row
     return t.stages * (t.tile_m * 256 + w_rows(spec) * (128 + 32 // ELEMENT_BYTES[spec.dtype]))
@@ -81,6 +87,10 @@ def _scales(spec: KernelSpec) -> int:
     return spec.param_values.get("scales", 0)
 
 
+def quantizes_x(spec: KernelSpec) -> bool:
+    return spec.param_values.get("quantize", 0) == 1
+
+
 def _validate(spec: KernelSpec) -> None:
     """What every 2:4 op needs: trans nt, the mma.sp block, 16-bit or one-byte values."""
     check_trans(spec, "nt")
@@ -99,6 +109,9 @@ def _validate(spec: KernelSpec) -> None:
            t.cluster, SpecError)
     expect(t.cluster == 1 or tma, "cluster 1 (clusters share tiles only in sp24_dds on TMA, and in swap and "
            "pairs at 64-row blocks)", t.cluster, SpecError)
+    expect(not quantizes_x(spec) or (_scales(spec) and tma and t.cluster == 1 and t.tile_m <= 64),
+           "scales, instr 'tma', cluster 1 and tile_m <= 64 for quantize", f"{spec.instr!r}, {t.tag}, scales "
+           f"{_scales(spec)}", SpecError)
     if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
         expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
                "warps_n = 1, whole warpgroups (warps_m % 4 == 0) and tile_m <= 256 for tma",
@@ -125,7 +138,8 @@ def _output_context(spec: KernelSpec) -> dict:
     out_mma, int_out = MMA_TYPES[out], integer and not scales
     # wgmma.sp's trailing immediates: scale-a/b and transposes (16-bit), scales (fp8), none (int8)
     immediates = ", 1, 1, 0, 0" if not one_byte else "" if integer else ", 1, 1"
-    return dict(out_policy="Int32Out" if int_out else f"FloatOut<sg::{out_mma}>",
+    quantizer = f"sg::QuantizeX<sg::{out_mma}, {'true' if integer else 'false'}>" if quantizes_x(spec) else ""
+    return dict(out_policy="Int32Out" if int_out else f"FloatOut<sg::{out_mma}>", quantizer=quantizer,
                 out_elem="int" if int_out else ELEM_TYPES[out], scaled="true" if scales else "false",
                 acc_type="int" if integer else "float", acc_ptx="s32" if integer else "f32", acc_reg="r" if integer else "f",
                 sp_k=64 if one_byte else 32, one_byte=one_byte, out_mma=out_mma, wgmma_immediates=immediates)
@@ -140,7 +154,7 @@ def _validate_quantize(spec: KernelSpec) -> None:
 
 def _quantize_context(spec: KernelSpec) -> dict:
     src = SCALED_OUTPUTS[spec.param_values["src"]]
-    return dict(src_type=src, src_mma=MMA_TYPES[src], largest="448.0" if spec.dtype == "e4m3" else "127.0")
+    return dict(src_type=src, src_mma=MMA_TYPES[src])
 
 
 def _mask_context(spec: KernelSpec) -> dict:
@@ -153,7 +167,8 @@ def _prune_context(spec: KernelSpec) -> dict:
 
 
 def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-              instr: str | None = None, narrow: bool = False, epilogue: str = "none", scales: int = 0) -> KernelSpec:
+              instr: str | None = None, narrow: bool = False, epilogue: str = "none", scales: int = 0,
+              quantize: int = 0) -> KernelSpec:
     """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
@@ -162,7 +177,8 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     weights of N/128 >= half the SMs: dispatch.narrow_tiles) and 32 up to 32 (the host splits K
     across blocks there). Elsewhere mma.sp: each warp owns 64 output features (warps_m of them) and tile_m / warps_n
     tokens; 128 x 128 on sm_80, 128 x 64 with 99 KB of shared memory, 64 and 32 tokens for
-    small batches. One-byte types take the same tiles (k64 products: wgmma.sp on sm_90)."""
+    small batches. One-byte types take the same tiles (k64 products: wgmma.sp on sm_90);
+    `quantize` ones (scaled, up to 64 tokens) at most 6 stages: each stage holds X's 16-bit box too."""
     big_smem, many_rows = SMEM_LIMIT[arch] > 160 * 1024, rows is None or rows > 128
     if instr is None:  # Hopper: wgmma.sp for every batch size and dtype
         instr = "tma" if tile is None and arch == 90 else "mma"
@@ -176,8 +192,10 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
             tile = TileConfig(64, 2, 2, 3 if big_smem else 2)
         else:
             tile = TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3)
+    if quantize and tile.stages > 6:
+        tile = dataclasses.replace(tile, stages=6)
     return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr=instr, epilogue=epilogue, params={"scales": scales})
+                      instr=instr, epilogue=epilogue, params={"scales": scales, "quantize": quantize})
 
 
 def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> KernelSpec:
@@ -201,6 +219,9 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     # ScaledSparse24Linear's, for bf16 and fp16 models: plain, and a gated MLP's gate and up
     fused += [dataclasses.replace(s, params={"scales": out}, epilogue=e) for s in semi if s.dtype in BYTE_DTYPES
               for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
+    # and their decode kernels that quantize X themselves (Hopper: wgmma.sp)
+    fused += [sp24_spec(d, arch, rows=1, epilogue=e, scales=out, quantize=1)
+              for d in dtypes if d in BYTE_DTYPES and arch == 90 for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
@@ -210,7 +231,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_dds", "semi24/sp24_dds.cu.j2", _validate, _dds_smem, context=_output_context,
                      epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
-                     params=(SCALES,), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
+                     params=(SCALES, QUANTIZED_X), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,

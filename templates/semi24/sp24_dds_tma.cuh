@@ -19,20 +19,36 @@
 // cluster. A buffer is refilled only when the consumers of every block have released it.
 // (ncu on an H200, 8192x8192 fp16 at M 16384: without it this kernel took fewer cycles
 // than cuSPARSELt's but ran at 1.36 GHz against 1.65 - the L2 traffic costs clock.)
+//
+// Quant (not NoQuantize: the xq variant, one-byte scaled products of at most TILE_T tokens):
+// X comes in 16 bits and is quantized here, so a decode step's layer is one launch, not a
+// quantization pass and a product (a compiled decode step is host-bound: each launch costs
+// about as much host time as the GPU time of both). Every block first finds its tokens'
+// scales over the whole of K (sg_quantize.cuh's arithmetic, while the first stages' copies
+// of W fly); per stage TMA copies X's 16-bit box beside the stage, and the producer
+// warpgroup writes its bytes into the stage's X buffer in the layout TMA's 128-byte swizzle
+// gives, before it marks the stage full.
 #pragma once
 #include "sg_wgmma.cuh"
 #include "sg_split_k.cuh"
 #include "sg_store_t.cuh"
 #include "sg_tma.cuh"
+#include "sg_quantize.cuh"
 
 namespace sg {
+
+struct NoQuantize { static constexpr bool ON = false; };
+
+// The xq variant's quantizer: sg_quantize.cuh's, from Src (the activations' 16-bit type).
+template <class Src, bool INT8>
+struct QuantizeX : Quantizer<Src, INT8> { static constexpr bool ON = true; };
 
 // WgmmaSp: generated per (TILE_T, dtype) - mma(acc, desc_a, desc_b, metadata), m64 x TILE_T x
 // k32 (16-bit inputs) or k64 (e4m3, int8: IN_BYTES 1, the same bytes per product); its Acc
 // is float, or int for int8. Mma and Elem are the output's (bf16 for e4m3, int32 for int8;
 // SCALED: the scales' bf16 or fp16, for either).
 template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2,
-          class Epi = NoEpilogue, bool SCALED = false>
+          class Epi = NoEpilogue, bool SCALED = false, class Quant = NoQuantize>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   using Acc = typename WgmmaSp::Acc;
@@ -50,6 +66,10 @@ struct Sp24DdsTma {
   static constexpr int STAGING_BYTES = CONSUMERS * Store::BYTES;
   static_assert(TILE_T % 16 == 0 && TILE_T <= 256, "tile shape");
   static_assert(X_PART % 1024 == 0 && W_BYTES % 1024 == 0, "swizzle atoms stay 1024-aligned");
+  // xq: per stage X's 16-bit box (TILE_T rows of STAGE_K values, unswizzled), on a barrier of its own
+  static constexpr bool XQ = Quant::ON;
+  static constexpr int X16_BYTES = XQ ? TILE_T * STAGE_K * 2 : 0, X16_ROW = STAGE_K * 2;
+  static_assert(!XQ || (CLUSTER == 1 && !REBALANCE && IN_BYTES == 1 && SCALED), "xq: one-byte scaled, small tiles");
 
   // K-major operand descriptor: rows of `row_bytes` (64 or 128) with the matching swizzle;
   // 8-row groups are 8 rows apart (the leading offset is unused when swizzled).
@@ -76,6 +96,103 @@ struct Sp24DdsTma {
       tma_load_2d(stage + X_BYTES, w_map, k / 2, n0, full);
       tma_load_2d(stage + X_BYTES + W_BYTES, m_map, k / 2, n0 / 16, full);  // 16 words per k32 = k / 2
     }
+  }
+
+  // xq, thread 0: stage s's copies - W and its metadata onto the full barrier, whose one
+  // arrival is the warpgroup's once the X bytes are written, and the 16-bit X box onto its own.
+  __device__ static void issue_quantized(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
+                                         u32 smem, u32 x16, u32 bars, int s, int k, int n0) {
+    const int buf = s % STAGES;
+    const u32 full = bars + 8 * buf, stage = smem + buf * STAGE_BYTES, landed = bars + 8 * (2 * STAGES + buf);
+    mbar_wait(bars + 8 * (STAGES + buf), ((s / STAGES) & 1) ^ 1);
+    mbar_expect_tx(full, W_BYTES + META_BYTES);
+    mbar_expect_bytes(landed, X16_BYTES);
+    tma_load_2d(x16 + buf * X16_BYTES, x_map, k, 0, landed);
+    tma_load_2d(stage + X_BYTES, w_map, k / 2, n0, full);
+    tma_load_2d(stage + X_BYTES + W_BYTES, m_map, k / 2, n0 / 16, full);
+  }
+
+  // xq, the producer warpgroup's warps 1-3 (CONVERTERS threads): stage s's 16-bit X to bytes,
+  // 16 values a step, each into its 16-byte chunk of TMA's 128-byte swizzle (chunk c of row r
+  // at c ^ (r % 8)); then the stage is full. Rows past M and columns past K were zero-filled:
+  // their bytes are zeros.
+  static constexpr int CONVERTERS = 96;
+  __device__ static void quantize_stage(unsigned char* ring, const unsigned char* x16, u32 bars, int s,
+                                        const float* scales, int M) {
+    const int buf = s % STAGES, me = threadIdx.x - 32;
+    mbar_wait(bars + 8 * (2 * STAGES + buf), (s / STAGES) & 1);
+    const unsigned char* box = x16 + buf * X16_BYTES;
+    unsigned char* x = ring + buf * STAGE_BYTES;
+    constexpr int CHUNKS = STAGE_K / 16;
+    for (int j = me; j < TILE_T * CHUNKS; j += CONVERTERS) {
+      const int r = j / CHUNKS, c = j % CHUNKS;
+      uint4 bytes = make_uint4(0, 0, 0, 0);
+      if (r < M) {
+        const uint4* src = reinterpret_cast<const uint4*>(box + r * X16_ROW + c * 32);
+        const uint2 lo = Quant::bytes8(src[0], scales[r]), hi = Quant::bytes8(src[1], scales[r]);
+        bytes = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      }
+      *reinterpret_cast<uint4*>(x + r * 128 + ((c ^ (r & 7)) << 4)) = bytes;
+    }
+    fence_proxy_async();  // the generic writes, before wgmma (the async proxy) reads them
+    asm volatile("bar.sync 1, %0;\n" ::"n"(CONVERTERS) : "memory");
+    if (me == 0) mbar_arrive(bars + 8 * buf);
+  }
+
+  // xq, the producer warpgroup on an item's stages: lane 0 of warp 0 issues the copies (from
+  // stage `issued` on: those before went out before the scales were known), as far ahead as
+  // the ring allows; warps 1-3 quantize each stage once its box has landed. Neither waits for
+  // the other but through the ring: a stage is released once the next one is full too.
+  __device__ static void produce_quantized(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
+                                           unsigned char* ring, u32 smem, const unsigned char* x16_ring, u32 x16,
+                                           u32 bars, int s0, int stages, int issued, int k_begin, int n0,
+                                           const float* scales, int M) {
+    if (threadIdx.x == 0) {
+      for (int i = issued; i < stages; ++i)
+        issue_quantized(x_map, w_map, m_map, smem, x16, bars, s0 + i, k_begin + i * STAGE_K, n0);
+    } else if (threadIdx.x >= 32) {
+      for (int i = 0; i < stages; ++i) quantize_stage(ring, x16_ring, bars, s0 + i, scales, M);
+    }
+  }
+
+  // xq, every thread: the tokens' scales over the whole of K (or the static one), into
+  // `scales` [TILE_T]; `bits` holds the largest magnitudes meanwhile (non-negative floats,
+  // NaN above infinity, order as their bits). Each warp takes runs of 32 16-byte pieces of a
+  // row, UNROLL runs' loads in flight at once, and reduces each run to one atomic.
+  __device__ static void token_scales(const unsigned short* x, const float* static_scale, int M, int K, float* scales,
+                                      unsigned* bits) {
+    constexpr int UNROLL = 8, WARPS = THREADS / 32;
+    if (static_scale) {
+      for (int t = threadIdx.x; t < TILE_T; t += THREADS) scales[t] = *static_scale;
+      __syncthreads();
+      return;
+    }
+    for (int t = threadIdx.x; t < TILE_T; t += THREADS) bits[t] = 0;
+    __syncthreads();
+    const int pieces = K / 8, runs = (pieces + 31) / 32, lane = threadIdx.x & 31, total = M * runs;
+    // Every block reads all of X at once: each starts at its own run, so that they do not all
+    // ask the same L2 slice for the same lines at the same time.
+    const int shift = static_cast<int>((blockIdx.x + (long long)blockIdx.z * gridDim.x) * 61 % total);
+    for (int first = threadIdx.x / 32; first < total; first += WARPS * UNROLL) {
+      float amax[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int at = first + u * WARPS, run = at + shift < total ? at + shift : at + shift - total;
+        const int row = run / runs, piece = (run - row * runs) * 32 + lane;
+        amax[u] = at < total && piece < pieces
+            ? Quant::largest_of8(reinterpret_cast<const uint4*>(x + (long long)row * K)[piece]) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int at = first + u * WARPS, run = at + shift < total ? at + shift : at + shift - total;
+        if (at >= total) break;  // (at, run: the same for the whole warp)
+        const unsigned most = __reduce_max_sync(0xffffffffu, __float_as_uint(amax[u]));
+        if (lane == 0) atomicMax(bits + run / runs, most);
+      }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < TILE_T; t += THREADS) scales[t] = Quant::scale_of(__uint_as_float(bits[t]));
+    __syncthreads();
   }
 
   // Consumer warpgroup c (rows 64c.. of the W tile): the metadata words of stage `stage`,
@@ -109,6 +226,11 @@ struct Sp24DdsTma {
     const int buf = s % STAGES;
     mbar_wait(bars + 8 * buf, (s / STAGES) & 1);
     return smem + buf * STAGE_BYTES;
+  }
+
+  __device__ static void init_landed(u32 bars) {
+    for (int i = 0; i < STAGES; ++i) mbar_init(bars + 8 * (2 * STAGES + i), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 
   // Keeps metadata registers live (so unreused) until here.
@@ -259,25 +381,46 @@ struct Sp24DdsTma {
 
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map, Scales scales,
                              const Elem* bias, Elem* y, float* partial, int* tile_counts, int M, int K, int N,
-                             int k_split) {
+                             int k_split, const unsigned short* x16 = nullptr) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_ptr(smem_raw), smem = (base + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
-    const u32 staging = smem + STAGES * STAGE_BYTES, bars = staging + STAGING_BYTES;  // full[STAGES], empty[STAGES]
+    const u32 staging = smem + STAGES * STAGE_BYTES, x16_ring = staging + STAGING_BYTES;
+    const u32 bars = x16_ring + STAGES * X16_BYTES;  // full[STAGES], empty[STAGES] (xq: landed[STAGES])
     const u32 rank = CLUSTER == 1 ? 0 : cluster_rank();
     const Raster raster(M, N);
     const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
     const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split), wg = threadIdx.x / 128;
     const int stages = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
-    if (threadIdx.x == 0) start_ring(bars, STAGES, CONSUMERS * CLUSTER, x_map, w_map, m_map);
+    if (threadIdx.x == 0) {
+      start_ring(bars, STAGES, CONSUMERS * CLUSTER, x_map, w_map, m_map);
+      if constexpr (XQ) init_landed(bars);
+    }
     if constexpr (CLUSTER == 1) __syncthreads(); else cluster_sync();  // partners' barriers are ready
     int s0 = 0;  // the block's running stage count
-    if (wg == 0) {
+    if constexpr (XQ) {
+      __shared__ float token_scale[TILE_T];
+      __shared__ unsigned largest[TILE_T];
+      unsigned char* ring = smem_raw + (smem - base);
+      const int early = first < raster.items ? min(stages, STAGES) : 0;  // W's first copies, before the scales
+      if (threadIdx.x == 0)
+        for (int i = 0; i < early; ++i)
+          issue_quantized(x_map, w_map, m_map, smem, x16_ring, bars, i, k_begin + i * STAGE_K, raster.n0(first, 0));
+      token_scales(x16, scales.token, M, K, token_scale, largest);
+      scales.token = token_scale;
+      if (wg == 0) {
+        for (int item = first; item < raster.items; item += step, s0 += stages)
+          produce_quantized(x_map, w_map, m_map, ring, smem, ring + (x16_ring - smem), x16_ring, bars, s0, stages,
+                            item == first ? early : 0, k_begin, raster.n0(item, 0), token_scale, M);
+        return;
+      }
+    } else if (wg == 0) {
       // The producer needs few registers: hand them to the consumers' accumulators.
       if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();
       if (threadIdx.x == 0)
         for (int item = first; item < raster.items; item += step, s0 += stages)
           produce(x_map, w_map, m_map, smem, bars, s0, stages, k_begin, raster.m0(item), raster.n0(item, rank), rank);
-    } else {
+    }
+    if (wg > 0) {
       if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
       for (int item = first; item < raster.items; item += step, s0 += stages) {
         const int m0 = raster.m0(item), n0 = raster.n0(item, rank);
