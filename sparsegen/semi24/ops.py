@@ -161,7 +161,7 @@ def quantizes_in_product(x2: torch.Tensor, values: torch.Tensor, metadata: torch
     QUANTIZING_ROWS tokens, rows as sp24_quantize takes them, W as TMA reads it - and no CUDA
     graph being captured. Why: the quantizing kernel saves a launch's host time (a decode
     step is host-bound) but takes more GPU time (each block reads all of X for its scales:
-    tools/probe_quantizing.py, 0.4-0.6x the two kernels' GPU time on an H100); a graph's replay
+    tools/probe_quantizing.py, 0.5-0.8x the two kernels' GPU time at 1-8 tokens on an H100); a graph's replay
     pays no host time per launch, so there the two kernels are faster."""
     return (_quantizing_signature(x2, values, metadata) and quantizes_on_kernel(x2)
             and not torch.cuda.is_current_stream_capturing())

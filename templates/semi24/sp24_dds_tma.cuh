@@ -112,19 +112,21 @@ struct Sp24DdsTma {
     tma_load_2d(stage + X_BYTES + W_BYTES, m_map, k / 2, n0 / 16, full);
   }
 
-  // xq, the producer warpgroup's warps 1-3 (CONVERTERS threads): stage s's 16-bit X to bytes,
-  // 16 values a step, each into its 16-byte chunk of TMA's 128-byte swizzle (chunk c of row r
-  // at c ^ (r % 8)); then the stage is full. Rows past M and columns past K were zero-filled:
-  // their bytes are zeros.
-  static constexpr int CONVERTERS = 96;
+  // xq, one of the producer warpgroup's warps 1-3: stage s's 16-bit X to bytes, 16 values a
+  // lane step, each into its 16-byte chunk of TMA's 128-byte swizzle (chunk c of row r at
+  // c ^ (r % 8)); then the stage is full. Each warp takes every third buffer, so three stages
+  // convert at once (one warpgroup converting stage after stage was slower than W's copies).
+  // Rows past M stay zero: written at a buffer's first use only (s < STAGES). Columns past K
+  // were zero-filled in the box: their bytes are zeros.
+  static constexpr int CONVERTERS = 3;
   __device__ static void quantize_stage(unsigned char* ring, const unsigned char* x16, u32 bars, int s,
                                         const float* scales, int M) {
-    const int buf = s % STAGES, me = threadIdx.x - 32;
+    constexpr int CHUNKS = STAGE_K / 16;
+    const int buf = s % STAGES, lane = threadIdx.x & 31, rows = s < STAGES ? TILE_T : M;
     mbar_wait(bars + 8 * (2 * STAGES + buf), (s / STAGES) & 1);
     const unsigned char* box = x16 + buf * X16_BYTES;
     unsigned char* x = ring + buf * STAGE_BYTES;
-    constexpr int CHUNKS = STAGE_K / 16;
-    for (int j = me; j < TILE_T * CHUNKS; j += CONVERTERS) {
+    for (int j = lane; j < rows * CHUNKS; j += 32) {
       const int r = j / CHUNKS, c = j % CHUNKS;
       uint4 bytes = make_uint4(0, 0, 0, 0);
       if (r < M) {
@@ -134,24 +136,27 @@ struct Sp24DdsTma {
       }
       *reinterpret_cast<uint4*>(x + r * 128 + ((c ^ (r & 7)) << 4)) = bytes;
     }
-    fence_proxy_async();  // the generic writes, before wgmma (the async proxy) reads them
-    asm volatile("bar.sync 1, %0;\n" ::"n"(CONVERTERS) : "memory");
-    if (me == 0) mbar_arrive(bars + 8 * buf);
+    fence_proxy_async();  // each lane's generic writes, before wgmma (the async proxy) reads them
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + 8 * buf);
   }
 
   // xq, the producer warpgroup on an item's stages: lane 0 of warp 0 issues the copies (from
   // stage `issued` on: those before went out before the scales were known), as far ahead as
-  // the ring allows; warps 1-3 quantize each stage once its box has landed. Neither waits for
-  // the other but through the ring: a stage is released once the next one is full too.
+  // the ring allows; warps 1-3 quantize the stages of their buffers once their boxes landed.
+  // Neither waits for the other but through the ring: a stage is released once the next one
+  // is full too, and its box was issued before.
   __device__ static void produce_quantized(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map,
                                            unsigned char* ring, u32 smem, const unsigned char* x16_ring, u32 x16,
                                            u32 bars, int s0, int stages, int issued, int k_begin, int n0,
                                            const float* scales, int M) {
+    const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
       for (int i = issued; i < stages; ++i)
         issue_quantized(x_map, w_map, m_map, smem, x16, bars, s0 + i, k_begin + i * STAGE_K, n0);
-    } else if (threadIdx.x >= 32) {
-      for (int i = 0; i < stages; ++i) quantize_stage(ring, x16_ring, bars, s0 + i, scales, M);
+    } else if (warp > 0) {
+      for (int s = s0; s < s0 + stages; ++s)
+        if ((s % STAGES) % CONVERTERS == warp - 1) quantize_stage(ring, x16_ring, bars, s, scales, M);
     }
   }
 
