@@ -69,12 +69,18 @@ class FixedRowsProduct:
     """epilogue(X W^T + b) for the registered fixed-rows op `op`; `reference(x, values, bias,
     *rest)` is its PyTorch definition (differentiable, traceable); `dense_weight(values,
     in_features, *the op's arguments after bias, up to out_features)` W as a dense tensor (the
-    dense path's copy, and the training backward's); `stored_blocks(dense, block, *the same)`
-    (optional) the blocks of a dense [N, K] tensor at the stored positions, values' shape."""
+    dense path's copy, and the training backward's). Optional, for the training backward:
+    `stored_blocks(dense, block, *the same)` the blocks of a dense [N, K] tensor at the stored
+    positions, values' shape (dW from dY^T X); `transposed(values, in_features, *the same)`
+    W^T in the layout's own form, (its values, its op's arguments after bias up to
+    out_features), so that dX = dY W runs this product's kernel; `weight_grad(dy2, x2, values,
+    *the same)` dW at the stored blocks computed directly (no dense [N, K] product)."""
 
     def __init__(self, op: str, reference: Callable, dense_weight: Callable | None = None,
-                 stored_blocks: Callable | None = None):
+                 stored_blocks: Callable | None = None, transposed: Callable | None = None,
+                 weight_grad: Callable | None = None):
         self.op, self.reference, self.dense_weight, self.stored_blocks = op, reference, dense_weight, stored_blocks
+        self.transposed, self.weight_grad = transposed, weight_grad
         _PRODUCTS[op] = self
         self.args = registry.op_rules(op).args
         self._plans = plans.PlanCache()
@@ -185,10 +191,11 @@ def _grid(kern, m: int, block_rows: int) -> tuple[int, int, int]:
 
 class _KitLinear(torch.autograd.Function):
     """X W^T + b for a call that needs gradients: the layout's product forward (the generated
-    kernel on the GPU, as inference runs it); the backward PyTorch's on W as the layout's
-    dense_weight gives it - dX = dY W, and dW at the stored blocks only (the transpose of
-    dense_weight, a linear map of values, applied to dY^T X) - which torch.compile traces
-    with the rest."""
+    kernel on the GPU, as inference runs it). The backward, which torch.compile traces with
+    the rest: dX = dY W by the product over W^T where the layout gives `transposed` (its
+    kernel again), else PyTorch's on W as dense_weight gives it; dW at the stored blocks only,
+    by the layout's `weight_grad` where it has one, else the transpose of dense_weight (a
+    linear map of values) applied to dY^T X."""
 
     @staticmethod
     def forward(ctx, x, values, bias, op: str, *rest):
@@ -201,12 +208,28 @@ class _KitLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, values, *tensors = ctx.saved_tensors
         rest, need = _with_saved(ctx.rest, tensors), ctx.needs_input_grad
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        weight, transposed = _weight_and_transpose(_PRODUCTS[ctx.op], values, x.shape[-1], rest)
-        dvalues = transposed(dy2.t() @ x2) if need[1] else None
-        dx = (dy2 @ weight).reshape(x.shape) if need[0] else None
+        product, dy2, x2 = _PRODUCTS[ctx.op], dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = _input_grad(product, dy, values, x.shape[-1], rest) if need[0] else None
+        dvalues = _values_grad(product, dy2, x2, values, rest) if need[1] else None
         dbias = dy2.sum(0) if ctx.has_bias and need[2] else None
         return (dx, dvalues, dbias, None) + (None,) * len(rest)
+
+
+def _input_grad(product: "FixedRowsProduct", dy, values, in_features: int, rest: tuple):
+    """dX = dY W: the product over the layout's W^T, else dY times dense_weight."""
+    if product.transposed is not None:
+        values_t, rest_t = product.transposed(values, in_features, *rest)
+        return product(dy, values_t, None, *rest_t, "none")
+    weight = product.dense_weight(values, in_features, *rest)
+    return (dy.reshape(-1, dy.shape[-1]) @ weight).reshape(*dy.shape[:-1], in_features)
+
+
+def _values_grad(product: "FixedRowsProduct", dy2, x2, values, rest: tuple):
+    """dW at the stored blocks, values' shape: the layout's weight_grad, else dY^T X mapped back."""
+    if product.weight_grad is not None:
+        return product.weight_grad(dy2, x2, values, *rest)
+    _, transposed = _weight_and_transpose(product, values, x2.shape[-1], rest)
+    return transposed(dy2.t() @ x2)
 
 
 def _weight_and_transpose(product: "FixedRowsProduct", values, in_features: int, rest: tuple):

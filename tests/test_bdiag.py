@@ -3,11 +3,12 @@ gradients against float64, sparsegen.linear / patch / dense_copy. (GPU: test_gpu
 import pytest
 import torch
 
+from kit_training import eager_and_compiled_grads
+
 import sparsegen
 from sparsegen.jit import codegen, spec as specmod
 from sparsegen.bdiag import format as diag
 from sparsegen.bdiag import specs as diag_specs
-from sparsegen.bdiag.autograd import block_diagonal_linear
 from sparsegen.bdiag.nn import BlockDiagonalLinear
 from sparsegen.errors import InputError
 
@@ -48,7 +49,25 @@ def test_layer_matches_float64_and_its_gradients_do_too():
     assert torch.allclose(layer(x), dense_reference(layer, x))
     inputs = (x.detach()[:, :3].requires_grad_(), layer.values.detach().clone().requires_grad_(),
               layer.bias.detach().clone().requires_grad_())
-    assert torch.autograd.gradcheck(lambda x, v, b: block_diagonal_linear(x, v, b, 2), inputs)
+    # the kit's training path: dX over W^T's tiles (the layout's `transposed`), dW by its batched weight_grad
+    assert torch.autograd.gradcheck(lambda x, v, b: layer._differentiable_product(x, v, b), inputs)
+
+
+def test_compiled_training_step_matches_eager_and_a_dense_twin():
+    """The kit's training path under torch.compile (fullgraph: its transposed product and
+    batched weight gradient trace): eager's loss and gradients, which equal the dense weight's
+    gradients on the diagonal blocks."""
+    torch.manual_seed(0)
+    layer = BlockDiagonalLinear(128, 64, 4, block=(16, 16))
+    x = torch.randn(5, 128, requires_grad=True)
+    grads = eager_and_compiled_grads(layer, x)
+    torch.testing.assert_close(grads[0], grads[1])
+    weight = layer.to_dense_weight().detach().requires_grad_()
+    x_twin = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x_twin, weight, layer.bias.detach()).square().sum().backward()
+    on_diagonal = diag.tile(diag.diagonal_of(weight.grad, 4), (16, 16))
+    torch.testing.assert_close(grads[0][1], on_diagonal)
+    torch.testing.assert_close(grads[0][0], x_twin.grad)
 
 
 def test_from_dense_keeps_the_diagonal_and_to_linear_agrees():

@@ -3,6 +3,8 @@ numerics and gradients against float64, checkpoints. (GPU numerics: test_gpu_bel
 import pytest
 import torch
 
+from kit_training import eager_and_compiled_grads
+
 from sparsegen.jit import codegen, spec as specmod
 from sparsegen.bell import format as ell
 from sparsegen.bell import specs as bell_specs
@@ -68,11 +70,7 @@ def test_compiled_training_step_matches_eager():
     torch.manual_seed(0)
     layer = BlockEllLinear(96, 64, block=(16, 32), per_row=2)
     x = torch.randn(5, 96, requires_grad=True)
-    grads = []
-    for run in (layer, torch.compile(layer, fullgraph=True)):
-        run(x).square().sum().backward()
-        grads.append((x.grad.clone(), layer.values.grad.clone(), layer.bias.grad.clone()))
-        x.grad = layer.values.grad = layer.bias.grad = None
+    grads = eager_and_compiled_grads(layer, x)
     torch.testing.assert_close(grads[0], grads[1])
 
 

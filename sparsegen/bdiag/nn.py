@@ -8,7 +8,6 @@ from .. import gathered
 from ..errors import expect, positive_int
 from . import format as diag
 from . import ops
-from .autograd import block_diagonal_linear
 
 
 class BlockDiagonalLinear(gathered.FixedRowsLinear):
@@ -41,9 +40,6 @@ class BlockDiagonalLinear(gathered.FixedRowsLinear):
 
     def to_dense_weight(self) -> torch.Tensor:
         return diag.to_dense(self.values, self.nblocks)
-
-    def _differentiable_product(self, x, values, bias) -> torch.Tensor:
-        return block_diagonal_linear(x, values, bias, self.nblocks)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, nblocks: int = 4, block=None) -> "BlockDiagonalLinear":

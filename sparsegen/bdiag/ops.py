@@ -28,7 +28,24 @@ def dense_weight(values, in_features: int, rowblocks: int, diagrows: int, out_fe
     return diag.to_dense(values, values.shape[0] // diagrows)
 
 
-BDIAG_DDS = gathered.FixedRowsProduct("bdiag_dds", reference, dense_weight)
+def transposed(values, in_features: int, rowblocks: int, diagrows: int, out_features: int):
+    """W^T as block-diagonal tiles (each diagonal block transposed) and its op's arguments:
+    dX = dY W runs the forward kernel over them (no dense weight)."""
+    nblocks = values.shape[0] // diagrows
+    values_t = diag.transposed(values, nblocks)
+    return values_t, op_ints(values_t, nblocks)
+
+
+def weight_grad(dy2, x2, values, rowblocks: int, diagrows: int, out_features: int):
+    """dW's diagonal blocks, dY_d^T X_d for each block d as one batched product, as tiles."""
+    nblocks = values.shape[0] // diagrows
+    dy3 = dy2.reshape(-1, nblocks, dy2.shape[-1] // nblocks).permute(1, 2, 0)  # [nblocks, n, M]
+    x3 = x2.reshape(-1, nblocks, x2.shape[-1] // nblocks).transpose(0, 1)      # [nblocks, M, k]
+    return diag.tile(torch.bmm(dy3, x3), tuple(values.shape[2:]))
+
+
+BDIAG_DDS = gathered.FixedRowsProduct("bdiag_dds", reference, dense_weight, transposed=transposed,
+                                      weight_grad=weight_grad)
 LOWERINGS = (BDIAG_DDS.lowering,)
 
 
