@@ -25,9 +25,11 @@
 // quantization pass and a product (a compiled decode step is host-bound: each launch costs
 // about as much host time as the GPU time of both). Every block first finds its tokens'
 // scales over the whole of K (sg_quantize.cuh's arithmetic, while the first stages' copies
-// of W fly); per stage TMA copies X's 16-bit box beside the stage, and the producer
-// warpgroup writes its bytes into the stage's X buffer in the layout TMA's 128-byte swizzle
-// gives, before it marks the stage full.
+// of W fly); per stage TMA copies X's 16-bit box beside the stage, and one of the producer
+// warpgroup's warps 1-3 writes its bytes into the stage's X buffer in the layout TMA's
+// 128-byte swizzle gives, before it marks the stage full. Every block reading all of X makes
+// this variant cost more GPU time than the two kernels (tools/probe_quantizing.py): it is
+// for a few tokens outside CUDA graphs (semi24/ops.py's quantizes_in_product).
 #pragma once
 #include "sg_wgmma.cuh"
 #include "sg_split_k.cuh"
