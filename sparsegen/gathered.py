@@ -26,6 +26,7 @@ from torch import nn
 
 from .launch import calls, dense_path, lean, plans, runtime
 from . import checkpoint
+from .errors import SpecError, expect
 from .jit import epilogues, gathered_specs, registry
 from .layer import SparseLinearForward, dense_linear
 
@@ -68,22 +69,23 @@ _PRODUCTS: dict[str, "FixedRowsProduct"] = {}  # by op: what _KitLinear calls, f
 class FixedRowsProduct:
     """epilogue(X W^T + b) for the registered fixed-rows op `op`; `reference(x, values, bias,
     *rest)` is its PyTorch definition (differentiable, traceable); `dense_weight(values,
-    in_features, *the op's arguments after bias, up to out_features)` W as a dense tensor (the
-    dense path's copy, and the training backward's). Optional, for the training backward:
-    `stored_blocks(dense, block, *the same)` the blocks of a dense [N, K] tensor at the stored
-    positions, values' shape (dW from dY^T X); `transposed(values, in_features, *the same)`
-    W^T in the layout's own form, (its values, its op's arguments after bias up to
-    out_features), so that dX = dY W runs this product's kernel; `weight_grad(dy2, x2, values,
-    *the same)` dW at the stored blocks computed directly (no dense [N, K] product)."""
+    in_features, *the op's arguments after bias, up to out_features)` W as a dense tensor, for
+    tiles of any size (the dense path's copy; the training backward runs it over 1 x 1 tiles
+    to learn where the blocks sit). Optional, for the training backward: `transposed(values,
+    in_features, *the same)` W^T in the layout's own form, (its values, its op's arguments
+    after bias up to out_features), so that dX = dY W runs this product's kernel;
+    `weight_grad(dy2, x2, values, *the same)` dW at the stored blocks computed the layout's way
+    (else the kit's sampled dY^T X kernel)."""
 
     def __init__(self, op: str, reference: Callable, dense_weight: Callable | None = None,
-                 stored_blocks: Callable | None = None, transposed: Callable | None = None,
-                 weight_grad: Callable | None = None):
-        self.op, self.reference, self.dense_weight, self.stored_blocks = op, reference, dense_weight, stored_blocks
+                 transposed: Callable | None = None, weight_grad: Callable | None = None):
+        self.op, self.reference, self.dense_weight = op, reference, dense_weight
         self.transposed, self.weight_grad = transposed, weight_grad
+        # (found now: a compiled backward cannot trace the import that finds it)
+        self.sampled_weight_grad = None if weight_grad else registry.kit_kernel("sampled_weight_grad")
         _PRODUCTS[op] = self
         self.args = registry.op_rules(op).args
-        self._plans = plans.PlanCache()
+        self._plans, self._positions = plans.PlanCache(), plans.PlanCache()
         self.overload = calls.define_product(op, self.any_device)
         self.lowering = registry.Lowering(op, self.into)
 
@@ -137,6 +139,17 @@ class FixedRowsProduct:
             plan.run(x, values, bias, out)
         else:
             out.copy_(self.overload(x, values, bias, *rest))
+
+    def positions(self, values, in_features: int, rest: tuple) -> torch.Tensor:
+        """Where each stored block sits in W's block grid (r * K / bk + c), in values' order:
+        kept per index tensor and shape in eager calls, computed in a compiled backward."""
+        if torch.compiler.is_compiling():
+            return block_positions(self.dense_weight, values, in_features, rest)
+        index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
+        signature = (tuple(values.shape), values.device, in_features, index is not None and index._version,
+                     *(r for r in rest if not isinstance(r, torch.Tensor)))
+        return self._positions.get(_NO_INDEX if index is None else index, signature,
+                                   lambda: block_positions(self.dense_weight, values, in_features, rest))
 
     def _call(self, rest: tuple) -> Call:
         index, rest = (rest[0], rest[1:]) if len(self.args.tensors) > 3 else (None, rest)
@@ -194,8 +207,8 @@ class _KitLinear(torch.autograd.Function):
     kernel on the GPU, as inference runs it). The backward, which torch.compile traces with
     the rest: dX = dY W by the product over W^T where the layout gives `transposed` (its
     kernel again), else PyTorch's on W as dense_weight gives it; dW at the stored blocks only,
-    by the layout's `weight_grad` where it has one, else the transpose of dense_weight (a
-    linear map of values) applied to dY^T X."""
+    by the layout's `weight_grad` where it has one, else the kit's sampled kernel (block-CSR's
+    sdd, lent through registry.kit_kernel) at the places block_positions finds."""
 
     @staticmethod
     def forward(ctx, x, values, bias, op: str, *rest):
@@ -225,22 +238,29 @@ def _input_grad(product: "FixedRowsProduct", dy, values, in_features: int, rest:
 
 
 def _values_grad(product: "FixedRowsProduct", dy2, x2, values, rest: tuple):
-    """dW at the stored blocks, values' shape: the layout's weight_grad, else dY^T X mapped back."""
+    """dW at the stored blocks, values' shape: the layout's weight_grad, else the kit's sampled
+    dY^T X at the blocks' places in the grid."""
     if product.weight_grad is not None:
         return product.weight_grad(dy2, x2, values, *rest)
-    _, transposed = _weight_and_transpose(product, values, x2.shape[-1], rest)
-    return transposed(dy2.t() @ x2)
+    positions = product.positions(values, x2.shape[-1], rest)
+    return product.sampled_weight_grad(dy2, x2, positions, tuple(values.shape[2:])).reshape(values.shape)
 
 
-def _weight_and_transpose(product: "FixedRowsProduct", values, in_features: int, rest: tuple):
-    """(W as dense_weight gives it, the map from a dense [N, K] gradient to values' one): the
-    layout's stored_blocks where it has one, else dense_weight's transpose by torch.func.vjp
-    (several times stored_blocks' host time per call: a gather)."""
-    if product.stored_blocks is not None:
-        block = tuple(values.shape[2:])
-        return product.dense_weight(values, in_features, *rest), lambda dense: product.stored_blocks(dense, block, *rest)
-    weight, transposed = torch.func.vjp(lambda v: product.dense_weight(v, in_features, *rest), values)
-    return weight, lambda dense: transposed(dense)[0]
+def block_positions(dense_weight: Callable, values, in_features: int, rest: tuple) -> torch.Tensor:
+    """The stored blocks' row-major places in W's block grid, in values' order: the layout's
+    dense_weight over 1 x 1 tiles numbered 1, 2, ... puts each number at its block's place,
+    and a sort of the grid finds them (a static shape: a compiled backward traces it)."""
+    rows, rowblocks, bm, bk = values.shape
+    count = rows * rowblocks
+    numbers = torch.arange(1, count + 1, dtype=torch.float64, device=values.device).reshape(rows, rowblocks, 1, 1)
+    grid = dense_weight(numbers, in_features // bk, *rest[:-1], rest[-1] // bm)
+    shape = (rest[-1] // bm, in_features // bk)
+    expect(tuple(grid.shape) == shape, f"dense_weight over 1 x 1 tiles to give the block grid {shape} (the kit "
+           "finds the blocks' places by it: read bm and bk from the values' shape)", tuple(grid.shape), SpecError)
+    if not torch.compiler.is_compiling():  # (once per layer shape: one look at the device)
+        placed = int(torch.count_nonzero(grid))
+        expect(placed == count, f"dense_weight to place each of the {count} blocks once", f"{placed} places", SpecError)
+    return torch.argsort(grid.flatten(), stable=True)[-count:]
 
 
 def _with_saved(rest: tuple, tensors: list) -> tuple:
@@ -283,6 +303,20 @@ class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, ch
             return product.reference(x, values, bias, *self.op_args(), self.out_features)
         return _KitLinear.apply(x, values, bias, product.op, *self.op_args(), self.out_features)
 
+    @torch.no_grad()
+    def copy_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "FixedRowsLinear":
+        """Keep, of a dense [out_features, in_features] weight, the blocks this layer stores (at
+        block_positions' places), and the bias where both have one."""
+        expect(tuple(weight.shape) == (self.out_features, self.in_features),
+               f"a weight of shape {(self.out_features, self.in_features)}", tuple(weight.shape))
+        bm, bk = self.values.shape[2:]
+        positions = self.PRODUCT.positions(self.values, self.in_features, (*self.op_args(), self.out_features))
+        blocks = weight.reshape(self.out_features // bm, bm, -1, bk).transpose(1, 2).reshape(-1, bm, bk)
+        self.values.copy_(blocks[positions.to(weight.device)].reshape(self.values.shape))
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+        return self
+
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
         calls.check_inputs(x, values, bias, self.in_features)
         plan = self.PRODUCT.lean_plan(x, values, *self.op_args(), self.out_features, self.epilogue)
@@ -295,3 +329,16 @@ class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, ch
         """A dense nn.Linear with this layer's weights (zeros where blocks are absent), then the
         epilogue where one is fused."""
         return self._dense_twin(dense_linear(self.to_dense_weight().detach(), self.bias))
+
+
+def face_patch(build: Callable) -> Callable:
+    """A registry.Face's `patch` for a kit layout: the layer `build` makes for a linear's shape
+    (a rule's settings, but its sparsity, as the arguments given), with the linear's weights at
+    the stored blocks (FixedRowsLinear.copy_dense) where from_dense."""
+    def patch(linear: nn.Linear, settings: dict, from_dense: bool) -> FixedRowsLinear:
+        weight = linear.weight
+        given = {key: value for key, value in settings.items() if key != "sparsity"}
+        layer = build(linear.in_features, linear.out_features, linear.bias is not None, weight.device, weight.dtype,
+                      given)
+        return layer.copy_dense(weight, linear.bias) if from_dense else layer
+    return patch

@@ -83,6 +83,25 @@ def test_gradients_reach_only_the_stored_blocks():
     assert torch.allclose(layer.values.grad, ell.gather_values(weight.grad, layer.cols, (16, 16)))
 
 
+def test_the_kit_finds_each_stored_block_where_the_index_puts_it():
+    """The training backward's dW lands on block_positions' places: r * K / bk + cols[r, j]."""
+    layer = BlockEllLinear(160, 96, block=(16, 32), per_row=3)
+    rest = (*layer.op_args(), layer.out_features)
+    positions = layer.PRODUCT.positions(layer.values, layer.in_features, rest)
+    rows = torch.arange(layer.values.shape[0])[:, None]
+    assert torch.equal(positions, (rows * 5 + layer.cols.long()).flatten())
+    assert layer.PRODUCT.positions(layer.values, layer.in_features, rest) is positions  # kept per layer
+
+
+def test_a_dense_weight_blind_to_the_tile_size_is_refused_before_training():
+    from sparsegen import gathered
+    layer = BlockEllLinear(64, 32, block=(16, 16), per_row=2)
+    def blind(values, in_features, cols, rowblocks, out_features):  # rows of 16 whatever the tiles
+        return values.new_zeros(values.shape[0] * 16, in_features)
+    with pytest.raises(SpecError, match="dense_weight over 1 x 1 tiles to give the block grid"):
+        gathered.block_positions(blind, layer.values, 64, (layer.cols, 2, 32))
+
+
 def test_from_dense_and_to_linear_agree():
     linear = torch.nn.Linear(128, 64).double()
     layer = BlockEllLinear.from_dense(linear, block=(32, 32), per_row=2)

@@ -1,7 +1,8 @@
 """docs/adding-a-layout.md, followed to the letter: its code blocks, written where their
 info strings say into a copy of the package, plus the registry line it asks for, make a layout
 that renders, compiles (NVRTC, no GPU), precompiles, is built by sparsegen.linear through its
-face, and runs a CPU forward and backward equal to float64 math written out here; a broken template makes `sparsegen show` print the NVRTC log.
+face, runs a CPU forward and backward equal to float64 math written out here, takes patch
+rules and trains compiled; a broken template makes `sparsegen show` print the NVRTC log.
 Everything runs in a subprocess that imports the copy, not the checkout."""
 import os
 import re
@@ -98,6 +99,64 @@ print("ok")
     tuned = run(copy, "-m", "sparsegen", "tune", "--quick", "--layout", "band", "--out", str(copy / "band.json"))
     assert "layouts among" not in tuned.stderr and ("needs a CUDA GPU" in tuned.stderr or tuned.returncode == 0), \
         tuned.stderr
+
+
+def test_patch_rules_and_compiled_training_reach_the_tutorial_layout(copy):
+    """The band's face takes patch rules (the kit's face_patch keeps the dense weights at its
+    blocks), and a compiled fullgraph training step gives eager's gradients."""
+    script = r'''
+import torch, sparsegen
+from sparsegen.band.nn import BandLinear
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+dense = [m.weight.detach().clone() for m in (model[0], model[2])]
+names = sparsegen.patch(model, {r"0|2": {"sparsity": "block-band", "block": (32, 32), "rowblocks": 2}}, fuse=False)
+assert names == ["0", "2"] and all(type(model[i]) is BandLinear for i in (0, 2)), model
+for layer, weight in zip((model[0], model[2]), dense):
+    kept = layer.to_dense_weight().detach()
+    assert torch.equal(kept[kept != 0], weight[kept != 0]), "from_dense keeps the weights at the band"
+x = torch.randn(5, 256, requires_grad=True)
+grads = []
+for run in (model, torch.compile(model, fullgraph=True)):
+    run(x).square().sum().backward()
+    grads.append([t.grad.clone() for t in (x, model[0].values, model[2].values)])
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+for eager, compiled in zip(*grads):
+    torch.testing.assert_close(compiled, eager)
+print("ok")
+'''
+    done = run(copy, "-c", script)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.gpu
+def test_the_tutorial_layout_trains_on_its_kernels_on_the_gpu(copy):
+    """On the GPU the band's forward is its generated kernel and dW the kit's sampled kernel,
+    a row's blocks wrapping past the last column (not in column order): outputs and gradients,
+    eager and compiled, against float64."""
+    script = r'''
+import torch, sparsegen
+from sparsegen.band import ops
+torch.manual_seed(0)
+layer = sparsegen.linear(512, 384, sparsity="block-band", block=(64, 64), rowblocks=3, device="cuda",
+                         dtype=torch.bfloat16)
+x = torch.randn(333, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(333, 384, device="cuda", dtype=torch.bfloat16)
+x64, v64 = x.detach().double().requires_grad_(), layer.values.detach().double().requires_grad_()
+want = ops.reference(x64, v64, layer.bias.detach().double(), 3, 8, 384)
+want.backward(dy.double())
+error = lambda got, ref: ((got.double() - ref).norm() / ref.norm()).item()
+for run in (layer, torch.compile(layer, fullgraph=True)):
+    y = run(x)
+    y.backward(dy)
+    errors = error(y.detach(), want.detach()), error(x.grad, x64.grad), error(layer.values.grad, v64.grad)
+    assert max(errors) < 2e-2, errors
+    x.grad = layer.values.grad = layer.bias.grad = None
+print("ok")
+'''
+    done = run(copy, "-c", script)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_a_broken_template_shows_the_nvrtc_log(copy, tmp_path):

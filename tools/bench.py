@@ -325,7 +325,8 @@ def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16,
     tuning = tune.TUNINGS[key]
     table = Table("Block-sparse layers", f"The {key} layout (its face's tuning points) against dense, bf16",
                   [("M, K, N", ""), ("block", ""), ("density", ".3g"), ("dense ms", ".3f"), ("sparse ms", ".3f"),
-                   ("speedup", "x"), ("train dense ms", ".3f"), ("train sparse ms", ".3f"), ("train speedup", "x")])
+                   ("speedup", "x"), ("train dense ms", ".3f"), ("train sparse ms", ".3f"), ("train speedup", "x"),
+                   ("train, dW dense + gather ms", ".3f"), ("sampled dW gain", "x")])
     for (m, k, n), (block, density) in itertools.product(shapes, tuning.points):
         if not tuning.fits(n, k, block, density):
             continue
@@ -335,10 +336,29 @@ def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16,
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             forward = interleaved(*(lambda f=f: median_ms(lambda: f(x)) for f in (dense, layer)))
-        train = interleaved(*(lambda f=f: median_ms(lambda: f(x).backward(dy)) for f in (dense, layer)))
+        runs = [lambda f=f: median_ms(lambda: f(x).backward(dy)) for f in (dense, layer)]
+        product = getattr(layer, "PRODUCT", None)
+        if getattr(product, "sampled_weight_grad", None) is not None:  # the kit's dW: also as it was before
+            runs.append(lambda: with_dense_weight_grad(product, lambda: median_ms(lambda: layer(x).backward(dy))))
+        train = interleaved(*runs) + [None] * (3 - len(runs))
         table.add(f"{m}, {k}, {n}", f"{block[0]}x{block[1]}", layer.density if hasattr(layer, "density") else density,
-                  *forward, forward[0] / forward[1], *train, train[0] / train[1])
+                  *forward, forward[0] / forward[1], *train[:2], train[0] / train[1], train[2],
+                  train[2] / train[1] if train[2] else None)
     return table
+
+
+def with_dense_weight_grad(product, timed):
+    """timed() with the kit's dW taken as before its sampled kernel: the dense dY^T X (cuBLAS),
+    then the stored blocks gathered from it."""
+    def dense_then_gathered(dy2, x2, positions, block):
+        full = dy2.t() @ x2
+        blocks = full.reshape(full.shape[0] // block[0], block[0], -1, block[1]).transpose(1, 2)
+        return blocks.reshape(-1, *block)[positions]
+    kept, product.sampled_weight_grad = product.sampled_weight_grad, dense_then_gathered
+    try:
+        return timed()
+    finally:
+        product.sampled_weight_grad = kept
 
 
 def main(argv=None) -> None:

@@ -272,7 +272,7 @@ def cases(names: list[str], device, smoke: bool) -> list[Case]:
               "gpt2_train": lambda: gpt2_train_case(device, smoke)}
     eight_b = dict(config=llama8b_config(smoke), label="Llama-3-8B-shaped (4 layers)", variants=BYTE_VARIANTS)
     makers["llama8b_prefill"] = lambda: llama_prefill_case(device, bf16, smoke, **eight_b)
-    for batch in (1, 8, 64):
+    for batch in (1, 8, 32, 64):
         makers[f"llama8b_decode{batch}"] = lambda b=batch: llama_decode_case(b, device, bf16, smoke, **eight_b)
     for kilotokens in (8, 32):
         for ckpt in ("", "_ckpt"):

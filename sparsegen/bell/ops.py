@@ -14,18 +14,13 @@ def dense_weight(values, in_features: int, cols, rowblocks: int, out_features: i
     return ell.to_dense(values, cols, (out_features, in_features))
 
 
-def stored_blocks(dense, block, cols, rowblocks: int, out_features: int):
-    """The blocks of a dense [N, K] tensor at the stored positions (dense_weight's transpose)."""
-    return ell.gather_values(dense, cols, block)
-
-
 def reference(x, values, bias, cols, rowblocks: int, out_features: int, epilogue: str = "none"):
     """Pure PyTorch: the dense weight, F.linear, the epilogue (differentiable, traceable)."""
     weight = dense_weight(values, x.shape[-1], cols, rowblocks, out_features)
     return epilogues.reference(F.linear(x, weight, bias), epilogue)
 
 
-BELL_DDS = gathered.FixedRowsProduct("bell_dds", reference, dense_weight, stored_blocks)
+BELL_DDS = gathered.FixedRowsProduct("bell_dds", reference, dense_weight)
 LOWERINGS = (BELL_DDS.lowering,)
 
 

@@ -58,7 +58,7 @@ def _gradients(ctx, dy):
               else ops.input_grad(dy, values, t_perm, *index, (bk, bm), x.shape[-1]))
     if need[1]:
         x2 = x.reshape(-1, x.shape[-1])
-        dvalues = ops.bsr_sdd_op(dy2, x2, flat_index, bm, bk) if traced else ops.weight_grad(dy2, x2, flat_index, (bm, bk))
+        dvalues = ops.sampled_weight_grad(dy2, x2, flat_index, (bm, bk))
     if ctx.has_bias and need[2]:
         dbias = dy2.sum(0)
     return dx, dvalues, dbias

@@ -282,3 +282,15 @@ def _bsr_sdd_impl(dy2, x2, flat_index, block_rows, block_cols):
 bsr_sdd_op = library.define(
     "bsr_sdd(Tensor dy2, Tensor x2, Tensor flat_index, int block_rows, int block_cols) -> Tensor",
     _bsr_sdd_impl, lambda dy2, x2, flat_index, rows, cols: dy2.new_empty((flat_index.shape[0], rows, cols)))
+
+
+def sampled_weight_grad(dy2, x2, flat_index, block) -> torch.Tensor:
+    """dY^T X at the stored blocks flat_index names: the op inside a compiled graph, else
+    weight_grad (the kernel, or a dense GEMM and a gather)."""
+    if torch.compiler.is_compiling():
+        return bsr_sdd_op(dy2, x2, flat_index, *block)
+    return weight_grad(dy2, x2, flat_index, block)
+
+
+# What the layout kit borrows (registry.kit_kernel): every fixed-rows layout's dW.
+KIT_KERNELS = {"sampled_weight_grad": sampled_weight_grad}

@@ -263,4 +263,4 @@ registry.register(registry.Layout("bsr", (
                          ("x", "values", "bias", "row_offsets", "col_indices", "flat_index"), ("block_rows", "block_cols"))),
     registry.OpRules("bsr_sdd", "bsr/bsr_sdd.cu.j2", _validate_sdd, _sdd_smem, trans=("tn",)),
     registry.OpRules("bsr_scatter", "bsr/bsr_scatter.cu.j2", _validate_scatter, _no_smem, tensor_cores=False),
-), default_specs, Path(__file__).parent, lowerings_module="compiled", faces_module="face"))
+), default_specs, Path(__file__).parent, lowerings_module="compiled", faces_module="face", kit_module="ops"))

@@ -167,6 +167,7 @@ class Layout:
     package_dir: Path                               # its Python, hashed with the templates (cache aliases)
     lowerings_module: str | None = None             # a module of it with LOWERINGS (Lowering, ...): compiled graphs
     faces_module: str | None = None                 # a module of it with FACES (Face, ...): sparsegen.linear
+    kit_module: str | None = None                   # a module of it with KIT_KERNELS {role: function}: kit_kernel
 
 
 _REGISTERED: dict[str, Layout] = {}
@@ -216,6 +217,20 @@ def faces() -> tuple[Face, ...]:
     modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.faces_module}")
                for layout in layouts() if layout.faces_module]
     return tuple(face for module in modules for face in module.FACES)
+
+
+def kit_kernel(role: str) -> Callable:
+    """The function a layout lends the layout kit under `role` (its module's KIT_KERNELS), so
+    that the kit calls a kernel without naming the layout it comes from. Roles:
+    "sampled_weight_grad" (dy2 [M, N], x2 [M, K], flat_index, block) -> [len(flat_index), bm, bk],
+    dY^T X at the stored blocks whose row-major places in W's block grid flat_index lists
+    (block rows in order), differentiable by no one, under torch.compile as on any device."""
+    for layout in layouts():
+        if layout.kit_module:
+            lent = importlib.import_module(f"sparsegen.{layout.name}.{layout.kit_module}").KIT_KERNELS
+            if role in lent:
+                return lent[role]
+    raise SpecError(f"Expected a layout lending the kit kernel {role!r}. Got none among {LAYOUTS}.")
 
 
 def _load() -> None:
