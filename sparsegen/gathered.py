@@ -84,7 +84,8 @@ class FixedRowsProduct:
         # (found now: a compiled backward cannot trace the import that finds it)
         self.sampled_weight_grad = None if weight_grad else registry.kit_kernel("sampled_weight_grad")
         _PRODUCTS[op] = self
-        self.args = registry.op_rules(op).args
+        rules = registry.op_rules(op)
+        self.args, self._compiled_in = rules.args, {p.name for p in rules.params}
         self._plans, self._positions = plans.PlanCache(), plans.PlanCache()
         self.overload = calls.define_product(op, self.any_device)
         self.lowering = registry.Lowering(op, self.into)
@@ -182,15 +183,19 @@ class FixedRowsProduct:
 
     def _plan(self, x2, values, call: Call, tile=None, instr=None, acc="f32") -> FixedRowsPlan:
         (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape
-        params = tuple(zip(self.args.ints, call.params))
-        kern = forward_kernel(self.op, (bm, bk), x2.dtype, x2.device.index or 0, params,
+        named = tuple(zip(self.args.ints, call.params))
+        compiled_in = tuple(pair for pair in named if pair[0] in self._compiled_in)
+        at_launch = tuple(value for name, value in named if name not in self._compiled_in)
+        expect(all(0 < value < 2 ** 31 for value in at_launch), f"{self.op}'s parameters as positive int32s",
+               dict(named))  # (they reach the kernel unchecked by any spec)
+        kern = forward_kernel(self.op, (bm, bk), x2.dtype, x2.device.index or 0, compiled_in,
                               m <= gathered_specs.SMALL_ROWS, call.epilogue, tile, instr, acc)
         spec, stored_rows = kern.spec, rows * rowblocks * bm  # W's stored blocks as rows of a [*, bk] matrix
         maps = () if spec.instr == "mma" else (
             (x2.dtype, m, k, spec.tile.tile_m, min(bk, 64)), (values.dtype, stored_rows, bk, bm, min(bk, 64)))
         index_at = 0 if call.index is None else call.index.data_ptr()
         pointers = (0,) * (2 - len(maps)) + (index_at, 0, 0)
-        ints = (m, k, rows * bm) + (() if spec.instr == "mma" else (stored_rows,))
+        ints = (m, k, rows * bm) + (() if spec.instr == "mma" else (stored_rows,)) + at_launch
         launch = runtime.PackedLaunch(kern, _grid(kern, m, rows), maps, pointers, ints)
         return FixedRowsPlan(launch, epilogues.output_features(call.epilogue, rows * bm))
 

@@ -142,19 +142,17 @@ def test_checkpoint_round_trip_and_a_bad_index_is_refused_whole():
     assert torch.equal(other.values, before)  # nothing was copied
 
 
-def test_rowblocks_is_a_spec_parameter_in_name_key_and_source():
-    spec = bell_specs.forward_spec((32, 32), "bf16", 80, rowblocks=8)
-    assert spec.name.endswith("_xrowblocks8")
-    assert specmod.KernelSpec.from_name(spec.name) == spec
-    other = bell_specs.forward_spec((32, 32), "bf16", 80, rowblocks=9)
-    assert other.key != spec.key
+def test_rowblocks_reaches_the_kernel_at_launch_so_one_kernel_serves_every_row_count():
+    spec = bell_specs.forward_spec((32, 32), "bf16", 80)
+    assert "_xrowblocks" not in spec.name and specmod.KernelSpec.from_name(spec.name) == spec
     source = codegen.render(spec)
-    assert "return r * 8;" in source and "count(int) { return 8; }" in source
+    assert "int rowblocks;" in source and "return r * rowblocks;" in source and "return rowblocks;" in source
+    assert "int M, int K, int N, int rowblocks)" in source and "Rows{rowblocks}" in source
     assert "return sg::indexed_col(cols, first, blk);" in source and "sg::GatheredDds<" in source
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(params={"rowblocks": 0}), r"rowblocks in \[1, 4096\]"),
+    (dict(params={"rowblocks": 4}), r"parameters of bell_dds among \(\)"),
     (dict(instr="tma", arch=80), "sm_90"),
     (dict(instr="swap"), "instr one of"),
     (dict(dtype="int8"), "dtype one of"),
@@ -162,7 +160,7 @@ def test_rowblocks_is_a_spec_parameter_in_name_key_and_source():
 ])
 def test_bad_specs_are_spec_errors(change, message):
     base = dict(op="bell_dds", block=(32, 32), dtype="bf16", arch=90, instr="mma",
-                tile=specmod.TileConfig(128, 4, 1, 3), params={"rowblocks": 4})
+                tile=specmod.TileConfig(128, 4, 1, 3))
     with pytest.raises(SpecError, match=message):
         specmod.KernelSpec(**(base | change))
 
@@ -171,4 +169,4 @@ def test_precompile_builds_bell_kernels_for_hopper_and_ampere():
     for arch, instrs in ((90, {"pingpong"}), (80, {"mma"})):
         built = [s for s in specmod.default_specs(arch) if s.op == "bell_dds"]
         assert built and {s.instr for s in built} == instrs
-        assert {s.param_values["rowblocks"] for s in built} == set(bell_specs.PRECOMPILED_ROWBLOCKS)
+        assert {s.block for s in built} == set(bell_specs.PRECOMPILED_BLOCKS) and not any(s.params for s in built)

@@ -49,9 +49,9 @@ OTHER_GOLDEN = [
     KernelSpec(op="sp24_mask", block=(16, 32), dtype="fp16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="sp24_expand", block=(16, 32), dtype="bf16", trans="nt", arch=90, tile=TileConfig(64, 4, 2, 2)),
     KernelSpec(op="bsr_scatter", block=(16, 32), dtype="bf16", trans="nt", arch=80, tile=TileConfig(64, 4, 2, 2)),
-    KernelSpec(op="bell_dds", block=(32, 64), dtype="fp16", arch=80, tile=TileConfig(128, 4, 1, 4), params={"rowblocks": 6}),
+    KernelSpec(op="bell_dds", block=(32, 64), dtype="fp16", arch=80, tile=TileConfig(128, 4, 1, 4)),
     KernelSpec(op="bell_dds", block=(64, 64), dtype="bf16", arch=90, tile=TileConfig(256, 8, 1, 4), instr="pingpong",
-               epilogue="gelu", params={"rowblocks": 16}),
+               epilogue="gelu"),
 ]
 
 

@@ -26,7 +26,7 @@ EXTRA_SPECS = [
 ]
 # fp16 accumulators (spec.ACCS): both layouts' mma.sync kernels, plain and gated stores.
 ACC_SPECS = [forward_spec(b, "fp16", arch, acc="f16", epilogue=e) for arch in (80, 90) for b in ((64, 64), (128, 128))
-             for e in ("none", "swiglu")] + [ell_forward_spec((32, 32), "fp16", 90, 8, acc="f16")]
+             for e in ("none", "swiglu")] + [ell_forward_spec((32, 32), "fp16", 90, acc="f16")]
 
 
 def find_tool(name: str) -> str | None:

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from sparsegen.jit import cache, codegen, registry
+from sparsegen.jit import cache, codegen, gathered_specs, registry
 from sparsegen.errors import SpecError
 from sparsegen.jit.spec import THREADS_256, KernelSpec
 
@@ -85,3 +85,42 @@ def test_ops_without_parameters_keep_their_names_and_keys():
     spec = KernelSpec(op="bsr_dds", block=(64, 64), dtype="bf16", arch=80)
     assert spec.params == () and "_x" not in spec.name
     assert spec.key == KernelSpec(op="bsr_dds", block=(64, 64), dtype="bf16", arch=80, params={}).key
+
+
+KIT_TEMPLATE = """// {{ name }}
+{%- import "common/sg_fixed_rows.j2" as kit with context %}
+{{ kit.product("(r + blk) % " ~ gridcols) }}
+"""
+
+
+@pytest.fixture
+def kit_op(monkeypatch, tmp_path):
+    """A fixed-rows op through the kit whose `gridcols` is compiled in, rowblocks at launch."""
+    registry.ops()
+    rules = gathered_specs.product_rules("wrap_dds", "wrap/wrap_dds.cu.j2", params=(registry.Param("gridcols", 1),),
+                                         compile_time=("gridcols",))
+    monkeypatch.setitem(registry._OPS, rules.op, rules)
+    copy = tmp_path / "templates"
+    shutil.copytree(codegen.templates_dir(), copy)
+    (copy / "wrap").mkdir()
+    (copy / rules.template).write_text(KIT_TEMPLATE)
+    monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
+    codegen._environment.cache_clear()
+    yield rules
+    codegen._environment.cache_clear()
+
+
+def test_the_kit_passes_parameters_at_launch_unless_compiled_in(kit_op):
+    assert [p.name for p in kit_op.params] == ["gridcols"] and [p.name for p in kit_op.run_params] == ["rowblocks"]
+    assert kit_op.args.ints == ("rowblocks", "gridcols")  # the op's schema keeps every parameter, in order
+    spec = gathered_specs.forward_spec("wrap_dds", (64, 64), "bf16", 80, {"rowblocks": 3, "gridcols": 12})
+    assert spec.name.endswith("_xgridcols12") and "rowblocks" not in spec.name
+    source = codegen.render(spec)
+    assert "return (r + blk) % 12;" in source and "return r * rowblocks;" in source
+    assert "int M, int K, int N, int rowblocks)" in source and "Rows{rowblocks}" in source
+    assert cache.build(spec).cubin[:4] == b"\x7fELF"
+
+
+def test_compile_time_names_only_declared_parameters():
+    with pytest.raises(SpecError, match=r"compile_time among the parameters \('rowblocks',\)"):
+        gathered_specs.product_rules("wrap_dds", "wrap/wrap_dds.cu.j2", compile_time=("gridcols",))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL = "band_dds_b64x64_bf16_nt_sm90a_pingpong_t256w8x1s5_xrowblocks4_xgridcols16"
+KERNEL = "band_dds_b64x64_bf16_nt_sm90a_pingpong_t256w8x1s5"
 
 
 def tutorial_files() -> dict[str, str]:
@@ -50,14 +50,16 @@ def test_the_tutorial_names_its_files():
 def test_show_renders_and_compiles_the_tutorial_kernel(copy):
     done = run(copy, "-m", "sparsegen", "show", KERNEL)
     assert done.returncode == 0, done.stderr
-    assert "(r + blk) % 16" in done.stdout and "compiled for sm_90a" in done.stderr
+    assert "(r + blk) % gridcols" in done.stdout and "compiled for sm_90a" in done.stderr
+    assert "int M, int K, int N, int w_rows, int rowblocks, int gridcols)" in done.stdout
 
 
 def test_the_layouts_own_check_refuses_a_spec_by_name(copy):
-    """The tutorial's `check` runs after the kit's: a band wider than the grid is refused."""
-    done = run(copy, "-m", "sparsegen", "show", KERNEL.replace("xrowblocks4", "xrowblocks32"))
+    """The tutorial's `check` runs after the kit's: a band of oblong blocks is refused."""
+    done = run(copy, "-m", "sparsegen", "show", KERNEL.replace("b64x64", "b64x32"))
     assert done.returncode != 0
-    assert "Expected rowblocks <= gridcols (a band wraps once). Got 32 > 16." in done.stderr, done.stderr
+    assert "Expected square blocks (a band steps one block down, one across). Got (64, 32)." in done.stderr, \
+        done.stderr
 
 
 def test_precompile_builds_it_and_layer_matches_float64(copy):

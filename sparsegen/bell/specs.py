@@ -1,5 +1,6 @@
 """Block-ELL kernels: the layout kit's forward op (gathered_specs.py) reading each block's
-column from the index `cols`, and the set precompile builds."""
+column from the index `cols` (rowblocks, the blocks a row keeps, passed at launch: one kernel
+serves every layer of a block size), and the set precompile builds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,20 +8,18 @@ from pathlib import Path
 from ..jit import gathered_specs, registry
 from ..jit.spec import KernelSpec, TileConfig
 
-PRECOMPILED_ROWBLOCKS = (8, 16)
 PRECOMPILED_BLOCKS = ((32, 32), (64, 64))
 
 
-def forward_spec(block, dtype: str, arch: int, rowblocks: int, rows: int | None = None, epilogue: str = "none",
+def forward_spec(block, dtype: str, arch: int, rows: int | None = None, epilogue: str = "none",
                  tile: TileConfig | None = None, instr: str | None = None, acc: str = "f32") -> KernelSpec:
-    return gathered_specs.forward_spec("bell_dds", block, dtype, arch, {"rowblocks": rowblocks}, rows, epilogue,
-                                       tile, instr, acc)
+    return gathered_specs.forward_spec("bell_dds", block, dtype, arch, {}, rows, epilogue, tile, instr, acc)
 
 
 def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
-    """A few common shapes: a layer with another rowblocks compiles its kernel on first use."""
-    return [forward_spec(b, d, arch, r, rows) for d in dtypes if d in ("bf16", "fp16")
-            for b in (blocks or PRECOMPILED_BLOCKS) for r in PRECOMPILED_ROWBLOCKS for rows in (None, 1)]
+    """Every layer of these block sizes, large batches and small."""
+    return [forward_spec(b, d, arch, rows) for d in dtypes if d in ("bf16", "fp16")
+            for b in (blocks or PRECOMPILED_BLOCKS) for rows in (None, 1)]
 
 
 registry.register(registry.Layout("bell", (

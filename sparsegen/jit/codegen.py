@@ -39,13 +39,15 @@ def _environment():
 
 def template_context(spec: KernelSpec) -> dict:
     """Everything a template may use: the spec's fields, flattened, plus derived names, plus
-    what the op's layout adds (registry.OpRules.context)."""
+    what the op's layout adds (registry.OpRules.context). A run-time parameter (OpRules.
+    run_params) renders as its own name: the kernel's argument of that name holds it."""
     t = spec.tile
     return dict(name=spec.name, op=spec.op, dtype=spec.dtype, arch=spec.arch, trans=spec.trans,
                 bm=spec.block[0], bk=spec.block[1], mma=mma_type(spec), acc=spec.acc, elem=ELEM_TYPES[spec.dtype],
                 tile_m=t.tile_m, warps_m=t.warps_m, warps_n=t.warps_n, stages=t.stages, cluster=t.cluster,
                 threads=spec.threads, instr=spec.instr, ptx_type=_PTX_TYPE[spec.dtype], epilogue=spec.epilogue,
                 epi=epilogues.device_struct(spec.epilogue), params=spec.param_values, **spec.param_values,
+                run_params=[p.name for p in spec.rules.run_params], **{p.name: p.name for p in spec.rules.run_params},
                 **spec.rules.context(spec))
 
 

@@ -1,8 +1,8 @@
 """The layout kit, kernel side: what every fixed-rows layout's forward op says of its kernels.
 
 A fixed-rows layout stores W [N, K] as N / bm block rows that each keep the same number of
-[bm, bk] blocks, `rowblocks` (a spec parameter, so a row's start is a multiply and its trip
-count a constant), as values [N / bm, rowblocks, bm, bk]. What tells one such layout from
+[bm, bk] blocks, `rowblocks` (a row's start is a multiply), as values [N / bm, rowblocks, bm,
+bk]. Its parameters reach the kernel at launch unless the layout compiles one in. What tells one such layout from
 another is which block column a row's blk-th block sits in: read from an index (block-ELL)
 or computed (block-diagonal). Its forward op renders the common gathered-K kernels
 (templates/common/sg_gathered_dds*.cuh) through the macro in templates/common/sg_fixed_rows.j2;
@@ -11,7 +11,7 @@ builds the op's registry entry. The launch side is gathered.py.
 """
 from __future__ import annotations
 
-from .registry import OpRules, Param, ProductArgs
+from .registry import OpRules, Param, ProductArgs, op_rules
 from ..errors import SpecError, expect
 from .spec import (SMEM_LIMIT, STAGE_BYTES_PER_ROW, KernelSpec, TileConfig, check_acc_on_mma, check_choice, check_trans,
                    stages_that_fit, tma_ring_bytes)
@@ -24,16 +24,22 @@ SMALL_ROWS = 64  # M up to this takes the 64-row tile (no work on padding rows)
 
 
 def product_rules(op: str, template: str, params: tuple[Param, ...] = (), index: str | None = None,
-                  check=None) -> OpRules:
+                  check=None, compile_time: tuple[str, ...] = ()) -> OpRules:
     """The registry entry of a fixed-rows forward op: `rowblocks` then the layout's own
     `params`; its custom op takes (x, values, bias[, index], *params, out_features, epilogue).
-    `check(spec)`, the layout's own rule on its specs (raising SpecError: "Expected X. Got Y."),
-    runs after the kit's."""
+    Each parameter reaches the kernel at launch (OpRules.run_params: one kernel for every layer
+    shape) unless named in `compile_time` (then it is compiled in, a kernel per value: a
+    constant where that pays). `check(spec)`, the layout's own rule on its specs (raising
+    SpecError: "Expected X. Got Y."), runs after the kit's."""
     tensors = ("x", "values", "bias") + ((index,) if index else ())
-    params = (ROWBLOCKS, *params)
+    declared = (ROWBLOCKS, *params)
+    unknown = set(compile_time) - {p.name for p in declared}
+    expect(not unknown, f"compile_time among the parameters {tuple(p.name for p in declared)}", sorted(unknown),
+           SpecError)
     return OpRules(op, template, validate if check is None else _then(check), smem_bytes, epilogues=True,
-                   params=params, accs=("f32", "f16"), args=ProductArgs(tensors, tuple(p.name for p in params)),
-                   known_spills=known_spills)
+                   params=tuple(p for p in declared if p.name in compile_time),
+                   run_params=tuple(p for p in declared if p.name not in compile_time), accs=("f32", "f16"),
+                   args=ProductArgs(tensors, tuple(p.name for p in declared)), known_spills=known_spills)
 
 
 def _then(check):
@@ -45,10 +51,10 @@ def _then(check):
 
 def known_spills(spec: KernelSpec) -> tuple[int, str]:
     """(spill instructions, stack bytes as a pattern) the SASS test allows. One known case, found
-    by it: the ping-pong kernels at 256-row tiles and 16 or more blocks a row (block-ELL's since
-    it shipped, block-diagonal's) keep one row address on the stack around the epilogue's
-    store (one STL and one LDL a tile, outside the main loop)."""
-    if spec.instr == "pingpong" and spec.tile.tile_m == 256 and spec.param_values["rowblocks"] >= 16:
+    by it: the ping-pong kernels at 256-row tiles and 16 or more blocks a row, or a row count
+    taken at run time (block-ELL's since it shipped, block-diagonal's) keep one row address on
+    the stack around the epilogue's store (one STL and one LDL a tile, outside the main loop)."""
+    if spec.instr == "pingpong" and spec.tile.tile_m == 256 and spec.param_values.get("rowblocks", 16) >= 16:
         return 2, "(?:0|8)"
     return 0, "0"
 
@@ -96,6 +102,8 @@ def forward_spec(op: str, block, dtype: str, arch: int, params: dict, rows: int 
     """The forward kernel; `rows` (M) up to SMALL_ROWS takes a 64-row tile, another
     accumulator than f32 the mma.sync kernel (unless told)."""
     block, small = tuple(block), rows is not None and rows <= SMALL_ROWS
+    compiled_in = {p.name for p in op_rules(op).params}
+    params = {name: value for name, value in params.items() if name in compiled_in}  # (the rest: at launch)
     instr = instr or ("mma" if arch != 90 or dtype == "fp32" or acc != "f32" else
                       "tma" if block[0] >= 128 and not small else "pingpong")
     return KernelSpec(op=op, block=block, dtype=dtype, trans="nt", arch=arch, instr=instr,

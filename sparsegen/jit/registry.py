@@ -88,7 +88,10 @@ class OpRules:
     context: Callable[[Spec], dict] = _no_context  # what its template uses beyond the spec's fields
     epilogues: bool = False                         # whether it fuses an epilogue into its store
     tensor_cores: bool = True                       # False: copies and pruning (no SASS MMA check)
-    params: tuple[Param, ...] = ()                  # the op's own typed parameters
+    params: tuple[Param, ...] = ()                  # the op's own typed parameters, compiled in (the name's _x...)
+    # Parameters its kernels take at launch instead (trailing int arguments, in this order; the
+    # template sees each as a C++ name): one kernel serves every value, so every layer shape
+    run_params: tuple[Param, ...] = ()
     accs: tuple[str, ...] = ("f32",)                # accumulator types its templates implement (spec.ACCS)
     args: ProductArgs | None = None                 # a forward product op's arguments (its custom op's)
     float_output: Callable[[Spec], bool] = _not_int8  # Y in a float type (epilogues need one): int8 sums are int32
@@ -96,7 +99,7 @@ class OpRules:
                                                                    # SASS test accepts for a spec (tests/test_compile.py)
 
     def __post_init__(self):
-        for param in self.params:
+        for param in self.params + self.run_params:
             expect(param.name.isalpha() and param.name.islower() and param.name not in RESERVED_NAMES,
                    f"a parameter name of lowercase letters, none of {sorted(RESERVED_NAMES)}", repr(param.name),
                    SpecError)
