@@ -32,15 +32,20 @@ TOY = registry.OpRules("toy_keep", "toy/toy_keep.cu.j2", _any, _no_smem, tensor_
 @pytest.fixture
 def toy_op(monkeypatch, tmp_path):
     """The toy op registered, its template in a copy of the templates folder."""
+    yield from registered(TOY, TOY_TEMPLATE, monkeypatch, tmp_path)
+
+
+def registered(rules, template: str, monkeypatch, tmp_path):
+    """`rules` registered beside the real layouts, its template in a copy of the templates."""
     registry.ops()  # the real layouts first
-    monkeypatch.setitem(registry._OPS, TOY.op, TOY)
+    monkeypatch.setitem(registry._OPS, rules.op, rules)
     copy = tmp_path / "templates"
     shutil.copytree(codegen.templates_dir(), copy)
-    (copy / "toy").mkdir()
-    (copy / TOY.template).write_text(TOY_TEMPLATE)
+    (copy / rules.template).parent.mkdir()
+    (copy / rules.template).write_text(template)
     monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
     codegen._environment.cache_clear()
-    yield
+    yield rules
     codegen._environment.cache_clear()
 
 
@@ -96,18 +101,9 @@ KIT_TEMPLATE = """// {{ name }}
 @pytest.fixture
 def kit_op(monkeypatch, tmp_path):
     """A fixed-rows op through the kit whose `gridcols` is compiled in, rowblocks at launch."""
-    registry.ops()
     rules = gathered_specs.product_rules("wrap_dds", "wrap/wrap_dds.cu.j2", params=(registry.Param("gridcols", 1),),
                                          compile_time=("gridcols",))
-    monkeypatch.setitem(registry._OPS, rules.op, rules)
-    copy = tmp_path / "templates"
-    shutil.copytree(codegen.templates_dir(), copy)
-    (copy / "wrap").mkdir()
-    (copy / rules.template).write_text(KIT_TEMPLATE)
-    monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
-    codegen._environment.cache_clear()
-    yield rules
-    codegen._environment.cache_clear()
+    yield from registered(rules, KIT_TEMPLATE, monkeypatch, tmp_path)
 
 
 def test_the_kit_passes_parameters_at_launch_unless_compiled_in(kit_op):
