@@ -181,13 +181,17 @@ class FixedRowsProduct:
         (m, k), width = x2.shape, values.shape[0] * values.shape[2]
         return dataclasses.replace(plan, dense=dense, dense_eager=dense and calls.dense_outside_graphs(m, k, width))
 
-    def _plan(self, x2, values, call: Call, tile=None, instr=None, acc="f32") -> FixedRowsPlan:
-        (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape
+    def _split_params(self, call: Call) -> tuple[tuple, tuple]:
+        """(the parameters compiled into the kernel, as (name, value); the values it takes at launch)."""
         named = tuple(zip(self.args.ints, call.params))
-        compiled_in = tuple(pair for pair in named if pair[0] in self._compiled_in)
         at_launch = tuple(value for name, value in named if name not in self._compiled_in)
         expect(all(0 < value < 2 ** 31 for value in at_launch), f"{self.op}'s parameters as positive int32s",
                dict(named))  # (they reach the kernel unchecked by any spec)
+        return tuple(pair for pair in named if pair[0] in self._compiled_in), at_launch
+
+    def _plan(self, x2, values, call: Call, tile=None, instr=None, acc="f32") -> FixedRowsPlan:
+        (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape
+        compiled_in, at_launch = self._split_params(call)
         kern = forward_kernel(self.op, (bm, bk), x2.dtype, x2.device.index or 0, compiled_in,
                               m <= gathered_specs.SMALL_ROWS, call.epilogue, tile, instr, acc)
         spec, stored_rows = kern.spec, rows * rowblocks * bm  # W's stored blocks as rows of a [*, bk] matrix

@@ -61,3 +61,29 @@ def one_of(given: dict, first: str, second: str) -> None:
     """Two arguments that set each other: one may be given, not both."""
     expect(not (first in given and second in given), f"{first} or {second}, not both (each sets the other)",
            f"{first}={given.get(first)!r} and {second}={given.get(second)!r}")
+
+
+# ---- tensor parallelism: what a layer lends sparsegen.parallel's styles ---------------------
+# A splittable layer has `tp_granules()` -> (rows, columns): the multiples a rank's share of its
+# out_features and in_features must be (whole blocks, 2:4 groups); `tp_part(rows, columns,
+# keep_bias)` -> a layer of its kind holding those weight rows and columns (the stored positions
+# kept, not chosen again); and `TP_SHARDED` {0: column-wise, 1: row-wise: the state entries a
+# part saves as DTensors of the whole layer}, where a part's state describes a whole one (a
+# layer without it has its part's state_dict refused).
+
+def weight_part(module: nn.Module, rows: slice, columns: slice) -> nn.Linear:
+    """Those rows and columns of a sparse layer's weight, as a bias-free nn.Linear."""
+    weight = module.to_dense_weight().detach()[rows, columns]
+    return dense_linear(weight, None)
+
+
+def finish_part(part: nn.Module, module: nn.Module, rows: slice, keep_bias: bool) -> nn.Module:
+    """A part with `module`'s bias rows (where kept), epilogue and training mode."""
+    part.bias = nn.Parameter(module.bias.detach()[rows].clone()) if keep_bias and module.bias is not None else None
+    part.epilogue = getattr(module, "epilogue", "none")
+    return part.train(module.training)
+
+
+def in_units(cut: slice, by: int) -> slice:
+    """The slice of whole units of `by` that `cut` (a slice of whole units) covers."""
+    return slice(None if cut.start is None else cut.start // by, None if cut.stop is None else cut.stop // by)

@@ -8,10 +8,11 @@ import sparsegen
 
 VOCAB, LR = 512, 0.3
 MLP = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
+GATE_UP = r"model\.layers\.\d+\.mlp\.(gate|up)_proj"
 ATTENTION = r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
 BLOCK_ELL = dict(sparsity="block-ell", block=(64, 64), per_row=2)
 
-# variant: (patch rules, fuse) - a callable for what patch rules do not make
+# variant: (patch rules, fuse)
 VARIANTS = {
     "dense": ({}, True),
     "bsr": ({MLP: {"block": (64, 64), "density": 0.5}}, True),            # GatedMLP of block-CSR
@@ -20,7 +21,8 @@ VARIANTS = {
     "2:4-unfused": ({MLP: {"sparsity": "2:4", "method": "transposable"}}, False),
     "2:4-recipe": ({MLP: {"sparsity": "2:4", "training": {"mask_interval": 2}}}, True),  # mask refresh
     "bdiag": ({MLP: {"sparsity": "block-diagonal", "nblocks": 4}}, False),
-    "bell": (None, False),
+    "bell": ({MLP: BLOCK_ELL}, False),
+    "bell-colwise": ({GATE_UP: BLOCK_ELL}, False),  # tensor parallelism: block-ELL splits column-wise only
     "scaled+bsr": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "e4m3"},
                     MLP: {"block": (64, 64), "density": 0.5}}, True),
     "int8+2:4": ({ATTENTION: {"sparsity": "2:4", "weight_dtype": "int8"}, MLP: {"sparsity": "2:4"}}, True),
@@ -47,20 +49,9 @@ def build(variant: str, device: torch.device, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config(mlp_bias=variant.endswith("+bias")))
     rules, fuse = VARIANTS[variant.removesuffix("+bias")]
-    if rules is None:
-        _block_ell(model)
-    elif rules:
+    if rules:
         sparsegen.patch(model, rules, fuse=fuse)
     return model.to(device, torch.bfloat16)
-
-
-def _block_ell(model) -> None:
-    """Block-ELL projections (patch rules make no block-ELL layer: sparsegen.linear does)."""
-    for layer in model.model.layers:
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            dense = getattr(layer.mlp, name)
-            setattr(layer.mlp, name, sparsegen.linear(dense.in_features, dense.out_features, bias=False,
-                                                      **BLOCK_ELL))
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:

@@ -102,6 +102,15 @@ def test_a_dense_weight_blind_to_the_tile_size_is_refused_before_training():
         gathered.block_positions(blind, layer.values, 64, (layer.cols, 2, 32))
 
 
+def test_parameters_passed_at_launch_are_checked_before_any_kernel():
+    """rowblocks reaches the kernel unchecked by a spec: the kit refuses a bad one first."""
+    from sparsegen import gathered
+    product = BlockEllLinear(64, 32, block=(16, 16), per_row=2).PRODUCT
+    assert product._split_params(gathered.Call(None, (2,), 32, "none")) == ((), (2,))
+    with pytest.raises(InputError, match="bell_dds's parameters as positive int32s"):
+        product._split_params(gathered.Call(None, (0,), 32, "none"))
+
+
 def test_from_dense_and_to_linear_agree():
     linear = torch.nn.Linear(128, 64).double()
     layer = BlockEllLinear.from_dense(linear, block=(32, 32), per_row=2)

@@ -20,8 +20,8 @@ BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt
         + [f"ddp:{v}" for v in [*TRAINABLE, "int8+2:4"]] + ["ddp-nosync:bsr", "ddp-nosync:2:4"]
         + [f"dcp:{v}" for v in SAVED]
         + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused", "int8-mlp",
-                               "int8-mlp-unfused+bias"]]
-        + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr"]])
+                               "int8-mlp-unfused+bias", "bell-colwise+bias"]]
+        + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr", "bell-colwise"]])
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "scaled+bsr"]]
             + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe", "ddp-compile:bsr", "ddp-compile:2:4"]

@@ -9,6 +9,8 @@ from sparsegen.bsr import format as bsr
 from sparsegen.bsr import ops as bsr_ops
 from sparsegen.jit.spec import TileConfig
 
+from kit_training import capture_forward_backward, fresh_replays
+
 pytestmark = pytest.mark.gpu
 
 BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (32, 64), (64, 32), (128, 64), (16, 128)]
@@ -441,22 +443,6 @@ def test_layout_change_on_gpu_keeps_forward_and_backward_right():
     assert relative_error(layer.values.grad, want) < TOLERANCE[torch.bfloat16]
 
 
-def capture_forward_backward(layer, x, grad_out):
-    """One warm-up step on a side stream (kernels compiled and loaded, indexes built), then
-    the forward and backward captured into a CUDA graph; returns the graph and its output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(x).backward(grad_out)
-    torch.cuda.current_stream().wait_stream(side)
-    x.grad, layer.values.grad, layer.bias.grad = None, None, None  # allocated by the captured backward
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x)
-        out.backward(grad_out)
-    return graph, out
-
-
 @pytest.mark.parametrize("make_layer, rows", [
     (lambda: sparsegen.linear(320, 192, block=(16, 16), density=0.25, device="cuda", dtype=torch.bfloat16), 300),
     (lambda: sparsegen.linear(320, 192, block=(16, 16), density=0.5, device="cuda", dtype=torch.bfloat16), 1100),
@@ -475,14 +461,7 @@ def test_cuda_graph_replays_forward_and_backward_on_new_inputs(make_layer, rows)
     grad_out = torch.randn(rows, layer.out_features, device="cuda", dtype=dtype)
     graph, out = capture_forward_backward(layer, x, grad_out)
     weight64 = layer.to_dense_weight().double()
-    for _ in range(2):
-        with torch.no_grad():
-            x.copy_(torch.randn_like(x))
-            grad_out.copy_(torch.randn_like(grad_out))
-            for result in (out, x.grad, layer.values.grad, layer.bias.grad):
-                result.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for _ in fresh_replays(graph, out, layer, x, grad_out):
         x64, dy64 = x.detach().double(), grad_out.double()
         want_out = torch.nn.functional.linear(x64, weight64, layer.bias.detach().double())
         kept = as_dense(layer, torch.ones_like(layer.values)) != 0  # where the values' gradient lands

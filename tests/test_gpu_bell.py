@@ -3,6 +3,9 @@ training, torch.compile and CUDA graphs (pytest -m gpu)."""
 import pytest
 import torch
 
+import sparsegen
+from kit_training import capture_forward_backward, fresh_replays
+
 from sparsegen.jit import epilogues
 from sparsegen.bell import ops as bell_ops
 from sparsegen.bell.nn import BlockEllLinear
@@ -97,6 +100,30 @@ def test_compiled_training_runs_the_kit_kernels_to_float64_gradients(m):
     x64, values64 = x.detach().double().requires_grad_(), layer.values.detach().double().requires_grad_()
     bell_ops.reference(x64, values64, layer.bias.detach().double(), layer.cols, 4, 192).backward(dy.double())
     assert relative_error(x.grad, x64.grad) < 2e-2 and relative_error(layer.values.grad, values64.grad) < 2e-2
+
+
+@pytest.mark.parametrize("make_layer", [
+    lambda: sparsegen.linear(320, 192, sparsity="block-ell", block=(32, 32), per_row=3, device="cuda",
+                             dtype=torch.bfloat16),
+    lambda: sparsegen.linear(512, 256, sparsity="block-diagonal", nblocks=4, device="cuda", dtype=torch.bfloat16),
+], ids=["bell", "bdiag"])
+def test_kit_training_steps_replay_as_a_cuda_graph_on_fresh_inputs(make_layer):
+    """The kit's forward and backward (its kernels, the sampled or the layout's own dW) captured
+    once and replayed on fresh inputs, outputs poisoned first: gradients against float64."""
+    torch.manual_seed(5)
+    layer = make_layer()
+    x = torch.randn(300, layer.in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(300, layer.out_features, device="cuda", dtype=torch.bfloat16)
+    graph, out = capture_forward_backward(layer, x, dy)
+    for _ in fresh_replays(graph, out, layer, x, dy):
+        x64 = x.detach().double().requires_grad_()
+        values64 = layer.values.detach().double().requires_grad_()
+        want = layer.PRODUCT.reference(x64, values64, layer.bias.detach().double(), *layer.op_args(),
+                                       layer.out_features)
+        want.backward(dy.double())
+        for got, ref in ((out, want.detach()), (x.grad, x64.grad), (layer.values.grad, values64.grad),
+                         (layer.bias.grad, dy.double().sum(0))):
+            assert not got.isnan().any() and relative_error(got, ref) < 2e-2
 
 
 def test_a_few_training_steps_reduce_the_loss(autocast_losses):

@@ -40,6 +40,21 @@ def test_each_part_holds_exactly_its_rows_and_its_columns(kind, ranks, rank):
         torch.testing.assert_close(summed + layer.bias.detach(), layer(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ranks, rank", [(2, 1), (4, 2)])
+def test_a_block_ell_part_keeps_its_block_rows_and_refuses_a_row_wise_split(ranks, rank):
+    torch.manual_seed(1)
+    layer = sparsegen.linear(256, 128, sparsity="block-ell", block=(32, 32), per_row=3)
+    rows = parallel._share(128, ranks, rank, parallel._row_granule(layer), "out_features")
+    part = parallel._part(layer, rows, slice(None), keep_bias=True)
+    assert type(part) is type(layer) and part.per_row == 3
+    assert torch.equal(part.to_dense_weight(), layer.to_dense_weight()[rows])
+    assert torch.equal(part.bias.detach(), layer.bias.detach()[rows])
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(part(x), layer(x)[:, rows])
+    with pytest.raises(InputError, match="block-ELL layer split column-wise"):
+        parallel._part(layer, slice(None), parallel._share(256, ranks, rank, 32, "in_features"), keep_bias=False)
+
+
 def test_a_gated_part_keeps_whole_gate_up_pairs():
     torch.manual_seed(0)
     gate, up = nn.Linear(64, 128, bias=False), nn.Linear(64, 128, bias=False)

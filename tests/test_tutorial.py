@@ -161,6 +161,15 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.gpu
+def test_the_benchmark_times_the_tutorial_layout_with_no_edit(copy, tmp_path):
+    """tools/bench.py --layout finds the band by its face's tuning points."""
+    done = run(copy, str(ROOT / "tools" / "bench.py"), "--layout", "band", "--json", str(tmp_path / "band.json"))
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 8192, 4096, 11008 | 64x64")]
+    assert rows and "x |" in rows[0], done.stdout
+
+
 def test_a_broken_template_shows_the_nvrtc_log(copy, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(copy, broken, ignore=shutil.ignore_patterns("cache"))

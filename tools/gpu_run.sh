@@ -105,6 +105,13 @@ for step in "${steps[@]}"; do
     bdiag_bench) timeout 300 python3 tools/bench.py --bdiag --json "$R/22_layers_bdiag.json" 2>&1 | tee "$OUT/bdiag_bench.log" | grep "^|" ;;
     bdiag) timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_bdiag.py 2>&1 | tee "$OUT/bdiag_tests.log" | tail -15
          timeout 300 python3 tools/bench.py --bdiag --json "$R/22_layers_bdiag.json" 2>&1 | tee "$OUT/bdiag_bench.log" | grep "^|" ;;
+    kit) # the layout kit's layouts (issue 41): their GPU suites and the tutorial's, then each by
+         # its face's tuning points (forward, forward + backward, the sampled dW against dense + gather)
+         timeout 400 python3 -m pytest -q -m gpu tests/test_gpu_bell.py tests/test_gpu_bdiag.py tests/test_tutorial.py \
+           -rs 2>&1 | tee "$OUT/kit_tests.log" | tail -15
+         for layout in bell bdiag; do
+           timeout 200 python3 tools/bench.py --layout $layout --json "$R/23_layout_$layout.json" 2>&1 \
+             | tee "$OUT/layout_$layout.log" | grep "^|"; done ;;
     bell) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_bell.py -x 2>&1 | tee "$OUT/bell_tests.log" | tail -15
          timeout 300 python3 tools/bench.py --bell --json "$R/21_layers_bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
     acc) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_acc.py 2>&1 | tee "$OUT/acc_tests.log" | tail -8

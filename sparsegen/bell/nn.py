@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .. import gathered
+from ..layer import finish_part, in_units
 from ..errors import expect, positive_int
 from . import format as ell
 from . import ops
@@ -59,11 +60,26 @@ class BlockEllLinear(gathered.FixedRowsLinear):
         per_row = ell.check_per_row(per_row, grid, density)
         layer = cls(linear.in_features, linear.out_features, block, per_row=per_row, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, cols=ell.top_norm_cols(weight, block, per_row))
+        return layer.copy_dense(weight, linear.bias)
+
+    # Tensor parallelism (layer.py's contract, sparsegen.parallel): column-wise only, whole block
+    # rows with their index rows. A row-wise share of the input columns would keep a different
+    # number of blocks in each row, which block-ELL cannot hold.
+    TP_SHARDED = {0: ("values", "cols", "bias")}
+
+    def tp_granules(self) -> tuple[int, int]:
+        return self.block
+
+    def tp_part(self, rows: slice, columns: slice, keep_bias: bool) -> "BlockEllLinear":
+        expect(columns == slice(None), "a block-ELL layer split column-wise (ColwiseParallel: whole block rows)",
+               "a split of its input columns (each row would keep another number of blocks)")
+        block_rows = in_units(rows, self.block[0])
+        part = BlockEllLinear(self.in_features, self.cols[block_rows].shape[0] * self.block[0], self.block,
+                              per_row=self.per_row, bias=False, device=self.values.device, dtype=self.values.dtype,
+                              cols=self.cols[block_rows])
         with torch.no_grad():
-            layer.values.copy_(ell.gather_values(weight, layer.cols, block))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+            part.values.copy_(self.values[block_rows])
+        return finish_part(part, self, rows, keep_bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "

@@ -10,7 +10,7 @@ from ..launch import calls, lean
 from .. import checkpoint
 from ..jit import epilogues
 from ..errors import expect, fraction, positive_int
-from ..layer import SparseLinearForward, dense_linear
+from ..layer import SparseLinearForward, dense_linear, finish_part, in_units, weight_part
 from . import format as bsr
 from . import ops
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
@@ -138,6 +138,16 @@ class BlockSparseLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, 
         """A dense nn.Linear with this layer's weights (zeros where blocks are absent), followed
         by the epilogue where one is fused (epilogues.DenseEpilogue)."""
         return self._dense_twin(dense_linear(self.to_dense_weight(), self.bias))
+
+    # Tensor parallelism (layer.py's contract, sparsegen.parallel): whole blocks. A part holds a
+    # share of the blocks no DTensor describes: no TP_SHARDED, so its state_dict is refused.
+    def tp_granules(self) -> tuple[int, int]:
+        return self.block
+
+    def tp_part(self, rows: slice, columns: slice, keep_bias: bool) -> "BlockSparseLinear":
+        layout = self.layout[in_units(rows, self.block[0]), in_units(columns, self.block[1])]
+        part = BlockSparseLinear.from_dense(weight_part(self, rows, columns), block=self.block, layout=layout)
+        return finish_part(part, self, rows, keep_bias)
 
     def extra_repr(self) -> str:
         nnz, total = int(self.layout.sum()), self.layout.numel()

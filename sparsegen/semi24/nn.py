@@ -8,7 +8,7 @@ from ..launch import calls, lean
 from .. import checkpoint
 from ..jit import epilogues
 from ..errors import expect
-from ..layer import SparseLinearForward, dense_linear
+from ..layer import SparseLinearForward, dense_linear, finish_part, weight_part
 from . import format as semi24
 from . import ops
 from .autograd import forward_product, sp24_linear
@@ -105,6 +105,18 @@ class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         """A dense nn.Linear with this layer's (2:4) weight, followed by the epilogue where one
         is fused (epilogues.DenseEpilogue)."""
         return self._dense_twin(dense_linear(self.to_dense_weight(), self.bias))
+
+    # Tensor parallelism (layer.py's contract, sparsegen.parallel): whole 4-groups at the kernels'
+    # K granule, rows in 16s; 2:4 metadata is laid out in tiles of 16 rows x 32 columns, so a
+    # part's is the whole's rows or columns of tiles.
+    TP_SHARDED = {0: ("values", "metadata", "bias"), 1: ("values", "metadata")}
+
+    def tp_granules(self) -> tuple[int, int]:
+        return 16, 64
+
+    def tp_part(self, rows: slice, columns: slice, keep_bias: bool) -> "Sparse24Linear":
+        part = Sparse24Linear.from_dense(weight_part(self, rows, columns), mask=self.mask[rows, columns])
+        return finish_part(part, self, rows, keep_bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "

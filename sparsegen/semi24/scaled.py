@@ -19,7 +19,7 @@ from .. import checkpoint
 from ..errors import InputError, expect
 from ..jit import epilogues
 from ..launch import library
-from ..layer import dense_linear
+from ..layer import dense_linear, in_units
 from . import format as semi24
 from . import ops
 
@@ -259,6 +259,25 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))
+
+    # Tensor parallelism (layer.py's contract, sparsegen.parallel): a part as stored - its bytes,
+    # kept positions and channel scales. A column slice of whole 4-groups keeps each row's
+    # scale: the ranks' partial products are scaled alike, and each quantizes its own
+    # activation columns per token. (A row-wise part's scales are the whole's.)
+    TP_SHARDED = {0: ("values", "metadata", "bias", "weight_scale"), 1: ("values", "metadata")}
+
+    def tp_granules(self) -> tuple[int, int]:
+        return 16, semi24.BYTE_COL_GRANULE
+
+    def tp_part(self, rows: slice, columns: slice, keep_bias: bool) -> "ScaledSparse24Linear":
+        n, k = self.out_features, self.in_features
+        positions = semi24.stored_positions(self.metadata, n, k)[rows, in_units(columns, 4)]  # (per 4-group)
+        bias = self.bias.detach()[rows] if keep_bias and self.bias is not None else None
+        values = self.values[rows, in_units(columns, 2)].contiguous()  # (two kept per 4-group)
+        part = ScaledSparse24Linear(values, semi24.pack_metadata(positions.contiguous()), self.weight_scale[rows], bias,
+                                    self.input_scale)
+        part.epilogue = self.epilogue
+        return part.train(self.training)
 
     def extra_repr(self) -> str:
         scale = "per token" if self.input_scale is None else "static"
