@@ -6,8 +6,9 @@ FixedRowsProduct is one registered op, called with the arguments its layout decl
 covered GPU it launches the generated kernel, planned once per layout and call signature;
 elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
 torch.library op, which Inductor lowers to `into` (inductor.py). No gradient of its own:
-FixedRowsLinear's training calls go through _KitLinear (the product forward, PyTorch's
-backward on the dense weight), or through a layout's own autograd Function.
+FixedRowsLinear's training calls go through _KitLinear (the product forward; dX by the
+layout's kernel over W^T where it gives one, else on the dense weight; dW by the layout's
+hook or the kit's sampled kernel at the stored blocks), or a layout's own autograd Function.
 
 Where this GPU's crossover table (crossovers.py, `sparsegen tune`) says the layout's kernel
 loses at a call's shape, the call runs cuBLAS on a dense copy of W instead (dense_path.py),
@@ -281,9 +282,10 @@ def _with_saved(rest: tuple, tensors: list) -> tuple:
 class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """What a fixed-rows layout's nn.Linear replacement shares. A subclass sets PRODUCT (its
     FixedRowsProduct) and defines `op_args()` (its op's arguments after bias, up to
-    out_features) and `to_dense_weight()`. Training runs the product forward and PyTorch's
-    backward on PRODUCT's dense_weight (_KitLinear); a layout without dense_weight, or with a
-    backward of its own, overrides `_differentiable_product(x, values, bias)`."""
+    out_features) and `to_dense_weight()`. Training runs the product forward and the kit's
+    backward (_KitLinear: PRODUCT's hooks, its dense_weight, the sampled dW kernel); a layout
+    without dense_weight, or with a backward of its own, overrides
+    `_differentiable_product(x, values, bias)`."""
 
     PRODUCT: FixedRowsProduct
 
