@@ -56,13 +56,6 @@ def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return weight.reshape(n // bm, bm, k // bk, bk).transpose(1, 2)
 
 
-def gather_values(weight: torch.Tensor, cols: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The stored blocks of a dense weight: [rows, per_row, bm, bk] (differentiable)."""
-    blocks = _blocks(weight, block)
-    rows = torch.arange(blocks.shape[0], device=weight.device)[:, None]
-    return blocks[rows, cols.to(weight.device).long()]
-
-
 def to_dense(values: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """The dense W [N, K] of stored blocks `values` (zeros elsewhere): the CPU reference,
     differentiable and traceable (static shapes)."""
