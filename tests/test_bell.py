@@ -109,6 +109,19 @@ def test_a_dense_weight_blind_to_the_tile_size_is_refused_before_training():
         gathered.block_positions(blind, layer.values, 64, (layer.cols, 2, 32))
 
 
+def test_a_dense_weight_that_stacks_blocks_is_refused_and_copy_dense_checks_its_shape():
+    from sparsegen import gathered
+    layer = BlockEllLinear(64, 32, block=(16, 16), per_row=2)
+    def stacked(values, in_features, cols, rowblocks, out_features):  # every block at (0, 0)
+        grid = values.new_zeros(out_features, in_features)
+        grid[0, 0] = values.sum()
+        return grid
+    with pytest.raises(SpecError, match="dense_weight to place each of the 4 blocks once. Got 1 places"):
+        gathered.block_positions(stacked, layer.values, 64, (layer.cols, 2, 32))
+    with pytest.raises(InputError, match=r"a weight of shape \(32, 64\)\. Got \(64, 32\)"):
+        layer.copy_dense(torch.zeros(64, 32))
+
+
 def test_parameters_passed_at_launch_are_checked_before_any_kernel():
     """rowblocks reaches the kernel unchecked by a spec: the kit refuses a bad one first."""
     from sparsegen import gathered
