@@ -23,9 +23,10 @@ BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt
                                "int8-mlp-unfused+bias", "bell-colwise+bias"]]
         + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr", "bell-colwise"]])
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
-            + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "scaled+bsr"]]
-            + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe", "ddp-compile:bsr", "ddp-compile:2:4"]
-            + ["tp-compile:bsr", "tp-compile:2:4-unfused+bias"])
+            + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "bdiag", "scaled+bsr"]]
+            + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe"]
+            + [f"ddp-compile:{v}" for v in ["bsr", "2:4", "bell", "bdiag"]]
+            + ["tp-compile:bsr", "tp-compile:2:4-unfused+bias", "tp-compile:bell-colwise+bias"])
 # NVLink multicast off, as the GPU machines require (and harmless elsewhere)
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 
