@@ -84,10 +84,11 @@ class FixedRowsProduct:
         self.transposed, self.weight_grad = transposed, weight_grad
         # (found now: a compiled backward cannot trace the import that finds it)
         self.sampled_weight_grad = None if weight_grad else registry.kit_kernel("sampled_weight_grad")
+        self.sampled_input_grad = None if transposed else registry.kit_kernel("sampled_input_grad")
         _PRODUCTS[op] = self
         rules = registry.op_rules(op)
         self.args, self._compiled_in = rules.args, {p.name for p in rules.params}
-        self._plans, self._positions = plans.PlanCache(), plans.PlanCache()
+        self._plans, self._positions, self._transposed = plans.PlanCache(), plans.PlanCache(), plans.PlanCache()
         self.overload = calls.define_product(op, self.any_device)
         self.lowering = registry.Lowering(op, self.into)
 
@@ -153,6 +154,15 @@ class FixedRowsProduct:
         return self._positions.get(_NO_INDEX if index is None else index, signature,
                                    lambda: block_positions(self.dense_weight, values, in_features, rest))
 
+    def transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
+        """W^T's block-CSR index (transposed_index), kept as positions are (eager calls only:
+        the kernels plan once per index tensor)."""
+        index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
+        signature = (tuple(values.shape), values.device, in_features, index is not None and index._version,
+                     *(r for r in rest if not isinstance(r, torch.Tensor)))
+        return self._transposed.get(_NO_INDEX if index is None else index, signature, lambda: transposed_index(
+            self.positions(values, in_features, rest), values.shape[0], in_features // values.shape[3]))
+
     def _call(self, rest: tuple) -> Call:
         index, rest = (rest[0], rest[1:]) if len(self.args.tensors) > 3 else (None, rest)
         count = len(self.args.ints)
@@ -216,7 +226,8 @@ class _KitLinear(torch.autograd.Function):
     """X W^T + b for a call that needs gradients: the layout's product forward (the generated
     kernel on the GPU, as inference runs it). The backward, which torch.compile traces with
     the rest: dX = dY W by the product over W^T where the layout gives `transposed` (its
-    kernel again), else PyTorch's on W as dense_weight gives it; dW at the stored blocks only,
+    kernel again), else block-CSR's input-grad kernel over W^T's index (eager calls; a compiled
+    backward: PyTorch's on W as dense_weight gives it); dW at the stored blocks only,
     by the layout's `weight_grad` where it has one, else the kit's sampled kernel (block-CSR's
     sdd, lent through registry.kit_kernel) at the places block_positions finds."""
 
@@ -239,10 +250,14 @@ class _KitLinear(torch.autograd.Function):
 
 
 def _input_grad(product: "FixedRowsProduct", dy, values, in_features: int, rest: tuple):
-    """dX = dY W: the product over the layout's W^T, else dY times dense_weight."""
+    """dX = dY W: the product over the layout's W^T; else, in eager calls, the kit's sampled
+    kernel over W^T's block-CSR index; else (a compiled backward) dY times dense_weight."""
     if product.transposed is not None:
         values_t, rest_t = product.transposed(values, in_features, *rest)
         return product(dy, values_t, None, *rest_t, "none")
+    if not torch.compiler.is_compiling():
+        (_, _, bm, bk), index = values.shape, product.transposed_index(values, in_features, rest)
+        return product.sampled_input_grad(dy, values.reshape(-1, bm, bk), *index, (bk, bm), in_features)
     weight = product.dense_weight(values, in_features, *rest)
     return (dy.reshape(-1, dy.shape[-1]) @ weight).reshape(*dy.shape[:-1], in_features)
 
@@ -271,6 +286,18 @@ def block_positions(dense_weight: Callable, values, in_features: int, rest: tupl
         placed = int(torch.count_nonzero(grid))
         expect(placed == count, f"dense_weight to place each of the {count} blocks once", f"{placed} places", SpecError)
     return torch.argsort(grid.flatten(), stable=True)[-count:]
+
+
+def transposed_index(positions, rows: int, gridcols: int) -> tuple:
+    """W^T's block-CSR index from the stored blocks' places in W's [rows, gridcols] block grid:
+    (perm, row_offsets, col_indices, flat_index), W^T's b-th block being values[perm[b]]
+    transposed (its rows: W's block columns, each listing W's block rows in order)."""
+    r, c = positions // gridcols, positions % gridcols
+    key = c * rows + r
+    perm = torch.argsort(key)
+    counts = torch.bincount(c, minlength=gridcols)
+    row_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    return perm, row_offsets, r[perm].to(torch.int32), key[perm]
 
 
 def _with_saved(rest: tuple, tensors: list) -> tuple:

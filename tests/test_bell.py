@@ -131,6 +131,25 @@ def test_parameters_passed_at_launch_are_checked_before_any_kernel():
         product._split_params(gathered.Call(None, (0,), 32, "none"))
 
 
+def test_the_kit_builds_the_transposes_block_csr_index_that_dx_runs_on():
+    """transposed_index: W^T's rows are W's block columns, each listing W's block rows in order,
+    and its block b is values[perm[b]] transposed - W^T rebuilt from it is the dense W^T."""
+    from sparsegen import gathered
+    torch.manual_seed(2)
+    layer = BlockEllLinear(160, 96, block=(16, 32), per_row=3).double()
+    perm, row_offsets, col_indices, flat = layer.PRODUCT.transposed_index(
+        layer.values, 160, (*layer.op_args(), layer.out_features))
+    blocks = layer.values.detach().reshape(-1, 16, 32)[perm].transpose(1, 2)  # W^T's, [32, 16] each
+    rebuilt = torch.zeros(160, 96, dtype=torch.float64)
+    for c in range(5):
+        for b in range(int(row_offsets[c]), int(row_offsets[c + 1])):
+            r = int(col_indices[b])
+            assert int(flat[b]) == c * 6 + r and (b == row_offsets[c] or r > int(col_indices[b - 1]))
+            rebuilt[c * 32:(c + 1) * 32, r * 16:(r + 1) * 16] = blocks[b]
+    assert torch.equal(rebuilt, layer.to_dense_weight().detach().t())
+    assert row_offsets.dtype == col_indices.dtype == torch.int32 and perm.dtype == flat.dtype == torch.int64
+
+
 def test_from_dense_and_to_linear_agree():
     linear = torch.nn.Linear(128, 64).double()
     layer = BlockEllLinear.from_dense(linear, block=(32, 32), per_row=2)

@@ -326,7 +326,7 @@ def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16,
     table = Table("Block-sparse layers", f"The {key} layout (its face's tuning points) against dense, bf16",
                   [("M, K, N", ""), ("block", ""), ("density", ".3g"), ("dense ms", ".3f"), ("sparse ms", ".3f"),
                    ("speedup", "x"), ("train dense ms", ".3f"), ("train sparse ms", ".3f"), ("train speedup", "x"),
-                   ("train, dW dense + gather ms", ".3f"), ("sampled dW gain", "x")])
+                   ("train, dense dX and dW ms", ".3f"), ("sampled kernels' gain", "x")])
     for (m, k, n), (block, density) in itertools.product(shapes, tuning.points):
         if not tuning.fits(n, k, block, density):
             continue
@@ -338,7 +338,7 @@ def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16,
             forward = interleaved(*(lambda f=f: median_ms(lambda: f(x)) for f in (dense, layer)))
         runs = [lambda f=f: median_ms(lambda: f(x).backward(dy)) for f in (dense, layer)]
         product = getattr(layer, "PRODUCT", None)
-        if getattr(product, "sampled_weight_grad", None) is not None:  # the kit's dW: also as it was before
+        if getattr(product, "sampled_weight_grad", None) is not None:  # the kit's gradients: also as they were
             runs.append(lambda: with_dense_weight_grad(product, lambda: median_ms(lambda: layer(x).backward(dy))))
         train = interleaved(*runs) + [None] * (3 - len(runs))
         table.add(f"{m}, {k}, {n}", f"{block[0]}x{block[1]}", layer.density if hasattr(layer, "density") else density,
@@ -348,17 +348,27 @@ def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16,
 
 
 def with_dense_weight_grad(product, timed):
-    """timed() with the kit's dW taken as before its sampled kernel: the dense dY^T X (cuBLAS),
-    then the stored blocks gathered from it."""
+    """timed() with the kit's gradients taken as before its sampled kernels: dW as the dense
+    dY^T X (cuBLAS) and a gather of the stored blocks; dX (where the kit's kernel runs it) as
+    dY times a dense W scattered from the blocks."""
     def dense_then_gathered(dy2, x2, positions, block):
         full = dy2.t() @ x2
         blocks = full.reshape(full.shape[0] // block[0], block[0], -1, block[1]).transpose(1, 2)
         return blocks.reshape(-1, *block)[positions]
-    kept, product.sampled_weight_grad = product.sampled_weight_grad, dense_then_gathered
+
+    def dense_input_grad(dy, values, perm, row_offsets, col_indices, flat_index, block_t, in_features):
+        (bk, bm), out = block_t, dy.shape[-1]
+        grid = values.new_zeros((in_features // bk) * (out // bm), bk, bm)
+        grid[flat_index] = values[perm].transpose(1, 2)
+        weight_t = grid.reshape(in_features // bk, out // bm, bk, bm).transpose(1, 2).reshape(in_features, out)
+        return (dy.reshape(-1, out) @ weight_t.t()).reshape(*dy.shape[:-1], in_features)
+    kept = product.sampled_weight_grad, product.sampled_input_grad
+    product.sampled_weight_grad = dense_then_gathered if kept[0] is not None else None
+    product.sampled_input_grad = dense_input_grad if kept[1] is not None else None
     try:
         return timed()
     finally:
-        product.sampled_weight_grad = kept
+        product.sampled_weight_grad, product.sampled_input_grad = kept
 
 
 def main(argv=None) -> None:

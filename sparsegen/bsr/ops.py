@@ -292,5 +292,6 @@ def sampled_weight_grad(dy2, x2, flat_index, block) -> torch.Tensor:
     return weight_grad(dy2, x2, flat_index, block)
 
 
-# What the layout kit borrows (registry.kit_kernel): every fixed-rows layout's dW.
-KIT_KERNELS = {"sampled_weight_grad": sampled_weight_grad}
+# What the layout kit borrows (registry.kit_kernel): every fixed-rows layout's dW, and dX
+# where a layout gives no transposed form of its own (input_grad over W^T's block-CSR index).
+KIT_KERNELS = {"sampled_weight_grad": sampled_weight_grad, "sampled_input_grad": input_grad}

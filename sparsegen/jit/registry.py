@@ -227,7 +227,10 @@ def kit_kernel(role: str) -> Callable:
     that the kit calls a kernel without naming the layout it comes from. Roles:
     "sampled_weight_grad" (dy2 [M, N], x2 [M, K], flat_index, block) -> [len(flat_index), bm, bk],
     dY^T X at the stored blocks whose row-major places in W's block grid flat_index lists
-    (block rows in order), differentiable by no one, under torch.compile as on any device."""
+    (block rows in order), differentiable by no one, under torch.compile as on any device;
+    "sampled_input_grad" (dy, values [count, bm, bk], perm, row_offsets, col_indices,
+    flat_index, (bk, bm), in_features) -> dX = dY W, given W^T's block-CSR index (its block b
+    is values[perm[b]] transposed), in eager calls."""
     for layout in layouts():
         if layout.kit_module:
             lent = importlib.import_module(f"sparsegen.{layout.name}.{layout.kit_module}").KIT_KERNELS
