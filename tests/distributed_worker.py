@@ -233,7 +233,8 @@ def tp_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
             return "" if "tensor-parallel BlockSparseLinear part" in str(error) else f"refused: {error}"
         return "a tensor-parallel block-sparse state_dict was given"
     loss_of(model, ids).backward()
-    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR).step()
+    # (not foreach, as in tp_case: a dense row-wise layer's DTensor parameters beside plain ones)
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR, foreach=False).step()
     folder = out / f"tpdcp_{variant.replace(':', '')}"
     dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
     fresh = parallel(5)
