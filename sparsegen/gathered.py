@@ -7,7 +7,7 @@ covered GPU it launches the generated kernel, planned once per layout and call s
 elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
 torch.library op, which Inductor lowers to `into` (inductor.py). No gradient of its own:
 FixedRowsLinear's training calls go through _KitLinear (the product forward; dX by the
-layout's kernel over W^T where it gives one, else on the dense weight; dW by the layout's
+layout's kernel over W^T where it gives one, else block-CSR's over W^T's index; dW by the layout's
 hook or the kit's sampled kernel at the stored blocks), or a layout's own autograd Function.
 
 Where this GPU's crossover table (crossovers.py, `sparsegen tune`) says the layout's kernel
@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from .launch import calls, dense_path, lean, plans, runtime
+from .launch import calls, dense_path, lean, library, plans, runtime
 from . import checkpoint
 from .errors import SpecError, expect
 from .jit import epilogues, gathered_specs, registry
@@ -155,8 +155,8 @@ class FixedRowsProduct:
                                    lambda: block_positions(self.dense_weight, values, in_features, rest))
 
     def transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
-        """W^T's block-CSR index (transposed_index), kept as positions are (eager calls only:
-        the kernels plan once per index tensor)."""
+        """W^T's block-CSR index (transposed_index), kept as positions are: the kernels plan
+        once per index tensor, so a kept one is planned once."""
         index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
         signature = (tuple(values.shape), values.device, in_features, index is not None and index._version,
                      *(r for r in rest if not isinstance(r, torch.Tensor)))
@@ -226,8 +226,8 @@ class _KitLinear(torch.autograd.Function):
     """X W^T + b for a call that needs gradients: the layout's product forward (the generated
     kernel on the GPU, as inference runs it). The backward, which torch.compile traces with
     the rest: dX = dY W by the product over W^T where the layout gives `transposed` (its
-    kernel again), else block-CSR's input-grad kernel over W^T's index (eager calls; a compiled
-    backward: PyTorch's on W as dense_weight gives it); dW at the stored blocks only,
+    kernel again), else block-CSR's input-grad kernel over W^T's index (kit_input_grad); dW at
+    the stored blocks only,
     by the layout's `weight_grad` where it has one, else the kit's sampled kernel (block-CSR's
     sdd, lent through registry.kit_kernel) at the places block_positions finds."""
 
@@ -250,16 +250,29 @@ class _KitLinear(torch.autograd.Function):
 
 
 def _input_grad(product: "FixedRowsProduct", dy, values, in_features: int, rest: tuple):
-    """dX = dY W: the product over the layout's W^T; else, in eager calls, the kit's sampled
-    kernel over W^T's block-CSR index; else (a compiled backward) dY times dense_weight."""
+    """dX = dY W: the product over the layout's W^T, else the kit's sampled kernel over W^T's
+    block-CSR index (kit_input_grad)."""
     if product.transposed is not None:
         values_t, rest_t = product.transposed(values, in_features, *rest)
         return product(dy, values_t, None, *rest_t, "none")
-    if not torch.compiler.is_compiling():
-        (_, _, bm, bk), index = values.shape, product.transposed_index(values, in_features, rest)
-        return product.sampled_input_grad(dy, values.reshape(-1, bm, bk), *index, (bk, bm), in_features)
-    weight = product.dense_weight(values, in_features, *rest)
-    return (dy.reshape(-1, dy.shape[-1]) @ weight).reshape(*dy.shape[:-1], in_features)
+    index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
+    return kit_input_grad(product.op, dy, values, index, in_features, [r for r in rest if not isinstance(r, torch.Tensor)])
+
+
+def _kit_input_grad(op: str, dy, values, index, in_features: int, ints: list[int]):
+    """dX = dY W by block-CSR's input-grad kernel (registry.kit_kernel) over W^T's index, which
+    transposed_index finds from the layout's dense_weight and keeps per index tensor. One op
+    to a compiled backward: it plans on the host, so Inductor calls it whole, on the layer's
+    own index tensor (found again in the kept plans, step after step)."""
+    product, rest = _PRODUCTS[op], ((index,) if index is not None else ()) + tuple(ints)
+    (_, _, bm, bk), transposed = values.shape, product.transposed_index(values, in_features, rest)
+    return product.sampled_input_grad(dy, values.reshape(-1, bm, bk), *transposed, (bk, bm), in_features)
+
+
+kit_input_grad = library.eager_or_op(library.define(
+    "kit_input_grad(str op, Tensor dy, Tensor values, Tensor? index, int in_features, int[] ints) -> Tensor",
+    _kit_input_grad, lambda op, dy, values, index, in_features, ints: library.rows_by(dy, in_features)),
+    _kit_input_grad)
 
 
 def _values_grad(product: "FixedRowsProduct", dy2, x2, values, rest: tuple):

@@ -314,16 +314,19 @@ def overheads() -> Table:
     return table
 
 
-def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008))) -> Table:
+def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16, 4096, 11008)),
+                 compiled: bool = False) -> Table:
     """Any tuned layout by its face (registry.Tuning: the points `sparsegen tune` measures),
     forward and forward + backward against a dense nn.Linear of the same weight, bf16: a new
-    layout is benchmarked with no edit here (--layout NAME)."""
+    layout is benchmarked with no edit here (--layout NAME). `compiled`: both under
+    torch.compile (the kit's gradients then as they run, not also as they were)."""
     from sparsegen import tune
 
     if key not in tune.TUNINGS:
         raise SystemExit(f"bench.py: Expected --layout among {tune.NAMES}. Got {key!r}.")
     tuning = tune.TUNINGS[key]
-    table = Table("Block-sparse layers", f"The {key} layout (its face's tuning points) against dense, bf16",
+    mode = ", both under torch.compile" if compiled else ""
+    table = Table("Block-sparse layers", f"The {key} layout (its face's tuning points) against dense, bf16{mode}",
                   [("M, K, N", ""), ("block", ""), ("density", ".3g"), ("dense ms", ".3f"), ("sparse ms", ".3f"),
                    ("speedup", "x"), ("train dense ms", ".3f"), ("train sparse ms", ".3f"), ("train speedup", "x"),
                    ("train, dense dX and dW ms", ".3f"), ("sampled kernels' gain", "x")])
@@ -332,16 +335,19 @@ def bench_layout(key: str, shapes=((8192, 4096, 11008), (4096, 4096, 4096), (16,
             continue
         layer = tuning.layer(n, k, block, density, device="cuda", dtype=torch.bfloat16)
         dense = layer.to_linear().requires_grad_()
+        if compiled:  # (each row its own graphs: static shapes, no recompile limit reached across rows)
+            torch._dynamo.reset()
+            dense, layer = torch.compile(dense, dynamic=False), torch.compile(layer, dynamic=False)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             forward = interleaved(*(lambda f=f: median_ms(lambda: f(x)) for f in (dense, layer)))
         runs = [lambda f=f: median_ms(lambda: f(x).backward(dy)) for f in (dense, layer)]
-        product = getattr(layer, "PRODUCT", None)
+        product = None if compiled else getattr(layer, "PRODUCT", None)
         if getattr(product, "sampled_weight_grad", None) is not None:  # the kit's gradients: also as they were
             runs.append(lambda: with_dense_weight_grad(product, lambda: median_ms(lambda: layer(x).backward(dy))))
         train = interleaved(*runs) + [None] * (3 - len(runs))
-        table.add(f"{m}, {k}, {n}", f"{block[0]}x{block[1]}", layer.density if hasattr(layer, "density") else density,
+        table.add(f"{m}, {k}, {n}", f"{block[0]}x{block[1]}", getattr(layer, "density", density),
                   *forward, forward[0] / forward[1], *train[:2], train[0] / train[1], train[2],
                   train[2] / train[1] if train[2] else None)
     return table
@@ -383,6 +389,7 @@ def main(argv=None) -> None:
     parser.add_argument("--bell", action="store_true", help="the block-ELL layout against block-CSR and dense")
     parser.add_argument("--bdiag", action="store_true", help="the block-diagonal layout against dense and torch.bmm")
     parser.add_argument("--acc", action="store_true", help="fp16 accumulators against f32 on the mma.sync kernel")
+    parser.add_argument("--compiled", action="store_true", help="--layout's layers and dense under torch.compile")
     parser.add_argument("--layout", help="any tuned layout by its registry key (sp24, bsr, bell, bdiag, or a new one's)")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
@@ -390,7 +397,7 @@ def main(argv=None) -> None:
         return run_tuning()
     modes = [(args.bell, bench_bell), (args.bdiag, bench_bdiag), (args.acc, bench_acc), (args.compile, compile_times),
              (args.train, bench_training), (args.overheads, overheads)]
-    modes.append((args.layout, lambda: bench_layout(args.layout)))
+    modes.append((args.layout, lambda: bench_layout(args.layout, compiled=args.compiled)))
     tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
     write(args.json, "bench.py", argv, tables)
 
@@ -443,6 +450,9 @@ def bench_bdiag(shapes=((8192, 4096, 4096), (8192, 4096, 11008), (16, 4096, 4096
     for (m, k, n), count in itertools.product(shapes, nblocks):
         layer = BlockDiagonalLinear(k, n, count, bias=False, device="cuda", dtype=torch.bfloat16)
         dense = layer.to_linear().requires_grad_()
+        if compiled:  # (each row its own graphs: static shapes, no recompile limit reached across rows)
+            torch._dynamo.reset()
+            dense, layer = torch.compile(dense, dynamic=False), torch.compile(layer, dynamic=False)
         blocks = layer.blocks().detach().clone().requires_grad_()
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
