@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from .launch import calls, dense_path, lean, library, plans, runtime
+from .launch import calls, dense_path, lean, library, outside_graphs, plans, runtime
 from . import checkpoint
 from .errors import SpecError, expect
 from .jit import epilogues, gathered_specs, registry
@@ -156,12 +156,17 @@ class FixedRowsProduct:
 
     def transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
         """W^T's block-CSR index (transposed_index), kept as positions are: the kernels plan
-        once per index tensor, so a kept one is planned once."""
+        once per index tensor, so a kept one is planned once. Built outside any CUDA graph's
+        memory pool (outside_graphs: reduce-overhead's warm-up would keep it in the pool)."""
         index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
         signature = (tuple(values.shape), values.device, in_features, index is not None and index._version,
                      *(r for r in rest if not isinstance(r, torch.Tensor)))
-        return self._transposed.get(_NO_INDEX if index is None else index, signature, lambda: transposed_index(
-            self.positions(values, in_features, rest), values.shape[0], in_features // values.shape[3]))
+        return self._transposed.get(_NO_INDEX if index is None else index, signature, lambda: outside_graphs.run(
+            self._transposed_index, (values, in_features, rest), values.device))
+
+    def _transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
+        positions = self.positions(values, in_features, rest)
+        return transposed_index(positions, values.shape[0], in_features // values.shape[3])
 
     def _call(self, rest: tuple) -> Call:
         index, rest = (rest[0], rest[1:]) if len(self.args.tensors) > 3 else (None, rest)
