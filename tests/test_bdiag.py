@@ -81,12 +81,12 @@ def test_from_dense_keeps_the_diagonal_and_to_linear_agrees():
     assert layer.density == 0.25
 
 
-def test_diagrows_is_compiled_in_and_rowblocks_reaches_the_kernel_at_launch():
-    spec = diag_specs.forward_spec((64, 32), "bf16", 80, diagrows=4)
-    assert spec.name.endswith("_xdiagrows4") and specmod.KernelSpec.from_name(spec.name) == spec
+def test_both_parameters_are_compiled_in():
+    spec = diag_specs.forward_spec((64, 32), "bf16", 80, diagrows=4, rowblocks=8)
+    assert spec.name.endswith("_xrowblocks8_xdiagrows4") and specmod.KernelSpec.from_name(spec.name) == spec
     source = codegen.render(spec)
-    assert "return (r / 4) * rowblocks + blk;" in source and "sg::GatheredDds<" in source
-    assert "int M, int K, int N, int rowblocks)" in source and "Rows{rowblocks}" in source
+    assert "return (r / 4) * 8 + blk;" in source and "return r * 8;" in source and "sg::GatheredDds<" in source
+    assert "int M, int K, int N)" in source and "Rows{}" in source
     assert any(s.op == "bdiag_dds" for s in specmod.default_specs(90))
 
 

@@ -450,9 +450,6 @@ def bench_bdiag(shapes=((8192, 4096, 4096), (8192, 4096, 11008), (16, 4096, 4096
     for (m, k, n), count in itertools.product(shapes, nblocks):
         layer = BlockDiagonalLinear(k, n, count, bias=False, device="cuda", dtype=torch.bfloat16)
         dense = layer.to_linear().requires_grad_()
-        if compiled:  # (each row its own graphs: static shapes, no recompile limit reached across rows)
-            torch._dynamo.reset()
-            dense, layer = torch.compile(dense, dynamic=False), torch.compile(layer, dynamic=False)
         blocks = layer.blocks().detach().clone().requires_grad_()
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
