@@ -213,19 +213,32 @@ def tp_case(variant: str, device, world: int, compiled: bool = False) -> str:
     return f"logits off by {worst:.2e}" if worst > 2e-2 else ""
 
 
+def tensor_parallel(variant: str, device, world: int, seed: int):
+    """The variant's model, its MLPs split over `world` ranks by tp_plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = models.build(variant, device, seed=seed)
+    return parallelize_module(model, init_device_mesh(device.type, (world,)), tp_plan(variant))
+
+
+def fsdp2_sharded(variant: str, device, seed: int):
+    """The variant's model under FSDP2, each decoder layer and the whole sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = models.build(variant, device, seed=seed)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 def tp_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
     """A tensor-parallel model trained a step, saved with torch.distributed.checkpoint, loads
     back into a fresh one exactly; its logits are kept for the one-process load."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
-    def parallel(seed: int):
-        model = models.build(variant, device, seed=seed)
-        return parallelize_module(model, init_device_mesh(device.type, (world,)), tp_plan(variant))
-
-    model, ids = parallel(0), batches(device, 1)[0]
+    model, ids = tensor_parallel(variant, device, world, 0), batches(device, 1)[0]
     if "bsr" in variant:  # (a block-sparse part's state is refused by name, not saved as one rank's)
         try:
             get_model_state_dict(model)
@@ -237,7 +250,7 @@ def tp_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=models.LR, foreach=False).step()
     folder = out / f"tpdcp_{variant.replace(':', '')}"
     dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
-    fresh = parallel(5)
+    fresh = tensor_parallel(variant, device, world, 5)
     state = get_model_state_dict(fresh)
     dcp.load(state, checkpoint_id=str(folder))
     set_model_state_dict(fresh, state)
@@ -281,15 +294,8 @@ def dcp_case(variant: str, device, world: int, rank: int, out: Path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, \
         StateDictOptions
-    from torch.distributed.fsdp import fully_shard
 
-    def sharded(seed_offset: int):
-        model = models.build(variant, device, seed=seed_offset)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        return fully_shard(model)
-
-    model = sharded(0)
+    model = fsdp2_sharded(variant, device, 0)
     ids = batches(device, world)[0][2 * rank:2 * rank + 2]
     loss_of(model, ids).backward()
     torch.optim.SGD(model.parameters(), lr=models.LR).step()
@@ -298,7 +304,7 @@ def dcp_case(variant: str, device, world: int, rank: int, out: Path):
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # (the whole state lands on rank 0 alone)
         safetensors.torch.save_file({name: t.contiguous() for name, t in whole.items()}, folder / WHOLE)
-    fresh = sharded(5)
+    fresh = fsdp2_sharded(variant, device, 5)
     state = get_model_state_dict(fresh)
     dcp.load(state, checkpoint_id=str(folder))
     set_model_state_dict(fresh, state)
@@ -325,6 +331,35 @@ def load_on_one_process(variant: str, out: Path) -> str:
     if sorted(whole) != sorted(mine) or differ:
         return f"loaded on one process, the state differs: {differ or sorted(set(whole) ^ set(mine))}"
     say(f"dcp:{variant}: {len(whole)} tensors loaded on one process exactly")
+    return ""
+
+
+def load_sharded_elsewhere(name: str, device, world: int, out: Path) -> str:
+    """A checkpoint saved on 2 ranks (dcp_case, tp_dcp_case), loaded by `world` ranks into
+    the same engine (resharding 2 -> world): FSDP2's whole state equals the saved one
+    exactly; a tensor-parallel model's logits are the saved ones within the split's rounding."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, \
+        StateDictOptions
+
+    kind, _, variant = name.partition(":")
+    folder = out / f"{kind}_{variant.replace(':', '')}"
+    model = fsdp2_sharded(variant, device, 7) if kind == "dcp" else tensor_parallel(variant, device, world, 7)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state)
+    if kind == "tpdcp":
+        kept = safetensors.torch.load_file(folder / "logits.safetensors")
+        with torch.no_grad():
+            error = relative_error(model(input_ids=kept["ids"].to(device)).logits, kept["logits"])
+        return "" if error < 2e-2 else f"loaded on {world} ranks, the logits differ by {error:.2e}"
+    mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:  # (the whole state lands on rank 0 alone)
+        return ""
+    whole = safetensors.torch.load_file(folder / WHOLE)
+    differ = [key for key in whole if not torch.equal(whole[key], mine.get(key))]
+    if sorted(whole) != sorted(mine) or differ:
+        return f"loaded on {world} ranks, the state differs: {differ or sorted(set(whole) ^ set(mine))}"
     return ""
 
 
@@ -357,14 +392,19 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--load-one", action="store_true", help="load the dcp cases' checkpoints in this one "
                         "process (run without torchrun, after them)")
+    parser.add_argument("--load-sharded", action="store_true", help="load them on this torchrun job's ranks "
+                        "(another number than saved them), into the engine that saved them")
     args = parser.parse_args()
     if args.load_one:
         loaders = dict(dcp=load_on_one_process, tpdcp=load_tp_on_one_process)
         return report([(name, lambda name=name: loaders[name.partition(":")[0]](name.partition(":")[2], args.out))
                        for name in args.cases.split(",")])
     rank, world, device = ranks.joined()
-    failed = report([(name, lambda name=name: run_case(name, device, world, rank, args.out))
-                     for name in args.cases.split(",")])
+    if args.load_sharded:
+        def case(name): return load_sharded_elsewhere(name, device, world, args.out)
+    else:
+        def case(name): return run_case(name, device, world, rank, args.out)
+    failed = report([(name, lambda name=name: case(name)) for name in args.cases.split(",")])
     dist.destroy_process_group()
     return failed
 

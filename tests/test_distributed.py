@@ -1,6 +1,6 @@
 """Sparse models on more than one process: FSDP2 (MixedPrecisionPolicy, activation
 checkpointing, per-layer torch.compile after sharding), DDP (no_sync, compiled),
-torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2 and on 1) and tensor
+torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2, on 1 and on 4) and tensor
 parallelism (sparsegen.parallel's styles through parallelize_module), each against a
 twin in one process that sees every rank's batch (tests/distributed_worker.py says how).
 On 2 GPUs with NCCL; on the CPU with gloo (no compile there: Inductor's C++ build of every
@@ -31,17 +31,26 @@ GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 
 
-def run_cases(cases: list[str], out: Path, timeout: int) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-               "--cases", ",".join(cases), "--out", str(out)]
-    run = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run_cases(cases: list[str], out: Path, timeout: int, reshard_ranks: int) -> None:
+    """The cases on 2 ranks; then what 2 ranks saved, loaded in one process and (where
+    reshard_ranks) on that many ranks."""
+    run = subprocess.run(torchrun(2, "--cases", ",".join(cases), "--out", str(out)), env=ENV, capture_output=True,
+                         text=True, timeout=timeout)
     assert_all_ok(run, cases, ranks=2)
     # (a tensor-parallel block-sparse model's state is refused, so nothing of it is saved)
     saved = [case for case in cases if case.startswith(("dcp:", "tpdcp:")) and case != "tpdcp:bsr"]
-    if saved:  # resharding: what 2 ranks saved, loaded in one process
-        one = subprocess.run([sys.executable, str(WORKER), "--load-one", "--cases", ",".join(saved), "--out",
-                              str(out)], env=ENV, capture_output=True, text=True, timeout=timeout)
-        assert_all_ok(one, saved, ranks=1)
+    one = subprocess.run([sys.executable, str(WORKER), "--load-one", "--cases", ",".join(saved), "--out",
+                          str(out)], env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert_all_ok(one, saved, ranks=1)
+    if reshard_ranks:
+        more = subprocess.run(torchrun(reshard_ranks, "--load-sharded", "--cases", ",".join(saved), "--out", str(out)),
+                              env=ENV, capture_output=True, text=True, timeout=timeout)
+        assert_all_ok(more, saved, ranks=reshard_ranks)
+
+
+def torchrun(ranks: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(WORKER),
+            *args]
 
 
 def assert_all_ok(run: subprocess.CompletedProcess, cases: list[str], ranks: int) -> None:
@@ -55,9 +64,10 @@ def assert_all_ok(run: subprocess.CompletedProcess, cases: list[str], ranks: int
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp2_ddp_and_checkpoints_on_two_gpus_match_one(tmp_path):
-    run_cases(BOTH + GPU_ONLY, tmp_path, timeout=900)
+    """(Checkpoints reshard to 4 ranks where there are 4 GPUs: NCCL takes one rank per GPU.)"""
+    run_cases(BOTH + GPU_ONLY, tmp_path, timeout=900, reshard_ranks=4 if torch.cuda.device_count() >= 4 else 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run (gloo); on a GPU machine the GPU test runs these")
 def test_fsdp2_ddp_and_checkpoints_on_two_cpu_processes_match_one(tmp_path):
-    run_cases(BOTH, tmp_path, timeout=600)
+    run_cases(BOTH, tmp_path, timeout=600, reshard_ranks=4)
