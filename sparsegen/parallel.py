@@ -12,8 +12,10 @@ layer keeps whole 2:4 groups and whole blocks of its input columns and sums the 
 partial products (the bias lives on the first rank, so it is added once); a layer whose
 split would break its layout (block-ELL row-wise) refuses it. These are the
 layouts torch's styles give nn.Linear by default (input Replicate / output Shard(-1)
-column-wise, input Shard(-1) / output Replicate row-wise) with plain tensors in and out;
-nn.Linear modules get torch's own behaviour. A sparse layer's parameters become its rank's
+column-wise, input Shard(-1) / output Replicate row-wise) with plain tensors in and out, and
+sequence parallelism's: input_layouts=Shard(1) column-wise (the sequence's shards gathered
+whole, the gradient reduce-scattered back) and output_layouts=Shard(1) row-wise (the sum
+reduce-scattered along the sequence); nn.Linear modules get torch's own behaviour. A sparse layer's parameters become its rank's
 part as plain tensors, which each rank's optimizer steps; a 2:4 part's state_dict shows
 the whole layer as DTensors (so torch.distributed.checkpoint saves and reshards it), a
 block-sparse part's is refused.
@@ -44,11 +46,12 @@ class ColwiseParallel(_TorchColwise):
     def _apply(self, module: nn.Module, device_mesh):
         if not splittable(module):
             return super()._apply(module, device_mesh)
-        _expect_default_layouts(self, Replicate(), Shard(-1), "ColwiseParallel")
+        sequence = _layouts(self, (Replicate(), _SEQUENCE), Shard(-1), "ColwiseParallel", "input_layouts")
         group, rank, ranks = _group_of(device_mesh)
         rows = _share(module.out_features, ranks, rank, _row_granule(module), "out_features")
         _become(module, _part(module, rows, slice(None), keep_bias=True))
-        module.register_forward_pre_hook(lambda _, args: (_GradientSummed.apply(args[0], group), *args[1:]))
+        gather, layout = (_GatheredAlong, _SEQUENCE) if sequence else (_GradientSummed, Replicate())
+        module.register_forward_pre_hook(lambda _, args: (gather.apply(_local(args[0], layout), group), *args[1:]))
         _save_as_whole(module, device_mesh, dim=0)
         return module
 
@@ -59,22 +62,43 @@ class RowwiseParallel(_TorchRowwise):
     def _apply(self, module: nn.Module, device_mesh):
         if not splittable(module):
             return super()._apply(module, device_mesh)
-        _expect_default_layouts(self, Shard(-1), Replicate(), "RowwiseParallel")
+        sequence = _layouts(self, (Shard(-1),), (Replicate(), _SEQUENCE), "RowwiseParallel", "output_layouts")
         expect(getattr(module, "epilogue", "none") == "none", "a row-wise layer without a fused epilogue (it "
                "applies to the sum over ranks)", getattr(module, "epilogue", None))
         group, rank, ranks = _group_of(device_mesh)
         columns = _share(module.in_features, ranks, rank, _column_granule(module), "in_features")
         # the bias stays with the first rank alone: the sum over ranks adds it once
         _become(module, _part(module, slice(None), columns, keep_bias=rank == 0))
-        module.register_forward_hook(lambda _, args, y: _SummedOverRanks.apply(y, group))
+        summed = _ScatteredAlong if sequence else _SummedOverRanks  # (each rank's share of the sequence, or all)
+        module.register_forward_hook(lambda _, args, y: summed.apply(y, group))
         _save_as_whole(module, device_mesh, dim=1)
         return module
 
 
-def _expect_default_layouts(style, inputs, outputs, name: str) -> None:
-    expect(tuple(style.input_layouts) == (inputs,) and tuple(style.output_layouts) == (outputs,)
+# Sequence parallelism's layout of the activations between the layers: [batch, sequence, ...]
+# split along the sequence (torch's SequenceParallel and the styles' Shard(1)).
+_SEQUENCE = Shard(1)
+
+
+def _layouts(style, inputs: tuple, outputs, name: str, sequence_side: str) -> bool:
+    """Check a style's layouts for a sparsegen layer: torch's defaults, or Shard(1) (sequence
+    parallelism) on `sequence_side`; plain tensors out. True where the sequence is split."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    got_in, got_out = tuple(style.input_layouts), tuple(style.output_layouts)
+    expect(len(got_in) == len(got_out) == 1 and got_in[0] in inputs and got_out[0] in outputs
            and style.use_local_output,
-           f"{name}() with its default layouts for a sparsegen layer", "other input/output layouts", InputError)
+           f"{name}() with input_layouts among {list(inputs)} and output_layouts among {list(outputs)} "
+           "(use_local_output=True) for a sparsegen layer", f"{list(got_in)} and {list(got_out)}", InputError)
+    return (got_in if sequence_side == "input_layouts" else got_out)[0] == _SEQUENCE
+
+
+def _local(x: torch.Tensor, layout) -> torch.Tensor:
+    """A layer's input as this rank's plain tensor (a SequenceParallel norm hands on a DTensor,
+    which must be laid out as the style's input_layouts say)."""
+    if not isinstance(x, DTensor):
+        return x
+    expect(tuple(x.placements) == (layout,), f"an input DTensor placed as {layout}", tuple(x.placements))
+    return x.to_local()
 
 
 def _group_of(device_mesh):
@@ -172,6 +196,42 @@ class _SummedOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return dy, None
+
+
+class _GatheredAlong(torch.autograd.Function):
+    """X's sequence shards gathered whole; the gradient summed over the ranks and split
+    along the sequence again (one reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_gather_tensor(_by_sequence(x, 1), _SEQUENCE.dim, group))
+
+    @staticmethod
+    def backward(ctx, dx):
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(dx.contiguous(), "sum", _SEQUENCE.dim, ctx.group)), None
+
+
+class _ScatteredAlong(torch.autograd.Function):
+    """The ranks' partial products summed, each rank keeping its share of the sequence (one
+    reduce-scatter); the gradient gathered whole."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        shares = dist.get_world_size(group)
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(_by_sequence(y, shares), "sum", _SEQUENCE.dim, group))
+
+    @staticmethod
+    def backward(ctx, dy):
+        return funcol.wait_tensor(funcol.all_gather_tensor(dy.contiguous(), _SEQUENCE.dim, ctx.group)), None
+
+
+def _by_sequence(t: torch.Tensor, shares: int) -> torch.Tensor:
+    """t, checked to be [batch, sequence, features] with a sequence of `shares` equal parts."""
+    expect(t.dim() >= 3 and t.shape[1] % shares == 0, "activations [batch, sequence, features] whose sequence "
+           f"splits in {shares} equal shares (sequence parallelism)", tuple(t.shape))
+    return t.contiguous()
 
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:

@@ -175,16 +175,50 @@ def tp_plan(variant: str) -> dict:
     return plan
 
 
-def tp_case(variant: str, device, world: int, compiled: bool = False) -> str:
+def sp_plan(variant: str) -> dict:
+    """Sequence parallelism beside tensor parallelism (the Megatron-LM layout): activations
+    between the blocks split along the sequence, the norms by SequenceParallel, each block's
+    input gathered whole (the attention's by PrepareModuleInput, the MLP's by its first
+    projections), its last projection's sum scattered back along the sequence; the attention
+    and the MLP split as tp_plan splits the MLP, sparse or not."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    from sparsegen.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "model.layers.*.input_layernorm": SequenceParallel(),
+            "model.layers.*.post_attention_layernorm": SequenceParallel(),
+            "model.layers.*.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1))}
+    plan.update({f"model.layers.*.self_attn.{name}_proj": ColwiseParallel() for name in "qkv"})
+    # the MLP's first projections gather their sequence shards themselves (each its own)
+    plan.update({name: ColwiseParallel(input_layouts=Shard(1)) for name in tp_plan(variant)})
+    plan["model.layers.*.mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def positions(ids) -> dict:
+    """The positions a sequence-parallel model's blocks need given outright: transformers'
+    Llama derives them from its embeddings' length, which is a rank's share there."""
+    where = torch.arange(ids.shape[1], device=ids.device)
+    return dict(position_ids=where[None], cache_position=where)
+
+
+def tp_case(variant: str, device, world: int, compiled: bool = False, sequence: bool = False) -> str:
     """Tensor parallelism over the ranks: every rank sees the whole batch; logits before and
     after 2 SGD steps, and the losses, against the one-process twin (`compiled`: the
-    parallelized model under torch.compile)."""
+    parallelized model under torch.compile; `sequence`: sp_plan's sequence parallelism)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     ids = batches(device, 1)[:2]
     twin, model = models.build(variant, device), models.build(variant, device)
-    parallelize_module(model, init_device_mesh(device.type, (world,)), tp_plan(variant))
+    plan = sp_plan(variant) if sequence else tp_plan(variant)
+    parallelize_module(model, init_device_mesh(device.type, (world,)), plan)
     if compiled:
         for layer in model.model.layers:
             layer.compile()
@@ -194,19 +228,19 @@ def tp_case(variant: str, device, world: int, compiled: bool = False) -> str:
         # one foreach op cannot take beside the other layers' plain tensors)
         optimizer = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=models.LR, foreach=False)
         with torch.no_grad():
-            before = m(input_ids=ids[0]).logits.float()
+            before = m(input_ids=ids[0], **positions(ids[0])).logits.float()
         losses = []
         for batch in ids:
-            loss = loss_of(m, batch)
+            loss = m(input_ids=batch, labels=batch, **positions(batch)).loss
             loss.backward()
             losses.append(loss.item())
             optimizer.step()
             optimizer.zero_grad()
         with torch.no_grad():
-            errors.append((before, losses, m(input_ids=ids[0]).logits.float()))
+            errors.append((before, losses, m(input_ids=ids[0], **positions(ids[0])).logits.float()))
     (want_before, want_losses, want_after), (before, losses, after) = errors
     worst = max(relative_error(before, want_before), relative_error(after, want_after))
-    say(f"tp:{variant}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; "
+    say(f"{'sp' if sequence else 'tp'}:{variant}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; "
         f"worst logits error {worst:.1e}")
     if max(abs(a - b) / b for a, b in zip(losses, want_losses)) > 5e-3:
         return f"losses {losses} against the twin's {want_losses}"
@@ -380,8 +414,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
         return dcp_case(variant, device, world, rank, out)
     if kind == "tpdcp":
         return tp_dcp_case(variant, device, world, rank, out)
-    if kind.startswith("tp"):
-        return tp_case(variant, device, world, compiled="compile" in kind)
+    if kind.startswith(("tp", "sp")):
+        return tp_case(variant, device, world, compiled="compile" in kind, sequence=kind.startswith("sp"))
     return f"no case kind {kind!r}"
 
 

@@ -1,7 +1,8 @@
 """Sparse models on more than one process: FSDP2 (MixedPrecisionPolicy, activation
 checkpointing, per-layer torch.compile after sharding), DDP (no_sync, compiled),
 torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2, on 1 and on 4) and tensor
-parallelism (sparsegen.parallel's styles through parallelize_module), each against a
+parallelism (sparsegen.parallel's styles through parallelize_module, with sequence
+parallelism too), each against a
 twin in one process that sees every rank's batch (tests/distributed_worker.py says how).
 On 2 GPUs with NCCL; on the CPU with gloo (no compile there: Inductor's C++ build of every
 case would take minutes on the CI machine, and gloo moves no float8, so e4m3 runs on GPUs)."""
@@ -21,12 +22,13 @@ BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt
         + [f"dcp:{v}" for v in SAVED]
         + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused", "int8-mlp",
                                "int8-mlp-unfused+bias", "bell-colwise+bias"]]
-        + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr", "bell-colwise"]])
+        + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr", "bell-colwise"]]
+        + [f"sp:{v}" for v in ["dense", "2:4+bias", "bsr-unfused+bias", "bell-colwise", "int8-mlp-unfused+bias"]])
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "bdiag", "scaled+bsr"]]
             + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe"]
             + [f"ddp-compile:{v}" for v in ["bsr", "2:4", "bell", "bdiag"]]
-            + ["tp-compile:bsr", "tp-compile:2:4-unfused+bias", "tp-compile:bell-colwise+bias"])
+            + ["tp-compile:bsr", "tp-compile:2:4-unfused+bias", "tp-compile:bell-colwise+bias", "sp-compile:2:4+bias"])
 # NVLink multicast off, as the GPU machines require (and harmless elsewhere)
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 

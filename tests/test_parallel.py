@@ -77,3 +77,27 @@ def _interleaved(gate: nn.Linear, up: nn.Linear) -> nn.Linear:
 def test_a_split_that_cuts_a_block_group_or_pair_is_refused(total, granule):
     with pytest.raises(InputError, match="a multiple of 2 ranks"):
         parallel._share(total, 2, 0, granule, "in_features")
+
+
+def test_layouts_other_than_the_defaults_and_sequence_parallelism_are_refused_by_name():
+    """A sparsegen layer takes torch's default layouts or Shard(1) on the sequence side
+    (input column-wise, output row-wise); any other is an InputError before anything moves."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    col, row = parallel.ColwiseParallel, parallel.RowwiseParallel
+    assert not parallel._layouts(col(), (Replicate(), parallel._SEQUENCE), Shard(-1), "C", "input_layouts")
+    assert parallel._layouts(col(input_layouts=Shard(1)), (Replicate(), parallel._SEQUENCE), Shard(-1), "C",
+                             "input_layouts")
+    assert parallel._layouts(row(output_layouts=Shard(1)), (Shard(-1),), (Replicate(), parallel._SEQUENCE), "R",
+                             "output_layouts")
+    for style, inputs, outputs in [(col(input_layouts=Shard(0)), (Replicate(), Shard(1)), Shard(-1)),
+                                   (col(use_local_output=False), (Replicate(),), Shard(-1)),
+                                   (row(output_layouts=Shard(0)), (Shard(-1),), (Replicate(), Shard(1)))]:
+        with pytest.raises(InputError, match="for a sparsegen layer"):
+            parallel._layouts(style, inputs, outputs, "S", "input_layouts")
+
+
+def test_sequence_shares_must_be_equal():
+    with pytest.raises(InputError, match="splits in 4 equal shares"):
+        parallel._by_sequence(torch.zeros(2, 6, 8), 4)
+    assert parallel._by_sequence(torch.zeros(2, 8, 8), 4).shape == (2, 8, 8)
