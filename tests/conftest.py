@@ -70,10 +70,17 @@ def read_only_cache():
 from skip_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
 
+# Tests that start processes of their own and take 10-60 s on the 2-core CI machine: run
+# first, so that the two xdist workers do not end the suite on one of them while the other idles.
+STARTED_FIRST = ("tests/test_distributed.py", "tests/test_bench_models.py", "tests/test_wheel.py",
+                 "tests/test_bench_tp.py", "tests/test_cache_faults.py")
+
+
 def pytest_collection_modifyitems(config, items):
     sample = os.environ.get("SPARSEGEN_TEST_SAMPLE")
     if sample:
         _keep_a_sample(config, items, int(sample))
+    items.sort(key=lambda item: not item.nodeid.startswith(STARTED_FIRST))  # (stable: the rest keep their order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
