@@ -7,8 +7,9 @@ covered GPU it launches the generated kernel, planned once per layout and call s
 elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
 torch.library op, which Inductor lowers to `into` (inductor.py). No gradient of its own:
 FixedRowsLinear's training calls go through _KitLinear (the product forward; dX by the
-layout's kernel over W^T where it gives one, else block-CSR's over W^T's index; dW by the layout's
-hook or the kit's sampled kernel at the stored blocks), or a layout's own autograd Function.
+layout's kernel over W^T where it gives one, else block-CSR's over W^T's index; dW by the
+layout's hook or the kit's sampled kernel at the stored blocks), or a layout's own autograd
+Function.
 
 Where this GPU's crossover table (crossovers.py, `sparsegen tune`) says the layout's kernel
 loses at a call's shape, the call runs cuBLAS on a dense copy of W instead (dense_path.py),
@@ -232,9 +233,9 @@ class _KitLinear(torch.autograd.Function):
     kernel on the GPU, as inference runs it). The backward, which torch.compile traces with
     the rest: dX = dY W by the product over W^T where the layout gives `transposed` (its
     kernel again), else block-CSR's input-grad kernel over W^T's index (kit_input_grad); dW at
-    the stored blocks only,
-    by the layout's `weight_grad` where it has one, else the kit's sampled kernel (block-CSR's
-    sdd, lent through registry.kit_kernel) at the places block_positions finds."""
+    the stored blocks only, by the layout's `weight_grad` where it has one, else the kit's
+    sampled kernel (block-CSR's sdd, lent through registry.kit_kernel) at the places
+    block_positions finds."""
 
     @staticmethod
     def forward(ctx, x, values, bias, op: str, *rest):
@@ -260,8 +261,14 @@ def _input_grad(product: "FixedRowsProduct", dy, values, in_features: int, rest:
     if product.transposed is not None:
         values_t, rest_t = product.transposed(values, in_features, *rest)
         return product(dy, values_t, None, *rest_t, "none")
+    return kit_input_grad(product.op, dy, values, *_index_and_ints(rest, in_features))
+
+
+def _index_and_ints(rest: tuple, *before_ints) -> tuple:
+    """The op's arguments after bias as the kit's gradient ops take them: (index or None,
+    *before_ints, [the ints])."""
     index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
-    return kit_input_grad(product.op, dy, values, index, in_features, [r for r in rest if not isinstance(r, torch.Tensor)])
+    return (index, *before_ints, [r for r in rest if not isinstance(r, torch.Tensor)])
 
 
 def _kit_input_grad(op: str, dy, values, index, in_features: int, ints: list[int]):
