@@ -84,7 +84,7 @@ def sp24_scaled_linear_into(x, values, metadata, w_scale, bias, input_scale, epi
         lambda: ops.sp24_quantizing_lean_plan(x, values, metadata, values.shape[0], epilogue))
     x_address, y_address = x.data_ptr(), out.data_ptr()
     if (plan is not None and lean.runs_into(plan, x, out, x_address | y_address)
-            and not torch.cuda.is_current_stream_capturing()):  # (graphs: the two kernels, ops.quantizes_in_product)
+            and not runtime.capturing()):  # (graphs: the two kernels, ops.quantizes_in_product)
         plan.run_at(x_address, bias.data_ptr() if bias is not None else 0, y_address, (input_scale, w_scale, None))
         return
     if _empty_strided_cuda is not None and ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x):
