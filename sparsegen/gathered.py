@@ -7,8 +7,9 @@ covered GPU it launches the generated kernel, planned once per layout and call s
 elsewhere it runs the layout's PyTorch reference; inside a compiled graph it is the
 torch.library op, which Inductor lowers to `into` (inductor.py). No gradient of its own:
 FixedRowsLinear's training calls go through _KitLinear (the product forward; dX by the
-layout's kernel over W^T where it gives one, else block-CSR's over W^T's index; dW by the layout's
-hook or the kit's sampled kernel at the stored blocks), or a layout's own autograd Function.
+layout's kernel over W^T where it gives one, else block-CSR's over W^T's index; dW by the
+layout's hook or the kit's sampled kernel at the stored blocks), or a layout's own autograd
+Function.
 
 Where this GPU's crossover table (crossovers.py, `sparsegen tune`) says the layout's kernel
 loses at a call's shape, the call runs cuBLAS on a dense copy of W instead (dense_path.py),

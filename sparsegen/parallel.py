@@ -15,10 +15,10 @@ layouts torch's styles give nn.Linear by default (input Replicate / output Shard
 column-wise, input Shard(-1) / output Replicate row-wise) with plain tensors in and out, and
 sequence parallelism's: input_layouts=Shard(1) column-wise (the sequence's shards gathered
 whole, the gradient reduce-scattered back) and output_layouts=Shard(1) row-wise (the sum
-reduce-scattered along the sequence); nn.Linear modules get torch's own behaviour. A sparse layer's parameters become its rank's
-part as plain tensors, which each rank's optimizer steps; a 2:4 part's state_dict shows
-the whole layer as DTensors (so torch.distributed.checkpoint saves and reshards it), a
-block-sparse part's is refused.
+reduce-scattered along the sequence); nn.Linear modules get torch's own behaviour. A sparse
+layer's parameters become its rank's part as plain tensors, which each rank's optimizer
+steps; a 2:4 part's state_dict shows the whole layer as DTensors (so
+torch.distributed.checkpoint saves and reshards it), a block-sparse part's is refused.
 """
 from __future__ import annotations
 

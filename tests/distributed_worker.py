@@ -240,7 +240,8 @@ def tp_case(variant: str, device, world: int, compiled: bool = False, sequence: 
             errors.append((before, losses, m(input_ids=ids[0], **positions(ids[0])).logits.float()))
     (want_before, want_losses, want_after), (before, losses, after) = errors
     worst = max(relative_error(before, want_before), relative_error(after, want_after))
-    say(f"{'sp' if sequence else 'tp'}:{variant}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; "
+    kind = "sp" if sequence else "tp"
+    say(f"{kind}:{variant}: losses {['%.4f' % v for v in losses]} twin {['%.4f' % v for v in want_losses]}; "
         f"worst logits error {worst:.1e}")
     if max(abs(a - b) / b for a, b in zip(losses, want_losses)) > 5e-3:
         return f"losses {losses} against the twin's {want_losses}"
