@@ -148,20 +148,14 @@ class FixedRowsProduct:
         """Where each stored block sits in W's block grid (r * K / bk + c), in values' order:
         kept per index tensor and shape, built outside any CUDA graph's memory pool (the kit's
         gradient ops call this at run time, compiled backwards included)."""
-        index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
-        signature = (tuple(values.shape), values.device, in_features, index is not None and index._version,
-                     *(r for r in rest if not isinstance(r, torch.Tensor)))
-        return self._positions.get(_NO_INDEX if index is None else index, signature, lambda: outside_graphs.run(
+        return self._positions.get(*_kept_by(values, in_features, rest), lambda: outside_graphs.run(
             block_positions, (self.dense_weight, values, in_features, rest), values.device))
 
     def transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
         """W^T's block-CSR index (transposed_index), kept as positions are: the kernels plan
         once per index tensor, so a kept one is planned once. Built outside any CUDA graph's
         memory pool (outside_graphs: reduce-overhead's warm-up would keep it in the pool)."""
-        index = next((t for t in rest if isinstance(t, torch.Tensor)), None)
-        signature = (tuple(values.shape), values.device, in_features, index is not None and index._version,
-                     *(r for r in rest if not isinstance(r, torch.Tensor)))
-        return self._transposed.get(_NO_INDEX if index is None else index, signature, lambda: outside_graphs.run(
+        return self._transposed.get(*_kept_by(values, in_features, rest), lambda: outside_graphs.run(
             self._transposed_index, (values, in_features, rest), values.device))
 
     def _transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
@@ -261,6 +255,15 @@ def _input_grad(product: "FixedRowsProduct", dy, values, in_features: int, rest:
         values_t, rest_t = product.transposed(values, in_features, *rest)
         return product(dy, values_t, None, *rest_t, "none")
     return kit_input_grad(product.op, dy, values, *_index_and_ints(rest, in_features))
+
+
+def _kept_by(values, in_features: int, rest: tuple) -> tuple:
+    """(owner, signature) under which what the kit derives from a layer's block places is kept:
+    its index tensor (the shared no-index owner for a layout without one), and the shapes, the
+    index's version and the op's ints."""
+    index, ints = _index_and_ints(rest)
+    signature = (tuple(values.shape), values.device, in_features, index is not None and index._version, *ints)
+    return (_NO_INDEX if index is None else index), signature
 
 
 def _index_and_ints(rest: tuple, *before_ints) -> tuple:
