@@ -146,11 +146,10 @@ class FixedRowsProduct:
 
     def positions(self, values, in_features: int, rest: tuple) -> torch.Tensor:
         """Where each stored block sits in W's block grid (r * K / bk + c), in values' order:
-        kept per index tensor and shape in eager calls, computed in a compiled backward."""
-        if torch.compiler.is_compiling():
-            return block_positions(self.dense_weight, values, in_features, rest)
-        return self._positions.get(*_kept_by(values, in_features, rest),
-                                   lambda: block_positions(self.dense_weight, values, in_features, rest))
+        kept per index tensor and shape, built outside any CUDA graph's memory pool (the kit's
+        gradient ops call this at run time, compiled backwards included)."""
+        return self._positions.get(*_kept_by(values, in_features, rest), lambda: outside_graphs.run(
+            block_positions, (self.dense_weight, values, in_features, rest), values.device))
 
     def transposed_index(self, values, in_features: int, rest: tuple) -> tuple:
         """W^T's block-CSR index (transposed_index), kept as positions are: the kernels plan
@@ -229,7 +228,7 @@ class _KitLinear(torch.autograd.Function):
     kernel again), else block-CSR's input-grad kernel over W^T's index (kit_input_grad); dW at
     the stored blocks only, by the layout's `weight_grad` where it has one, else the kit's
     sampled kernel (block-CSR's sdd, lent through registry.kit_kernel) at the places
-    block_positions finds."""
+    block_positions finds, kept per layer (kit_weight_grad)."""
 
     @staticmethod
     def forward(ctx, x, values, bias, op: str, *rest):
@@ -295,14 +294,26 @@ def _values_grad(product: "FixedRowsProduct", dy2, x2, values, rest: tuple):
     dY^T X at the blocks' places in the grid."""
     if product.weight_grad is not None:
         return product.weight_grad(dy2, x2, values, *rest)
+    return kit_weight_grad(product.op, dy2, x2, values, *_index_and_ints(rest))
+
+
+def _kit_weight_grad(op: str, dy2, x2, values, index, ints: list[int]):
+    """dY^T X at the stored blocks by the kit's sampled kernel, at the places positions()
+    keeps: one op to a compiled backward, as kit_input_grad is (no sort of the grid per step)."""
+    product, rest = _PRODUCTS[op], ((index,) if index is not None else ()) + tuple(ints)
     positions = product.positions(values, x2.shape[-1], rest)
     return product.sampled_weight_grad(dy2, x2, positions, tuple(values.shape[2:])).reshape(values.shape)
+
+
+kit_weight_grad = library.eager_or_op(library.define(
+    "kit_weight_grad(str op, Tensor dy2, Tensor x2, Tensor values, Tensor? index, int[] ints) -> Tensor",
+    _kit_weight_grad, lambda op, dy2, x2, values, index, ints: values.new_empty(values.shape)), _kit_weight_grad)
 
 
 def block_positions(dense_weight: Callable, values, in_features: int, rest: tuple) -> torch.Tensor:
     """The stored blocks' row-major places in W's block grid, in values' order: the layout's
     dense_weight over 1 x 1 tiles numbered 1, 2, ... puts each number at its block's place,
-    and a sort of the grid finds them (a static shape: a compiled backward traces it)."""
+    and a sort of the grid finds them (static shapes)."""
     rows, rowblocks, bm, bk = values.shape
     count = rows * rowblocks
     numbers = torch.arange(1, count + 1, dtype=torch.float64, device=values.device).reshape(rows, rowblocks, 1, 1)
