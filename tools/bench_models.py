@@ -523,12 +523,18 @@ def speedups(rows: list[dict]) -> list[dict]:
     return [dict(r, speedup=r["dense_ms"] / r["ms"] if r.get("ms") else None) for r in rows]
 
 
-def cell(r: dict | None) -> str:
-    if r is None:
+def cell(runs: list[dict]) -> str:
+    """A variant's cell from its runs: the last one's speedup, and every run's where there are
+    several (host-bound cases spread between runs by more than their margins: one figure
+    would hide it)."""
+    if not runs:
         return "-"
+    r = runs[-1]
     if "failed" in r:
         return "fails"
     text = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+    if len(runs) > 1:
+        text += " (runs: " + " / ".join(f"{run['speedup']:.2f}x" for run in runs if run.get("speedup")) + ")"
     return text + (f" (err {r['error']:.0e})" if r.get("error") is not None and r["error"] > 2e-2 else "")
 
 
@@ -538,10 +544,10 @@ def model_table(rows: list[dict]) -> list[str]:
     lines = ["| model | mode | dense ms | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
     for case in dict.fromkeys(r["case"] for r in rows):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["case"] == case):
-            pick = {r["variant"]: r for r in rows if r["case"] == case and r["mode"] == mode}
-            dense_ms = statistics.median([r["dense_ms"] for r in pick.values() if r.get("dense_ms")] or [0])
+            runs = [r for r in rows if r["case"] == case and r["mode"] == mode]
+            dense_ms = statistics.median([r["dense_ms"] for r in runs if r.get("dense_ms")] or [0])
             lines.append(f"| {case} | {mode} | {dense_ms:.3f} | " if dense_ms else f"| {case} | {mode} | - | ")
-            lines[-1] += " | ".join(cell(pick.get(v)) for v in variants) + " |"
+            lines[-1] += " | ".join(cell([r for r in runs if r["variant"] == v]) for v in variants) + " |"
     return lines
 
 
