@@ -53,7 +53,7 @@ def test_packed_launch_binds_parameters_in_kernel_order():
 
     from sparsegen.launch.runtime import PackedLaunch
 
-    launch = PackedLaunch(kern=None, grid=(1, 1, 1), maps=((torch.bfloat16, 8, 8, 8, 8),), pointers=(0, 0, 7),
+    launch = PackedLaunch(_FakeKernel(), grid=(1, 1, 1), maps=((torch.bfloat16, 8, 8, 8, 8),), pointers=(0, 0, 7),
                           ints=(3, 4))
     launch.bind(1, 0xABC0)
     launch.bind(2, 0xDEF0)
@@ -61,6 +61,61 @@ def test_packed_launch_binds_parameters_in_kernel_order():
     read = [ctypes.c_uint64.from_address(launch.array[i]).value for i in (1, 2, 3)]
     assert read == [0xABC0, 0xDEF0, 7]
     assert [ctypes.c_int32.from_address(launch.array[i]).value for i in (4, 5)] == [3, 4]
+
+
+class _FakeKernel:
+    """What PackedLaunch reads of a loaded kernel; launch_array records the general path."""
+    threads, smem, device_index, _handle = 256, 49152, 0, 0xF00
+
+    def __init__(self):
+        self.general = []
+
+    def launch_array(self, grid, array):
+        self.general.append(grid)
+
+
+def _packed_with_driver(monkeypatch, status: int, device: int = 0):
+    """A PackedLaunch whose cuLaunchKernelEx is a recorder returning `status`, on a stream
+    0x5000 of device `device` (the launch's kernel is on device 0)."""
+    import ctypes
+
+    from sparsegen.launch import runtime
+
+    calls = []
+
+    def launch_ex(config_address, function, array, extra):
+        config = runtime._LaunchConfig.from_address(config_address)
+        calls.append((config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.sharedMemBytes,
+                      config.hStream, function, ctypes.c_uint64.from_address(array[0]).value, extra))
+        return status
+
+    monkeypatch.setattr(runtime, "_launch_ex", lambda: launch_ex)
+    monkeypatch.setattr(runtime, "_current_device", lambda: device)
+    monkeypatch.setattr(runtime, "current_stream", lambda index: 0x5000 + index)
+    kern = _FakeKernel()
+    launch = runtime.PackedLaunch(kern, grid=(7, 3, 1), maps=(), pointers=(0,), ints=(5,))
+    launch.bind(0, 0xAB00)
+    return launch, kern, calls
+
+
+def test_packed_launch_goes_through_launch_ex_with_its_grid_block_and_stream(monkeypatch):
+    launch, kern, calls = _packed_with_driver(monkeypatch, status=0)
+    launch.run()
+    assert calls == [(7, 3, 1, 256, 49152, 0x5000, 0xF00, 0xAB00, None)] and kern.general == []
+
+
+def test_a_failed_launch_ex_takes_the_general_path_which_reports_it(monkeypatch):
+    """A thread without a current context (status 201), or any failure: cuLaunchKernel's
+    path sets the context or raises with the driver's name for the error."""
+    launch, kern, calls = _packed_with_driver(monkeypatch, status=201)
+    launch.run()
+    assert len(calls) == 1 and kern.general == [(7, 3, 1)]
+
+
+def test_a_launch_from_another_current_device_takes_the_general_path(monkeypatch):
+    launch, kern, calls = _packed_with_driver(monkeypatch, status=0, device=1)
+    launch.run()
+    assert calls == [] and kern.general == [(7, 3, 1)]
 
 
 def test_an_index_rewritten_in_place_with_its_own_values_is_not_derived_again():

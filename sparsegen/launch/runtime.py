@@ -75,8 +75,12 @@ def _libcuda():
 
 @functools.lru_cache(maxsize=1)
 def _launch_ex():
-    """cuLaunchKernelEx, or None for a driver older than CUDA 12 (launches then take cuLaunchKernel)."""
-    return getattr(_libcuda(), "cuLaunchKernelEx", None)
+    """cuLaunchKernelEx, or None for a driver older than CUDA 12 (launches then take
+    cuLaunchKernel) or none at all (a CPU-only machine packs launches it never makes)."""
+    try:
+        return getattr(_libcuda(), "cuLaunchKernelEx", None)
+    except OSError:
+        return None
 
 
 def _slow_current_stream(device_index: int) -> int:
