@@ -58,6 +58,24 @@ def test_apart_runs_each_variant_in_a_process_of_its_own_and_gathers_the_rows(tm
     assert all("failed" not in r and r["ms"] > 0 and r["error"] < 1e-4 for r in result["rows"])
 
 
+def test_repeat_runs_each_variant_that_many_times_and_the_table_shows_every_run(tmp_path):
+    tool = load_tool()
+    out = tmp_path / "repeat.json"
+    tool.main(["--smoke", "--apart", "--repeat", "2", "--cases", "llama_decode1", "--variants", "2:4",
+               "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["2:4", "2:4"] and all(r["ms"] > 0 for r in rows)
+    line = tool.model_table(rows)[2]
+    shown = [f"{r['dense_ms'] / r['ms']:.2f}x" for r in rows]
+    assert line.count("x") >= 3 and f"(runs: {shown[0]} / {shown[1]})" in line, line
+
+
+def test_a_cell_of_one_run_shows_its_speedup_alone():
+    tool = load_tool()
+    row = dict(case="c", mode="compile", variant="2:4", dense_ms=3.0, ms=2.0, error=1e-3)
+    assert tool.model_table([row])[2] == "| c | compile | 3.000 | 1.50x |"
+
+
 def test_without_options_drops_flags_and_options_with_their_values():
     tool = load_tool()
     argv = ["--apart", "--json", "a.json", "--cases=x", "--modes", "compile", "--variants", "2:4"]
