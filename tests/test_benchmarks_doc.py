@@ -63,3 +63,24 @@ def test_a_table_refuses_a_row_of_the_wrong_width_and_an_unknown_section():
         table.add(1.0)
     with pytest.raises(AssertionError):
         bench_record.Table("Benchmarks I made up", "t", [("a", "")])
+
+
+def test_a_pivoted_table_puts_each_points_rows_side_by_side_and_keeps_steady_columns_once():
+    """A sweep recorded with Table.pivot: one line per (dtype, block), each row's density and
+    speedup in order; a column steady within every point (dense ms) kept once, one that
+    varies and is not shown (ms) left to the JSON."""
+    table = bench_record.Table("Block-sparse layers", "sweep", [("dtype", ""), ("block", ""), ("density", ".2f"),
+                                                                 ("dense ms", ".1f"), ("ms", ".1f"), ("x", "x")])
+    table.pivot("density", ["x"])
+    rng = random.Random(7)
+    expected = []
+    for dtype, block, dense in (("bf16", 64, 2.0), ("fp16", 128, 3.0)):
+        line = [dtype, str(block), f"{dense:.1f}"]
+        for density in (0.1, 0.25, 0.5):
+            measured, speedup = density + rng.uniform(-0.004, 0.004), rng.uniform(0.5, 4)
+            table.add(dtype, block, measured, dense, rng.uniform(0.1, 1), speedup)
+            line += [f"{measured:.2f}", f"{speedup:.2f}x"]
+        expected.append("| " + " | ".join(line) + " |")
+    lines = bench_record.table_lines(table.as_dict())
+    assert lines[0] == "| dtype | block | dense ms | density 1 | x 1 | density 2 | x 2 | density 3 | x 3 |"
+    assert lines[2:] == expected

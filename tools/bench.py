@@ -406,7 +406,9 @@ def forward_tables(args) -> list[Table]:
     """The block-sparse forward over shapes, blocks and densities, then the overheads."""
     dtypes, shapes = (["bf16"], SHAPES[1:2]) if args.quick else (list(DTYPES), SHAPES)
     table = Table("Block-sparse layers", "Block-sparse forward against cuBLAS and PyTorch's BSR (Triton)",
-                  FORWARD_COLUMNS, "Speedup: dense F.linear time over the method's, side by side in one process.")
+                  FORWARD_COLUMNS, "Speedup: dense F.linear time over the method's, side by side in one process. "
+                  "Per block, its densities (1-3) side by side; ms, targets and TFLOP/s per cell are in the "
+                  "recorded JSON (tools/results/).").pivot("density", ["sparsegen", "torch BSR"])
     rows = bench_forward(table, dtypes, shapes, BLOCKS, DENSITIES)
     table.notes = forward_notes(rows)
     if args.plot:

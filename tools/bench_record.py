@@ -50,11 +50,37 @@ def row_text(columns, cells) -> str:
 
 
 def table_lines(table: dict) -> list[str]:
-    """A recorded table as markdown: header, rows, then its notes."""
-    columns = table["columns"]
+    """A recorded table as markdown: header, rows, then its notes (a table recorded with
+    `across` shown pivoted: see pivoted)."""
+    columns, rows = table["columns"], table["rows"]
+    if table.get("across"):
+        columns, rows = pivoted(columns, rows, table["across"], table["shown"])
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += [row_text(columns, cells) for cells in table["rows"]]
+    lines += [row_text(columns, cells) for cells in rows]
     return lines + ([""] + [f"- {note}" for note in table["notes"]] if table["notes"] else [])
+
+
+def pivoted(columns: list, rows: list, across: str, shown: list[str]) -> tuple[list, list]:
+    """One line per point of the columns before `across` (a sweep's dtype, shape and block),
+    with `across` and the `shown` columns side by side for each of the point's rows in order
+    (its k-th density: the value measured varies a little with the block grid, so it is
+    shown, not matched). Columns that stay the same within every point are kept once; the
+    others are left to the recorded JSON. A sweep of a hundred rows reads as a third."""
+    names = [name for name, _ in columns]
+    split = names.index(across)
+    groups: dict[tuple, list] = {}
+    for cells in rows:
+        groups.setdefault(tuple(cells[:split]), []).append(cells)
+    slots = max(len(group) for group in groups.values())
+    steady = [at for at in range(split + 1, len(names)) if names[at] not in shown
+              and all(len({repr(c[at]) for c in group}) == 1 for group in groups.values())]
+    wide = [split] + [names.index(name) for name in shown]
+    out_columns = columns[:split] + [columns[at] for at in steady]
+    out_columns += [(f"{names[at]} {slot + 1}", columns[at][1]) for slot in range(slots) for at in wide]
+    out_rows = [[*key, *[group[0][at] for at in steady],
+                 *[group[slot][at] if slot < len(group) else None for slot in range(slots) for at in wide]]
+                for key, group in groups.items()]
+    return out_columns, out_rows
 
 
 class Table:
@@ -66,6 +92,15 @@ class Table:
         self.section, self.title, self.columns, self.about = section, title, columns, about
         self.rows: list[list] = []
         self.notes: list[str] = []
+        self.across, self.shown = None, []  # shown pivoted (table_lines) where set
+
+    def pivot(self, across: str, shown: list[str]) -> "Table":
+        """Render one line per point before column `across`, the `shown` columns side by side
+        for each of its values (the JSON keeps every column of every row)."""
+        names = [name for name, _ in self.columns]
+        assert across in names and all(name in names for name in shown), (across, shown)
+        self.across, self.shown = across, list(shown)
+        return self
 
     def add(self, *cells) -> None:
         assert len(cells) == len(self.columns), (self.title, cells)
@@ -73,8 +108,9 @@ class Table:
         print(row_text(self.columns, cells), flush=True)
 
     def as_dict(self) -> dict:
+        pivot = dict(across=self.across, shown=self.shown) if self.across else {}
         return dict(section=self.section, title=self.title, about=self.about, columns=self.columns,
-                    rows=self.rows, notes=self.notes)
+                    rows=self.rows, notes=self.notes, **pivot)
 
 
 def write(path: Path | None, tool: str, argv: list[str], tables: list[Table],
