@@ -655,8 +655,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.report:
         return report([json.loads(p.read_text()) for p in args.report], args.markdown, args.plot)
-    if args.repeat != 1 and not args.apart:
-        parser.error(f"--repeat takes --apart (runs in fresh processes). Got --repeat {args.repeat} without it.")
+    if args.repeat < 1 or (args.repeat > 1 and not args.apart):
+        parser.error(f"Expected --repeat N >= 1, N > 1 with --apart (runs in fresh processes). "
+                     f"Got --repeat {args.repeat}{'' if args.apart else ' without --apart'}.")
     if args.apart:
         return run_apart(argv, args)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
