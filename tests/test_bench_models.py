@@ -67,7 +67,14 @@ def test_repeat_runs_each_variant_that_many_times_and_the_table_shows_every_run(
     assert [r["variant"] for r in rows] == ["2:4", "2:4"] and all(r["ms"] > 0 for r in rows)
     line = tool.model_table(rows)[2]
     shown = [f"{r['dense_ms'] / r['ms']:.2f}x" for r in rows]
-    assert line.count("x") >= 3 and f"(runs: {shown[0]} / {shown[1]})" in line, line
+    assert f"| {shown[1]} (runs: {shown[0]} / {shown[1]})" in line, line
+
+
+def test_a_failed_run_among_several_is_shown_as_one():
+    tool = load_tool()
+    rows = [dict(case="c", mode="eager", variant="2:4", failed="RuntimeError: x"),
+            dict(case="c", mode="eager", variant="2:4", dense_ms=3.0, ms=2.0, error=1e-3)]
+    assert tool.model_table(rows)[2] == "| c | eager | 3.000 | 1.50x (runs: fails / 1.50x) |"
 
 
 def test_a_cell_of_one_run_shows_its_speedup_alone():

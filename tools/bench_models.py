@@ -534,7 +534,8 @@ def cell(runs: list[dict]) -> str:
         return "fails"
     text = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
     if len(runs) > 1:
-        text += " (runs: " + " / ".join(f"{run['speedup']:.2f}x" for run in runs if run.get("speedup")) + ")"
+        text += " (runs: " + " / ".join("fails" if "failed" in run else f"{run['speedup']:.2f}x" if run.get("speedup")
+                                        else "-" for run in runs) + ")"
     return text + (f" (err {r['error']:.0e})" if r.get("error") is not None and r["error"] > 2e-2 else "")
 
 

@@ -72,8 +72,7 @@ def pivoted(columns: list, rows: list, across: str, shown: list[str]) -> tuple[l
     for cells in rows:
         groups.setdefault(tuple(cells[:split]), []).append(cells)
     slots = max(len(group) for group in groups.values())
-    steady = [at for at in range(split + 1, len(names)) if names[at] not in shown
-              and all(len({repr(c[at]) for c in group}) == 1 for group in groups.values())]
+    steady = [at for at in range(split + 1, len(names)) if names[at] not in shown and _same_in(groups, at)]
     wide = [split] + [names.index(name) for name in shown]
     out_columns = columns[:split] + [columns[at] for at in steady]
     out_columns += [(f"{names[at]} {slot + 1}", columns[at][1]) for slot in range(slots) for at in wide]
@@ -81,6 +80,11 @@ def pivoted(columns: list, rows: list, across: str, shown: list[str]) -> tuple[l
                  *[group[slot][at] if slot < len(group) else None for slot in range(slots) for at in wide]]
                 for key, group in groups.items()]
     return out_columns, out_rows
+
+
+def _same_in(groups: dict, at: int) -> bool:
+    """Whether column `at` holds one value within each group of rows."""
+    return all(len({repr(cells[at]) for cells in group}) == 1 for group in groups.values())
 
 
 class Table:
