@@ -2,6 +2,7 @@
 checks each model against its masked dense twin, and its report tabulates what it measured."""
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -87,3 +88,15 @@ def test_without_options_drops_flags_and_options_with_their_values():
     tool = load_tool()
     argv = ["--apart", "--json", "a.json", "--cases=x", "--modes", "compile", "--variants", "2:4"]
     assert tool.without_options(argv, ("--apart",), ("--json", "--cases", "--variants")) == ["--modes", "compile"]
+
+
+def test_pin_times_on_one_core_and_gives_every_core_back(tmp_path, monkeypatch):
+    tool = load_tool()
+    seen, before = [], os.sched_getaffinity(0)
+    timed = tool.interleaved_ms
+    monkeypatch.setattr(tool, "interleaved_ms", lambda *a, **k: seen.append(os.sched_getaffinity(0)) or timed(*a, **k))
+    tool.main(["--smoke", "--pin", "--cases", "llama_decode1", "--variants", "2:4", "--json", str(tmp_path / "p.json")])
+    assert seen and all(len(cores) == 1 and cores <= before for cores in seen), seen
+    assert os.sched_getaffinity(0) == before
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert rows and all("failed" not in r and r["ms"] > 0 for r in rows)

@@ -15,9 +15,11 @@ masked) run eagerly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -72,6 +74,8 @@ OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
 TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
 TRAINING_STEPS = 4  # warm-up steps of a training case; the last one's loss is checked (after 3 updates)
 MODES = ["eager", "compile", "reduce-overhead"]
+# --pin: the timing thread stays on one core while it times (set by main)
+TIMING = dict(pin=False)
 
 
 @dataclass
@@ -431,6 +435,27 @@ def interleaved_ms(steps: list[Callable], device, reps: int, rounds: int = 5) ->
     return [statistics.median(column) for column in zip(*times)]
 
 
+def current_core() -> int:
+    """The core this thread runs on now (field 39 of its /proc stat line, after the name)."""
+    stat = Path("/proc/thread-self/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[36])
+
+
+@contextlib.contextmanager
+def pinned(enabled: bool):
+    """This thread on the core it is on, until the block ends. Only while timing: the models are
+    compiled by then, and worker processes started before inherit every core."""
+    if not enabled:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {current_core()})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected, dense: DenseSteps, device,
                  reps: int) -> dict:
     row = dict(case=case.name, variant=variant, mode=mode)
@@ -440,7 +465,7 @@ def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected
         row["error"] = check_error(case, outputs, expected)
         if case.training:
             row["loss"], row["dense_loss"] = float(outputs[-1]), float(expected[-1])
-        with torch.set_grad_enabled(case.training):
+        with torch.set_grad_enabled(case.training), pinned(TIMING["pin"]):
             row["dense_ms"], row["ms"] = interleaved_ms([dense(mode), step], device, reps)
         if state is not None:
             model.load_state_dict(state)
@@ -653,7 +678,10 @@ def main(argv=None) -> None:
                         help="each case and variant in a process of its own, beside its own dense model")
     parser.add_argument("--repeat", type=int, default=1,
                         help="with --apart: that many fresh processes per case and variant, every run a row")
+    parser.add_argument("--pin", action="store_true",
+                        help="time on one core: the timing thread stays on the core it is on while it times")
     args = parser.parse_args(argv)
+    TIMING["pin"] = args.pin
     if args.report:
         return report([json.loads(p.read_text()) for p in args.report], args.markdown, args.plot)
     if args.repeat < 1 or (args.repeat > 1 and not args.apart):
