@@ -1,7 +1,8 @@
 """Host time of one launch, by the ways a compiled decode step can make it: a planned 2:4
 product launched by cuLaunchKernelEx (PackedLaunch.run) and by cuLaunchKernel (the general
 path), the whole launcher a compiled graph calls (FP8 quantizing product and the 16-bit one),
-and torch.mm into a given output (what Inductor's graph calls for a dense linear).
+and torch.mm into a given output (what Inductor's graph calls for a dense linear); then whole
+eager layer calls (nn.Linear, ScaledSparse24Linear, Sparse24Linear: what an eager model pays).
 Each is timed in bursts from an idle GPU to the last launch queued; median over rounds that
 alternate the ways (the host's speed drifts). Usage (GPU):
     PYTHONPATH=. python tools/probe_launch.py [--tokens 16] [--width 4096]
@@ -53,7 +54,9 @@ def ways(tokens: int, width: int) -> dict:
                   packed_launch_ex=launch.run,
                   packed_launch_kernel=lambda: launch.kern.launch_array(launch.grid, launch.array),
                   torch_mm_out=lambda: torch.mm(x, linear.weight.t(), out=y),
-                  torch_addmm_out=lambda: torch.addmm(linear.bias, x, linear.weight.t(), out=y))
+                  torch_addmm_out=lambda: torch.addmm(linear.bias, x, linear.weight.t(), out=y),
+                  # whole eager layer calls, module call and output allocation included
+                  linear_module=lambda: linear(x), fp8_module=lambda: fp8(x), bf16_module=lambda: bf16(x))
     for call in chosen.values():
         call()
     torch.cuda.synchronize()
