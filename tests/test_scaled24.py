@@ -206,3 +206,36 @@ def test_input_gradient_passes_the_quantization_straight_through(epilogue, weigh
 def make_unfused(layer):
     return sparsegen.ScaledSparse24Linear(layer.values, layer.metadata, layer.weight_scale, layer.bias,
                                           layer.input_scale)
+
+
+def test_eager_cuda_calls_take_the_compiled_graphs_launcher_with_the_layers_operands(monkeypatch):
+    """The lean eager path hands the launcher registered for sp24_scaled_linear x's rows,
+    the layer's tensors and a fresh Y of the epilogue's width, and gives Y x's leading dims
+    (here a recording launcher computes the reference into Y: this machine has no GPU; the
+    GPU suites run the real one). A CPU input never takes it."""
+    from sparsegen.jit import registry
+    from sparsegen.semi24 import scaled
+
+    layer = sparsegen.ScaledSparse24Linear.from_dense(nn.Linear(64, 48).to(torch.bfloat16), "int8").fuse("swiglu")
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    seen = []
+
+    def launcher(x2, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype, *, out):
+        seen.append((tuple(x2.shape), values is layer.values, metadata is layer.metadata, epilogue, out_dtype,
+                     tuple(out.shape)))
+        out.copy_(scaled._scaled_linear(x2, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype))
+
+    monkeypatch.setitem(registry._LAUNCHERS, "sp24_scaled_linear", launcher)
+    assert not scaled._launches_as_compiled(x, layer.bias)
+    with torch.no_grad():
+        got = layer._launched(x)
+        want = layer(x)
+    assert seen == [((10, 64), True, True, "swiglu", torch.bfloat16, (10, 24))]
+    assert got.shape == (2, 5, 24) and torch.equal(got, want)
+
+
+def test_the_registered_launcher_of_the_scaled_product_is_compiled_graphs_one():
+    from sparsegen.jit import registry
+    from sparsegen.semi24 import compiled
+
+    assert registry.launcher("sp24_scaled_linear") is compiled.sp24_scaled_linear_into

@@ -215,6 +215,18 @@ def lowerings() -> tuple[Lowering, ...]:
     return tuple(lowering for module in modules for lowering in module.LOWERINGS)
 
 
+def launcher(op: str) -> Callable:
+    """The launcher compiled graphs call for forward op `op` (its layout's Lowering), found once:
+    an eager layer's repeated calls take it too."""
+    found = _LAUNCHERS.get(op)
+    if found is None:
+        found = _LAUNCHERS[op] = next(lowering.launcher for lowering in lowerings() if lowering.op == op)
+    return found
+
+
+_LAUNCHERS: dict[str, Callable] = {}
+
+
 def faces() -> tuple[Face, ...]:
     """Every layout's faces, in LAYOUTS order (importing their modules: the layers)."""
     modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.faces_module}")

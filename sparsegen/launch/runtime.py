@@ -90,7 +90,7 @@ def _slow_current_stream(device_index: int) -> int:
 # The raw-handle query inductor uses costs ~1 us; building a torch Stream object, ~10.
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
 # Likewise the raw device query: torch.cuda.current_device() adds its lazy-init check (~3 us).
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_current_device = current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 # And the capture query, without torch.cuda's Python wrapper around it (a frame per call).
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from .. import checkpoint
 from ..errors import InputError, expect
-from ..jit import epilogues
-from ..launch import library
+from ..jit import epilogues, registry
+from ..launch import lean, library, runtime
 from ..layer import dense_linear, in_units
 from . import format as semi24
 from . import ops
@@ -242,7 +242,20 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
         args = (x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale, self.epilogue)
         if torch.is_grad_enabled() and x.requires_grad:  # layers around it train: x's gradient
             return _InputGradient.apply(*args)
+        if _launches_as_compiled(x, self.bias):
+            return self._launched(x)
         return scaled_product(*args)
+
+    def _launched(self, x: Tensor) -> Tensor:
+        """Y for x as a compiled graph's call makes it: the launcher registered for
+        sp24_scaled_linear (semi24/compiled.py: a plan kept per signature, checks of what can
+        change between calls only, the full path where no plan serves), into a new Y."""
+        x2 = x.reshape(-1, x.shape[-1])
+        width = epilogues.output_features(self.epilogue, self.out_features)
+        y = torch.empty((x2.shape[0], width), dtype=x.dtype, device=x.device)
+        registry.launcher("sp24_scaled_linear")(x2, self.values, self.metadata, self.weight_scale, self.bias,
+                                                self.input_scale, self.epilogue, x.dtype, out=y)
+        return y.reshape(*x.shape[:-1], width)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
@@ -284,6 +297,15 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4, "
                 f"weight_dtype={self.values.dtype}, activations {scale}, bias={self.bias is not None}"
                 f"{self._epilogue_repr()}")
+
+
+def _launches_as_compiled(x: Tensor, bias: Tensor | None) -> bool:
+    """Whether an eager call takes the compiled graphs' launcher (ScaledSparse24Linear._launched):
+    a plain CUDA tensor of the kernels' 16-bit dtypes on the current device (the launcher
+    allocates there), a bias of x's dtype, rows to compute, no autocast. The full path took
+    its checks on every call: this is the lean path Sparse24Linear has."""
+    return (x.is_cuda and lean.applies(x) and x.dtype in ops.SCALED_OUTPUT_CODES and x.numel() > 0
+            and (bias is None or bias.dtype == x.dtype) and x.get_device() == runtime.current_device())
 
 
 def _check_input(x, values: Tensor, in_features: int) -> None:
