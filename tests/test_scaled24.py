@@ -226,10 +226,14 @@ def test_eager_cuda_calls_take_the_compiled_graphs_launcher_with_the_layers_oper
         out.copy_(scaled._scaled_linear(x2, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype))
 
     monkeypatch.setitem(registry._LAUNCHERS, "sp24_scaled_linear", launcher)
-    assert not scaled._launches_as_compiled(x, layer.bias)
+    assert not scaled._launches_as_compiled(x, layer.values, layer.bias, 64)  # (a CPU input)
     with torch.no_grad():
-        got = layer._launched(x)
-        want = layer(x)
+        want = layer(x)  # the checked path
+        assert seen == []
+        asked = []
+        monkeypatch.setattr(scaled, "_launches_as_compiled", lambda *args: asked.append(args) or True)
+        got = layer(x)  # as a CUDA input would
+    assert asked == [(x, layer.values, layer.bias, 64)]
     assert seen == [((10, 64), True, True, "swiglu", torch.bfloat16, (10, 24))]
     assert got.shape == (2, 5, 24) and torch.equal(got, want)
 

@@ -238,24 +238,32 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
         return self
 
     def forward(self, x: Tensor) -> Tensor:
+        y = self._launched(x)  # (None where the call takes the checked path below)
+        if y is not None:
+            return y
         _check_input(x, self.values, self.in_features)
         args = (x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale, self.epilogue)
         if torch.is_grad_enabled() and x.requires_grad:  # layers around it train: x's gradient
             return _InputGradient.apply(*args)
-        if _launches_as_compiled(x, self.bias):
-            return self._launched(x)
         return scaled_product(*args)
 
-    def _launched(self, x: Tensor) -> Tensor:
-        """Y for x as a compiled graph's call makes it: the launcher registered for
+    def _launched(self, x) -> Tensor | None:
+        """Y for x as a compiled graph's call makes it, or None: the launcher registered for
         sp24_scaled_linear (semi24/compiled.py: a plan kept per signature, checks of what can
-        change between calls only, the full path where no plan serves), into a new Y."""
-        x2 = x.reshape(-1, x.shape[-1])
+        change between calls only, the full path where no plan serves), into a new Y. Taken
+        where _launches_as_compiled says, which holds only where _check_input would pass.
+        Written flat, the tensors read from _buffers: a decode step makes this call per layer,
+        and the GPU machine's host paid 35 us a call through the checked path's helpers."""
+        buffers, bias = self._buffers, self._parameters.get("bias")
+        values = buffers["values"]
+        if not _launches_as_compiled(x, values, bias, self.in_features):
+            return None
+        x2 = x.reshape(-1, self.in_features)
         width = epilogues.output_features(self.epilogue, self.out_features)
         y = torch.empty((x2.shape[0], width), dtype=x.dtype, device=x.device)
-        registry.launcher("sp24_scaled_linear")(x2, self.values, self.metadata, self.weight_scale, self.bias,
-                                                self.input_scale, self.epilogue, x.dtype, out=y)
-        return y.reshape(*x.shape[:-1], width)
+        registry.launcher("sp24_scaled_linear")(x2, values, buffers["metadata"], buffers["weight_scale"], bias,
+                                                buffers["input_scale"], self.epilogue, x.dtype, out=y)
+        return y.view(*x.shape[:-1], width)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
@@ -299,13 +307,16 @@ class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module)
                 f"{self._epilogue_repr()}")
 
 
-def _launches_as_compiled(x: Tensor, bias: Tensor | None) -> bool:
+def _launches_as_compiled(x, values: Tensor, bias: Tensor | None, in_features: int) -> bool:
     """Whether an eager call takes the compiled graphs' launcher (ScaledSparse24Linear._launched):
-    a plain CUDA tensor of the kernels' 16-bit dtypes on the current device (the launcher
-    allocates there), a bias of x's dtype, rows to compute, no autocast. The full path took
-    its checks on every call: this is the lean path Sparse24Linear has."""
-    return (x.is_cuda and lean.applies(x) and x.dtype in ops.SCALED_OUTPUT_CODES and x.numel() > 0
-            and (bias is None or bias.dtype == x.dtype) and x.get_device() == runtime.current_device())
+    a plain CUDA tensor of the kernels' 16-bit dtypes and the layer's width, on the layer's
+    device and the current one (the launcher allocates there), a bias of x's dtype, rows to
+    compute, no autocast, no input gradient. The lean path Sparse24Linear has; what it takes,
+    _check_input accepts."""
+    return (lean.applies(x) and x.is_cuda and x.dtype in ops.SCALED_OUTPUT_CODES and x.dim() >= 1
+            and x.shape[-1] == in_features and x.numel() > 0 and (bias is None or bias.dtype == x.dtype)
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and x.get_device() == values.get_device() == runtime.current_device())
 
 
 def _check_input(x, values: Tensor, in_features: int) -> None:
