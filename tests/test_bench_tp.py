@@ -14,7 +14,8 @@ def test_smoke_run_records_a_row_per_case_and_mode(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           str(ROOT / "tools" / "bench_tp.py"), "--smoke", "--cases", "llama_decode1",
-                          "--modes", "eager", "--variants", "dense,2:4,b64d0.5", "--json", str(out)],
+                          "--modes", "eager", "--variants", "dense,2:4,b64d0.5", "--json", str(out),
+                          "--profile", "llama_decode1:2:4:eager"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     recorded = json.loads(out.read_text())
@@ -23,3 +24,5 @@ def test_smoke_run_records_a_row_per_case_and_mode(tmp_path):
     assert [c[0] for c in table["columns"]][3:] == ["2:4", "b64d0.5"]
     (name, mode, dense_ms, *speedups), = table["rows"]
     assert mode == "eager" and dense_ms > 0 and all(s > 0 for s in speedups)
+    # the profiled cell's header (the CPU has no kernels to list)
+    assert "decode 1 seq, 16-token KV cache, 2:4, eager:" in run.stdout, run.stdout[-3000:]

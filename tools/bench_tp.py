@@ -6,9 +6,11 @@ bench_models' cases, eager or compiled.
 
 GPU: PYTHONPATH=. torchrun --nproc_per_node=2 tools/bench_tp.py [--cases llama8b_prefill,llama8b_decode1]
      [--variants dense,2:4,b128d0.25,fp8-2:4] [--modes eager,compile] [--reps 10] [--json FILE]
+     [--profile llama8b_prefill:fp8-2:4:compile,...]
 CPU smoke (gloo, tiny shapes): torchrun --nproc_per_node=2 tools/bench_tp.py --smoke
 """
 import argparse
+import collections
 import sys
 from pathlib import Path
 
@@ -32,12 +34,51 @@ def mlp_plan(model) -> dict:
     return plan
 
 
-def step_ms(case, variant: str, mode: str, mesh, device, reps: int) -> float:
+def tp_step(case, variant: str, mode: str, mesh):
+    """The case's warmed-up step of `variant` with its MLPs split over the mesh, in `mode`."""
     model = bench_models.patched(case.make_model(), case.family, variant)
     parallelize_module(model, mesh, mlp_plan(model))
-    step, _ = bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, mode)))
+    return bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, mode)))[0]
+
+
+def steps_ms(case, variants: list[str], mode: str, mesh, device, reps: int) -> dict:
+    """{variant: median step ms}. Eager: every variant's model kept, timed in alternating rounds
+    (the host's speed drifts during a run by more than the margins). Compiled: each variant
+    alone after a Dynamo reset, as bench_models --apart does in fresh processes (models
+    compiled side by side slowed each other's calls)."""
     with torch.no_grad():
-        return bench_models.timed_ms(step, device, reps)
+        if mode == "eager":
+            steps = [tp_step(case, v, mode, mesh) for v in variants]
+            return dict(zip(variants, bench_models.interleaved_ms(steps, device, reps)))
+        timed = {}
+        for variant in variants:
+            torch._dynamo.reset()
+            timed[variant] = bench_models.timed_ms(tp_step(case, variant, mode, mesh), device, reps * 5)
+        return timed
+
+
+def profiled(case, variant: str, mode: str, mesh, top: int = 12) -> None:
+    """Rank 0's GPU time per step by kernel (3 steps), printed: where a slow cell goes."""
+    torch._dynamo.reset()
+    step = tp_step(case, variant, mode, mesh)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                         if torch.cuda.is_available() else [])
+    with torch.no_grad(), torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            getattr(step, "reset", lambda: None)()
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    kernels, launches = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        for kernel in event.kernels:
+            kernels[kernel.name[:100]] += kernel.duration / 3e3
+            launches[kernel.name[:100]] += 1 / 3
+    if dist.get_rank() == 0:
+        print(f"\n{case.name}, {variant}, {mode}: {sum(kernels.values()):.3f} GPU ms and "
+              f"{sum(launches.values()):.0f} launches per step; top kernels (ms, launches per step)")
+        for name, ms in kernels.most_common(top):
+            print(f"  {ms:8.3f} {launches[name]:5.0f}  {name}")
 
 
 def main() -> int:
@@ -48,6 +89,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, on whatever device there is")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", default="", help="CASE:VARIANT:MODE,...: rank 0's top kernels of those "
+                        "cells (CASE as in --cases), after the timed rows")
     args = parser.parse_args()
     rank, world, device = ranks.joined()
     cuda = device.type == "cuda"
@@ -59,11 +102,15 @@ def main() -> int:
                   "plan (torch's styles on nn.Linear). Speedup: the dense twin's time over the variant's.")
     for case in bench_models.cases(args.cases.split(","), device, args.smoke):
         for mode in args.modes.split(","):
-            ms = {v: step_ms(case, v, mode, mesh, device, args.reps) for v in ["dense", *variants]}
+            ms = steps_ms(case, ["dense", *variants], mode, mesh, device, args.reps)
             if rank == 0:  # recorded row by row: a run stopped at its time limit keeps what it measured
                 table.add(case.name, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants])
                 write(args.json, "bench_tp.py", sys.argv[1:], [table],
                       launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
+    for cell in filter(None, args.profile.split(",")):
+        name, rest = cell.split(":", 1)  # (a variant may hold a colon: fp8-2:4)
+        variant, mode = rest.rsplit(":", 1)
+        profiled(bench_models.cases([name], device, args.smoke)[0], variant, mode, mesh)
     dist.destroy_process_group()
     return 0
 
