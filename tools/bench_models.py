@@ -550,19 +550,20 @@ def speedups(rows: list[dict]) -> list[dict]:
 
 
 def cell(runs: list[dict]) -> str:
-    """A variant's cell from its runs: the last one's speedup, and every run's where there are
-    several (host-bound cases spread between runs by more than their margins: one figure
-    would hide it)."""
+    """A variant's cell from its runs: one run's speedup; of several, the median of those that
+    ran and then every run's (host-bound cases spread between runs by more than their margins:
+    one figure would hide it)."""
     if not runs:
         return "-"
-    r = runs[-1]
-    if "failed" in r:
-        return "fails"
-    text = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-    if len(runs) > 1:
-        text += " (runs: " + " / ".join("fails" if "failed" in run else f"{run['speedup']:.2f}x" if run.get("speedup")
-                                        else "-" for run in runs) + ")"
-    return text + (f" (err {r['error']:.0e})" if r.get("error") is not None and r["error"] > 2e-2 else "")
+    ran = [run for run in runs if "failed" not in run and run.get("speedup")]
+    if len(runs) == 1 or not ran:
+        r = runs[-1]
+        text = "fails" if "failed" in r else f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+    else:
+        text = f"{statistics.median(run['speedup'] for run in ran):.2f}x median (runs: " + " / ".join(
+            "fails" if "failed" in run else f"{run['speedup']:.2f}x" if run.get("speedup") else "-" for run in runs) + ")"
+    errors = [run["error"] for run in ran if run.get("error") is not None]
+    return text + (f" (err {max(errors):.0e})" if errors and max(errors) > 2e-2 else "")
 
 
 def model_table(rows: list[dict]) -> list[str]:

@@ -99,7 +99,8 @@ def main() -> int:
     table = Table("Whole models", f"Tensor parallelism over {world} GPUs: each MLP split, attention replicated",
                   [("model", ""), ("mode", ""), ("dense ms", ".3f")] + [(v, "x") for v in variants],
                   "tools/bench_tp.py under torchrun: median step time on rank 0; the dense twin runs the same "
-                  "plan (torch's styles on nn.Linear). Speedup: the dense twin's time over the variant's.")
+                  "plan (torch's styles on nn.Linear). Eager: the models timed in alternating rounds; compiled: "
+                  "each alone after a Dynamo reset. Speedup: the dense twin's time over the variant's.")
     for case in bench_models.cases(args.cases.split(","), device, args.smoke):
         for mode in args.modes.split(","):
             ms = steps_ms(case, ["dense", *variants], mode, mesh, device, args.reps)

@@ -69,8 +69,9 @@ def model_lines(runs: list[dict]) -> list[str]:
 
 
 def table_block(meta: dict, table: dict) -> list[str]:
-    about = [table["about"], ""] if table.get("about") else []
-    return [f"### {table['title']}", "", provenance(meta), ""] + about + table_lines(table) + [""]
+    """Title, then one paragraph: what the table measures (where recorded) and where and how."""
+    about = [table["about"]] if table.get("about") else []
+    return [f"### {table['title']}", ""] + about + [f"Measured: {provenance(meta)}", ""] + table_lines(table) + [""]
 
 
 def render(runs: list[dict]) -> str:
