@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 import transformers  # noqa: F401 (the cases build transformers models)
 
 
@@ -104,3 +106,25 @@ def test_pin_times_on_one_core_and_gives_every_core_back(tmp_path, monkeypatch):
     assert os.sched_getaffinity(0) == before
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert rows and all("failed" not in r and r["ms"] > 0 for r in rows)
+
+
+def test_alone_gives_each_compiled_variant_a_dense_twin_compiled_again_after_a_reset(monkeypatch):
+    """--alone: before each compiled (variant, mode), Dynamo forgets every graph and the dense
+    twin's step of that mode is made again (so it compiles beside that variant alone); eager
+    steps are kept. (The CPU run has no Inductor build to spare: the compile is a stand-in.)"""
+    tool = load_tool()
+    events = []
+    monkeypatch.setattr(tool.torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(tool, "in_mode", lambda model, mode: events.append(f"step {mode}") or model)
+    monkeypatch.setattr(tool, "interleaved_ms", lambda steps, device, reps: [2.0, 1.0])
+    model = nn.Linear(4, 4)
+    case = tool.Case("c", "llama", lambda: model, lambda m: (lambda: m(torch.ones(1, 4))))
+    dense = tool.DenseSteps(case)
+    monkeypatch.setitem(tool.TIMING, "alone", True)
+    for variant in ["2:4", "b64d0.5"]:
+        for mode in ["eager", "compile"]:
+            row = tool.measure_mode(case, variant, model, mode, [model(torch.ones(1, 4)).detach()], dense, torch.device("cpu"), 1)
+            assert row["dense_ms"] == 2.0 and "failed" not in row, row
+    # eager: the variant's step and dense's once; compile: a reset, then variant and dense steps made again
+    assert events == ["step eager", "step eager", "reset", "step compile", "step compile",
+                      "step eager", "reset", "step compile", "step compile"]

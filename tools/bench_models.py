@@ -74,8 +74,9 @@ OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
 TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
 TRAINING_STEPS = 4  # warm-up steps of a training case; the last one's loss is checked (after 3 updates)
 MODES = ["eager", "compile", "reduce-overhead"]
-# --pin: the timing thread stays on one core while it times (set by main)
-TIMING = dict(pin=False)
+# --pin: the timing thread stays on one core while it times; --alone: each compiled variant
+# beside a dense twin compiled again with it, after a Dynamo reset (set by main)
+TIMING = dict(pin=False, alone=False)
 
 
 @dataclass
@@ -410,6 +411,12 @@ class DenseSteps:
     def __init__(self, case: Case):
         self.case, self.model, self.steps = case, case.make_model(), {}
 
+    def compile_again(self, mode: str) -> None:
+        """Forget every compiled graph (Dynamo's caches, CUDA graph trees) and this mode's
+        step: the next variant and its dense twin are the process's only compiled models."""
+        torch._dynamo.reset()
+        self.steps.pop(mode, None)
+
     def __call__(self, mode: str) -> Callable:
         if mode not in self.steps:
             self.steps[mode] = warmed_up(self.case, self.case.make_step(in_mode(self.model, mode)))[0]
@@ -460,6 +467,8 @@ def pinned(enabled: bool):
 def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected, dense: DenseSteps, device,
                  reps: int) -> dict:
     row = dict(case=case.name, variant=variant, mode=mode)
+    if TIMING["alone"] and mode != "eager":
+        dense.compile_again(mode)
     try:
         state = copy.deepcopy(model.state_dict()) if case.training else None
         step, outputs = warmed_up(case, case.make_step(in_mode(model, mode)))
@@ -680,10 +689,13 @@ def main(argv=None) -> None:
                         help="each case and variant in a process of its own, beside its own dense model")
     parser.add_argument("--repeat", type=int, default=1,
                         help="with --apart: that many fresh processes per case and variant, every run a row")
+    parser.add_argument("--alone", action="store_true",
+                        help="compiled modes: a Dynamo reset before each variant, its dense twin compiled again "
+                             "beside it (as --apart, in one process)")
     parser.add_argument("--pin", action="store_true",
                         help="time on one core: the timing thread stays on the core it is on while it times")
     args = parser.parse_args(argv)
-    TIMING["pin"] = args.pin
+    TIMING.update(pin=args.pin, alone=args.alone)
     if args.report:
         return report([json.loads(p.read_text()) for p in args.report], args.markdown, args.plot)
     if args.repeat < 1 or (args.repeat > 1 and not args.apart):
@@ -705,7 +717,8 @@ def main(argv=None) -> None:
 
 
 def run_apart(argv: list[str], args) -> None:
-    """--apart: this command once per (case, variant) in a fresh process, its rows gathered.
+    """--apart: this command once per (case, variant) in a fresh process, its rows gathered
+    (--alone does as much for Dynamo's state in one process, for less time).
     Models compiled side by side in one process slowed each other's calls: in one plain
     compile run of llama8b_decode8 the dense model's step went from 1.74 ms to 2.70 ms as
     variants were compiled after it. --repeat N: N such processes each, in turns (fresh
