@@ -86,6 +86,12 @@ for step in "${steps[@]}"; do
          timeout 200 python3 tools/profile_model.py --compile --case $c dense 2:4 fp8-dense fp8-2:4 > "$OUT/plain_host_$c.log" 2>&1
          grep -E "====|function calls" "$OUT/plain_host_$c.log"
          TORCH_LOGS=output_code timeout 150 python3 tools/profile_model.py --compile --case $c fp8-2:4 > "$OUT/plain_code_$c.log" 2>&1 ;;
+    decode_compile) # issue 39 item 6's cells: every decode case and 16-bit / one-byte variant under plain
+         # compile, each (variant) beside a dense twin compiled again after a Dynamo reset (--alone)
+         timeout ${DECODE_TIMEOUT:-500} python3 tools/bench_models.py --modes compile --alone \
+           --cases ${DECODE_CASES:-llama_decode1,llama_decode8,llama8b_decode1,llama8b_decode8,llama8b_decode32,llama8b_decode64} \
+           --variants ${DECODE_VARIANTS:-2:4,b128d0.25,fp8-2:4,int8-2:4} --json "$R/11_models_decode_compile_alone.json" \
+           2>&1 | tee "$OUT/decode_compile.log" | grep "^|" ;;
     trust_tests) # copies after every mode, strict checkpoint loads, the attacker tests, the skip guard
          timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_copy.py tests/test_copy.py \
            tests/test_compressed.py tests/test_compressed_strict.py tests/test_skip_guard.py tests/test_hostile_user.py \
