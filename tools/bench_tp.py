@@ -10,7 +10,6 @@ GPU: PYTHONPATH=. torchrun --nproc_per_node=2 tools/bench_tp.py [--cases llama8b
 CPU smoke (gloo, tiny shapes): torchrun --nproc_per_node=2 tools/bench_tp.py --smoke
 """
 import argparse
-import collections
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import bench_models  # tools/ is on sys.path when run as a script
 import ranks
 from bench_record import Table, write
+from profile_gpu_time import kernels_per_step, print_top_kernels
 from sparsegen.parallel import ColwiseParallel, RowwiseParallel
 
 
@@ -69,16 +69,8 @@ def profiled(case, variant: str, mode: str, mesh, top: int = 12) -> None:
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    kernels, launches = collections.Counter(), collections.Counter()
-    for event in prof.events():
-        for kernel in event.kernels:
-            kernels[kernel.name[:100]] += kernel.duration / 3e3
-            launches[kernel.name[:100]] += 1 / 3
     if dist.get_rank() == 0:
-        print(f"\n{case.name}, {variant}, {mode}: {sum(kernels.values()):.3f} GPU ms and "
-              f"{sum(launches.values()):.0f} launches per step; top kernels (ms, launches per step)")
-        for name, ms in kernels.most_common(top):
-            print(f"  {ms:8.3f} {launches[name]:5.0f}  {name}")
+        print_top_kernels(f"{case.name}, {variant}, {mode}", *kernels_per_step(prof, 3), top)
 
 
 def main() -> int:

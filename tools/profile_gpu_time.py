@@ -26,6 +26,7 @@ KINDS = (("sparsegen", ("bsr_", "sp24_")), ("GEMM", ("gemm", "nvjet", "cutlass",
 TRAIN_KINDS = ("forward products", "dX", "dW", "compression/masks", "optimizer", "attention", "other")
 COMPRESSION = ("sp24_compress", "sp24_mask", "sp24_expand", "sp24_gather", "bsr_scatter", "sp24_prune")
 MATMULS = ("aten::mm", "aten::addmm", "aten::matmul")
+NAME_WIDTH = 100  # of a kernel's name, in the lists
 
 
 def kind_of(kernel: str) -> str:
@@ -82,21 +83,34 @@ def gpu_ms_by_kind(case, variant: str, mode: str, steps: int = 3, top: int = 0, 
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    totals, kernels, launches = collections.Counter(), collections.Counter(), collections.Counter()
+    totals = collections.Counter()
     for event in prof.events():
         for kernel in event.kernels:
-            ms = kernel.duration / 1e3 / steps
-            totals[train_kind(kernel.name, event, case.tokens) if case.training else kind_of(kernel.name)] += ms
-            kernels[kernel.name[:90]] += ms
-            launches[kernel.name[:90]] += 1 / steps
+            kind = train_kind(kernel.name, event, case.tokens) if case.training else kind_of(kernel.name)
+            totals[kind] += kernel.duration / 1e3 / steps
     if ops:  # which operators launch the time, with their input shapes (3 steps)
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=ops,
                                                                  max_name_column_width=60, max_shapes_column_width=90))
     if top:
-        print(f"\n{variant}, {mode}: {sum(launches.values()):.0f} launches per step; top kernels, GPU ms and launches per step")
-        for name, ms in kernels.most_common(top):
-            print(f"  {ms:8.3f} {launches[name]:5.0f}  {name}")
+        print_top_kernels(f"{variant}, {mode}", *kernels_per_step(prof, steps), top)
     return dict(totals)
+
+
+def kernels_per_step(prof, steps: int) -> tuple[collections.Counter, collections.Counter]:
+    """(GPU ms, launches) per step of each kernel (names cut to NAME_WIDTH) in a profile of `steps` steps."""
+    kernels, launches = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        for kernel in event.kernels:
+            kernels[kernel.name[:NAME_WIDTH]] += kernel.duration / 1e3 / steps
+            launches[kernel.name[:NAME_WIDTH]] += 1 / steps
+    return kernels, launches
+
+
+def print_top_kernels(title: str, kernels: collections.Counter, launches: collections.Counter, top: int) -> None:
+    print(f"\n{title}: {sum(kernels.values()):.3f} GPU ms and {sum(launches.values()):.0f} launches per step; "
+          f"top kernels (GPU ms, launches per step)")
+    for name, ms in kernels.most_common(top):
+        print(f"  {ms:8.3f} {launches[name]:5.0f}  {name}")
 
 
 def main(argv=None) -> None:
