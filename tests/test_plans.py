@@ -191,3 +191,35 @@ def test_the_transposable_answer_survives_a_rewrite_and_follows_a_change(monkeyp
     assert autograd.stored_transposable(metadata, 32, 64) and len(checks) == 1
     metadata.copy_(other)
     assert not autograd.stored_transposable(metadata, 32, 64) and len(checks) == 2
+
+
+def test_moved_indices_are_compared_in_as_many_operations_whatever_their_number():
+    """Every moved index against its copy at once: the changed ones (any dtype, empty ones
+    too) are found, and 60 indices take the operations 6 did, views aside (a DDP step moves
+    them all)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sparsegen.launch import kept_index
+
+    class Counted(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view  # (views launch nothing)
+            return func(*args, **(kwargs or {}))
+
+    dtypes = [torch.bool, torch.int16, torch.int32, torch.int64, torch.uint8, torch.int32]
+    counts = []
+    for number in (6, 60):
+        indexes = [torch.randint(0, 2 if dtypes[i % 6] == torch.bool else 100, (i % 7 * 5,)).to(dtypes[i % 6])
+                   for i in range(number)]
+        pairs = [(t, kept_index.Generation(t.clone(), kept_index.stamp_of(t))) for t in indexes]
+        changed = {i for i in range(1, number, 4) if indexes[i].numel()}
+        for i in changed:
+            indexes[i][-1] = ~indexes[i][-1] if indexes[i].dtype == torch.bool else indexes[i][-1] + 1
+        with Counted() as mode:
+            differs = kept_index._differing(pairs)
+        assert differs == [i in changed for i in range(number)]
+        counts.append(mode.ops)
+    assert counts[0] == counts[1], counts
