@@ -223,3 +223,35 @@ def test_compiled_decode_layer_is_one_launch(weight_dtype):
         assert torch.equal(y, layer(x))
     quantizing = [name for name in kernels if "_xquantize1" in name]
     assert (len(quantizing), len(kernels)) == ((1, 1) if QUANTIZING else (0, 2)), kernels
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("epilogue, static", [("none", None), ("swiglu", None), ("none", 0.03)])
+def test_eager_calls_on_the_launcher_give_the_checked_paths_bytes(weight_dtype, dtype, epilogue, static):
+    """An eager call takes the compiled graphs' launcher (ScaledSparse24Linear._launched): at
+    token counts on both sides of QUANTIZING_ROWS (one launch, then quantize and product),
+    repeated with inputs at new addresses, a strided input and one 2 bytes off alignment, Y
+    has the bytes the checked path (scaled_product) gives and is near the float64 product.
+    A float32 input, refused by the launcher's gate, still runs (the checked path)."""
+    layer = gpu_layer(640, 336, weight_dtype, dtype, input_scale=static)
+    if epilogue != "none":
+        layer.fuse(epilogue)
+    taken = []
+    launched = layer._launched
+    layer._launched = lambda x: taken.append(launched(x)) or taken[-1]
+    base = torch.randn(80 * 641 + 1, device="cuda", dtype=dtype)
+    inputs = [torch.randn(m, 640, device="cuda", dtype=dtype) * 2 for m in (1, 16, 17, 33, 64, 16, 1)]
+    inputs += [torch.randn(640, 24, device="cuda", dtype=dtype).t(),  # strided
+               base[1:1 + 24 * 640].view(24, 640)]                    # 2 bytes past an aligned start
+    for x in inputs:
+        with torch.no_grad():
+            y = layer(x)
+        want = scaled.scaled_product(x, layer.values, layer.metadata, layer.weight_scale, layer.bias,
+                                     layer.input_scale, layer.epilogue)
+        assert taken[-1] is y and torch.equal(y, want), (tuple(x.shape), x.stride())
+        assert relative_error(y, reference(layer, x)) < 2e-2
+    taken.clear()
+    with torch.no_grad():
+        y = layer(inputs[0].float())
+    assert taken == [None] and y.dtype == torch.float32
