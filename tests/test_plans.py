@@ -1,6 +1,7 @@
 """Launch plans (sparsegen.launch.plans) and the ops a compiled graph calls."""
 import gc
 
+import pytest
 import torch
 
 import sparsegen
@@ -223,3 +224,30 @@ def test_moved_indices_are_compared_in_as_many_operations_whatever_their_number(
         assert differs == [i in changed for i in range(number)]
         counts.append(mode.ops)
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_a_rewrite_keeps_what_was_derived_and_a_change_derives_again_on_every_device(device):
+    """The same on indices of several dtypes, one of them empty, on the CPU and on CUDA (where
+    DDP's broadcast rewrites them)."""
+    from sparsegen.launch import calls, kept_index
+    indexes = [torch.randint(0, 100, (n,), device=device).to(dtype)
+               for n, dtype in [(64, torch.int32), (0, torch.int64), (33, torch.int16), (5, torch.int64)]]
+    builds = []
+
+    def derive(t):
+        builds.append(1)
+        return t * 2
+
+    first = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    for t in indexes:
+        t.copy_(t.clone())
+    assert all(calls.per_layout("doubled", t, derive, t) is f for t, f in zip(indexes, first)) and len(builds) == 4
+    indexes[2][7] += 1
+    for t in indexes:
+        t.copy_(t.clone())
+    again = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    assert len(builds) == 5 and torch.equal(again[2], indexes[2] * 2)
+    assert all(again[i] is first[i] for i in (0, 1, 3))
+    assert kept_index._differing([(t, kept_index.current(t)) for t in indexes]) == [False] * 4
