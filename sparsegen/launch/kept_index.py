@@ -83,8 +83,8 @@ def _differing(pairs: list[tuple[torch.Tensor, Generation]]) -> list[bool]:
     """Whether each index (on one device) differs from its copy, in a few launches whatever
     their number: every index and every copy as bytes in one vector each, compared at once,
     the differing bytes counted per index from a running sum. (One by one, a DDP step's
-    check of every layer's indices took two launches per index, a few hundred us of host
-    time each step on the GPU machines.)"""
+    check took two launches per index, each paid in host time: the block-sparse
+    Llama-1B-shaped model's step moves 66 buffers.)"""
     now = torch.cat([_bytes(t) for t, _ in pairs])
     then = torch.cat([_bytes(kept.copy) for _, kept in pairs])
     running = torch.cat([now.new_zeros(1, dtype=torch.int64), (now != then).cumsum(0)])
