@@ -139,6 +139,20 @@ def test_an_index_rewritten_in_place_with_its_own_values_is_not_derived_again():
     assert calls.per_layout("doubled", index, derive, index, 3) is not again and len(builds) == 3
 
 
+def doubling_counted(builds: list):
+    """A derivation (t -> 2t) that records each call in builds."""
+    def derive(t):
+        builds.append(1)
+        return t * 2
+    return derive
+
+
+def rewritten(indexes) -> None:
+    """Each index rewritten in place with its own values, as DDP's buffer broadcast does."""
+    for t in indexes:
+        t.copy_(t.clone())
+
+
 def test_a_rewrite_of_every_index_is_checked_once_for_all_layers(monkeypatch):
     """DDP rewrites every layer's index before the forward: the first layer's check compares
     them all at once (one host sync on a GPU), the later layers find theirs verified."""
@@ -146,19 +160,14 @@ def test_a_rewrite_of_every_index_is_checked_once_for_all_layers(monkeypatch):
     indexes = [torch.randint(0, 100, (64 + i,), dtype=torch.int32) for i in range(5)]
     builds, checks, check = [], [], kept_index._check_every_moved_index
     monkeypatch.setattr(kept_index, "_check_every_moved_index", lambda: checks.append(1) or check())
-
-    def derive(t):
-        builds.append(1)
-        return t * 2
+    derive = doubling_counted(builds)
 
     first = [calls.per_layout("doubled", t, derive, t) for t in indexes]
-    for t in indexes:
-        t.copy_(t.clone())
+    rewritten(indexes)
     assert all(calls.per_layout("doubled", t, derive, t) is f for t, f in zip(indexes, first))
     assert len(builds) == 5 and len(checks) == 1
     indexes[2][0] += 1                          # one real change among the rewrites
-    for t in indexes[3:]:
-        t.copy_(t.clone())
+    rewritten(indexes[3:])
     again = [calls.per_layout("doubled", t, derive, t) for t in indexes]
     assert len(builds) == 6 and len(checks) == 2
     assert torch.equal(again[2], indexes[2] * 2) and all(again[i] is first[i] for i in (0, 1, 3, 4))
@@ -235,18 +244,13 @@ def test_a_rewrite_keeps_what_was_derived_and_a_change_derives_again_on_every_de
     indexes = [torch.randint(0, 100, (n,), device=device).to(dtype)
                for n, dtype in [(64, torch.int32), (0, torch.int64), (33, torch.int16), (5, torch.int64)]]
     builds = []
-
-    def derive(t):
-        builds.append(1)
-        return t * 2
+    derive = doubling_counted(builds)
 
     first = [calls.per_layout("doubled", t, derive, t) for t in indexes]
-    for t in indexes:
-        t.copy_(t.clone())
+    rewritten(indexes)
     assert all(calls.per_layout("doubled", t, derive, t) is f for t, f in zip(indexes, first)) and len(builds) == 4
     indexes[2][7] += 1
-    for t in indexes:
-        t.copy_(t.clone())
+    rewritten(indexes)
     again = [calls.per_layout("doubled", t, derive, t) for t in indexes]
     assert len(builds) == 5 and torch.equal(again[2], indexes[2] * 2)
     assert all(again[i] is first[i] for i in (0, 1, 3))

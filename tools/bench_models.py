@@ -566,13 +566,16 @@ def cell(runs: list[dict]) -> str:
         return "-"
     ran = [run for run in runs if "failed" not in run and run.get("speedup")]
     if len(runs) == 1 or not ran:
-        r = runs[-1]
-        text = "fails" if "failed" in r else f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        text = run_text(runs[-1])
     else:
-        text = f"{statistics.median(run['speedup'] for run in ran):.2f}x median (runs: " + " / ".join(
-            "fails" if "failed" in run else f"{run['speedup']:.2f}x" if run.get("speedup") else "-" for run in runs) + ")"
+        text = (f"{statistics.median(run['speedup'] for run in ran):.2f}x median (runs: "
+                + " / ".join(map(run_text, runs)) + ")")
     errors = [run["error"] for run in ran if run.get("error") is not None]
     return text + (f" (err {max(errors):.0e})" if errors and max(errors) > 2e-2 else "")
+
+
+def run_text(run: dict) -> str:
+    return "fails" if "failed" in run else f"{run['speedup']:.2f}x" if run.get("speedup") else "-"
 
 
 def model_table(rows: list[dict]) -> list[str]:
