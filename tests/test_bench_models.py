@@ -3,6 +3,7 @@ checks each model against its masked dense twin, and its report tabulates what i
 import importlib.util
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def test_repeat_runs_each_variant_that_many_times_and_the_table_shows_every_run(
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["2:4", "2:4"] and all(r["ms"] > 0 for r in rows)
     line = tool.model_table(rows)[2]
-    speedups = [r["dense_ms"] / r["ms"] for r in rows]
+    speedups = [statistics.median(r["round_speedups"]) for r in rows]
     shown = " / ".join(f"{x:.2f}x" for x in speedups)
     assert f"| {sum(speedups) / 2:.2f}x median (runs: {shown})" in line, line
 
@@ -99,8 +100,8 @@ def test_without_options_drops_flags_and_options_with_their_values():
 def test_pin_times_on_one_core_and_gives_every_core_back(tmp_path, monkeypatch):
     tool = load_tool()
     seen, before = [], os.sched_getaffinity(0)
-    timed = tool.interleaved_ms
-    monkeypatch.setattr(tool, "interleaved_ms", lambda *a, **k: seen.append(os.sched_getaffinity(0)) or timed(*a, **k))
+    timed = tool.round_times
+    monkeypatch.setattr(tool, "round_times", lambda *a, **k: seen.append(os.sched_getaffinity(0)) or timed(*a, **k))
     tool.main(["--smoke", "--pin", "--cases", "llama_decode1", "--variants", "2:4", "--json", str(tmp_path / "p.json")])
     assert seen and all(len(cores) == 1 and cores <= before for cores in seen), seen
     assert os.sched_getaffinity(0) == before
@@ -116,7 +117,7 @@ def test_alone_gives_each_compiled_variant_a_dense_twin_compiled_again_after_a_r
     events = []
     monkeypatch.setattr(tool.torch._dynamo, "reset", lambda: events.append("reset"))
     monkeypatch.setattr(tool, "in_mode", lambda model, mode: events.append(f"step {mode}") or model)
-    monkeypatch.setattr(tool, "interleaved_ms", lambda steps, device, reps: [2.0, 1.0])
+    monkeypatch.setattr(tool, "round_times", lambda steps, device, reps, rounds: [[2.0, 1.0]] * rounds)
     model = nn.Linear(4, 4)
     case = tool.Case("c", "llama", lambda: model, lambda m: (lambda: m(torch.ones(1, 4))))
     dense = tool.DenseSteps(case)
@@ -128,3 +129,26 @@ def test_alone_gives_each_compiled_variant_a_dense_twin_compiled_again_after_a_r
     # eager: the variant's step and dense's once; compile: a reset, then variant and dense steps made again
     assert events == ["step eager", "step eager", "reset", "step compile", "step compile",
                       "step eager", "reset", "step compile", "step compile"]
+
+
+def test_rounds_take_the_steps_in_rotated_order_and_report_each_in_its_place(monkeypatch):
+    """round_times starts round r with step r, so no step always follows a switch; every
+    round's row still lists the steps' times in the order given."""
+    tool = load_tool()
+    calls = []
+    def timed(step, device, reps):
+        calls.append(step)
+        return {"dense": 3.0, "a": 2.0, "b": 1.0}[step] + len(calls) / 1000
+    monkeypatch.setattr(tool, "timed_ms", timed)
+    times = tool.round_times(["dense", "a", "b"], torch.device("cpu"), 1, rounds=4)
+    assert calls == ["dense", "a", "b", "a", "b", "dense", "b", "dense", "a", "dense", "a", "b"]
+    assert [[round(t) for t in row] for row in times] == [[3, 2, 1]] * 4
+
+
+def test_a_speedup_is_the_median_of_the_rounds_ratios_where_recorded():
+    tool = load_tool()
+    assert tool.speedup(dict(dense_ms=2.0, ms=1.0, round_speedups=[1.2, 0.5, 1.1])) == 1.1
+    assert tool.speedup(dict(dense_ms=3.0, ms=2.0)) == 1.5
+    assert tool.speedup(dict(dense_ms=3.0)) is None
+    row = tool.timed_against_dense(lambda: None, lambda: None, torch.device("cpu"), 2)
+    assert len(row["round_speedups"]) == tool.TIMING["rounds"] and row["ms"] > 0

@@ -75,8 +75,8 @@ TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25
 TRAINING_STEPS = 4  # warm-up steps of a training case; the last one's loss is checked (after 3 updates)
 MODES = ["eager", "compile", "reduce-overhead"]
 # --pin: the timing thread stays on one core while it times; --alone: each compiled variant
-# beside a dense twin compiled again with it, after a Dynamo reset (set by main)
-TIMING = dict(pin=False, alone=False)
+# beside a dense twin compiled again with it, after a Dynamo reset; --rounds (set by main)
+TIMING = dict(pin=False, alone=False, rounds=5)
 
 
 @dataclass
@@ -436,11 +436,27 @@ def warmed_up(case: Case, step: Callable) -> tuple[Callable, list[torch.Tensor]]
     return step, outputs
 
 
+def round_times(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[list[float]]:
+    """Per round, each step's median of `reps` calls, the steps taken in turn: the host's speed
+    and the GPU's clocks drift during a run by more than the margins measured (a host-bound
+    decode step's dense twin measured 1.9 to 3.7 ms in one process), less so within a round."""
+    return [rotated_back(r, [timed_ms(step, device, reps) for step in rotated(r, steps)]) for r in range(rounds)]
+
+
+def rotated(r: int, items: list) -> list:
+    """Round r starts with step r (mod their number): none is always first after a switch."""
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
+def rotated_back(r: int, items: list) -> list:
+    r %= len(items)
+    return items[-r:] + items[:-r] if r else items
+
+
 def interleaved_ms(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[float]:
-    """Each step's median over `rounds` rounds that take the steps in turn: the host's speed and
-    the GPU's clocks drift during a run by more than the margins measured."""
-    times = [[timed_ms(step, device, reps) for step in steps] for _ in range(rounds)]
-    return [statistics.median(column) for column in zip(*times)]
+    """Each step's median over `rounds` rounds that take the steps in turn (round_times)."""
+    return [statistics.median(column) for column in zip(*round_times(steps, device, reps, rounds))]
 
 
 def current_core() -> int:
@@ -476,13 +492,20 @@ def measure_mode(case: Case, variant: str, model: nn.Module, mode: str, expected
         if case.training:
             row["loss"], row["dense_loss"] = float(outputs[-1]), float(expected[-1])
         with torch.set_grad_enabled(case.training), pinned(TIMING["pin"]):
-            row["dense_ms"], row["ms"] = interleaved_ms([dense(mode), step], device, reps)
+            row.update(timed_against_dense(dense(mode), step, device, reps))
         if state is not None:
             model.load_state_dict(state)
     except Exception as error:  # a cell that fails is recorded, and the run goes on
         return failed_row(row, error)
     print(json.dumps(row), flush=True)
     return row
+
+
+def timed_against_dense(dense_step: Callable, step: Callable, device, reps: int) -> dict:
+    """Both steps' medians and each round's dense/variant ratio (speedup takes their median)."""
+    times = round_times([dense_step, step], device, reps, TIMING["rounds"])
+    dense_ms, ms = (statistics.median(column) for column in zip(*times))
+    return dict(dense_ms=dense_ms, ms=ms, round_speedups=[d / v for d, v in times])
 
 
 def failed_row(row: dict, error: Exception) -> dict:
@@ -555,7 +578,15 @@ def host_costs(device, rounds: int = 5) -> list[dict]:
 # ---- report --------------------------------------------------------------------------------
 
 def speedups(rows: list[dict]) -> list[dict]:
-    return [dict(r, speedup=r["dense_ms"] / r["ms"] if r.get("ms") else None) for r in rows]
+    return [dict(r, speedup=speedup(r)) for r in rows]
+
+
+def speedup(row: dict) -> float | None:
+    """The median of the rounds' dense/variant ratios (each round times both within tens of
+    milliseconds, where the host's speed holds); rows recorded before that: the medians' ratio."""
+    if row.get("round_speedups"):
+        return statistics.median(row["round_speedups"])
+    return row["dense_ms"] / row["ms"] if row.get("ms") else None
 
 
 def cell(runs: list[dict]) -> str:
@@ -681,7 +712,9 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default=",".join(ALL_CASES), help="'none': only --host")
     parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in OPTIONAL_VARIANTS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--reps", type=int, default=10, help="timed calls per round (5 rounds)")
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds that time dense and the variant in turn; the speedup is their ratios' median")
     parser.add_argument("--host", action="store_true", help="also the host cost per linear call")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, eager only")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -698,7 +731,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pin", action="store_true",
                         help="time on one core: the timing thread stays on the core it is on while it times")
     args = parser.parse_args(argv)
-    TIMING.update(pin=args.pin, alone=args.alone)
+    TIMING.update(pin=args.pin, alone=args.alone, rounds=args.rounds)
     if args.report:
         return report([json.loads(p.read_text()) for p in args.report], args.markdown, args.plot)
     if args.repeat < 1 or (args.repeat > 1 and not args.apart):

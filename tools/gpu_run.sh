@@ -87,8 +87,9 @@ for step in "${steps[@]}"; do
          grep -E "====|function calls" "$OUT/plain_host_$c.log"
          TORCH_LOGS=output_code timeout 150 python3 tools/profile_model.py --compile --case $c fp8-2:4 > "$OUT/plain_code_$c.log" 2>&1 ;;
     decode_compile) # issue 39 item 6's cells: every decode case and 16-bit / one-byte variant under plain
-         # compile, each (variant) beside a dense twin compiled again after a Dynamo reset (--alone)
-         timeout ${DECODE_TIMEOUT:-500} python3 tools/bench_models.py --modes compile --alone \
+         # compile, each (variant) beside a dense twin compiled again after a Dynamo reset (--alone),
+         # the two timed in turn over DECODE_ROUNDS rounds (the speedup: the rounds' ratios' median)
+         timeout ${DECODE_TIMEOUT:-500} python3 tools/bench_models.py --modes compile --alone --rounds ${DECODE_ROUNDS:-15} \
            --cases ${DECODE_CASES:-llama_decode1,llama_decode8,llama8b_decode1,llama8b_decode8,llama8b_decode32,llama8b_decode64} \
            --variants ${DECODE_VARIANTS:-2:4,b128d0.25,fp8-2:4,int8-2:4} --json "$R/11_models_decode_compile_alone.json" \
            2>&1 | tee "$OUT/decode_compile.log" | grep "^|" ;;
