@@ -134,17 +134,52 @@ def fsdp2_case(variant: str, device, world: int, rank: int, compiled: bool = Fal
     return distributed_run(model, device, ids, local), twin_run(variant, device, ids)
 
 
-def ddp_case(variant: str, device, world: int, rank: int, compiled: bool = False, no_sync: bool = False):
-    from torch.nn.parallel import DistributedDataParallel
-
+def ddp_case(variant: str, device, world: int, rank: int, compiled: bool = False, no_sync: bool = False,
+             buffers: str = "every forward"):
+    """buffers: "every forward" (DDP's default), "once" (sparsegen.parallel.data_parallel) or
+    "synced" (sparsegen.parallel.sync_buffers, then broadcast_buffers=False); in the last two
+    each rank builds its model from a seed of its own (other weights, layouts and masks), which
+    the sync at construction must replace with the first rank's."""
     ids = batches(device, world)
     local = slice(2 * rank, 2 * rank + 2)
-    model = models.build(variant, device)
-    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = models.build(variant, device, seed=0 if buffers == "every forward" else rank)
+    options = dict(device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = wrapped_in_ddp(model, buffers, options)
     if no_sync:
         return ddp_accumulated(wrapped, device, ids, rank), twin_run(variant, device, ids[:1])
     return distributed_run(wrapped, device, ids, local, torch.compile(wrapped) if compiled else None), \
         twin_run(variant, device, ids)
+
+
+def wrapped_in_ddp(model, buffers: str, options: dict):
+    from torch.nn.parallel import DistributedDataParallel
+    from sparsegen.parallel import data_parallel, sync_buffers
+
+    if buffers != "every forward" and len(set(all_ranks(buffer_checksum(model)))) == 1:
+        raise AssertionError("every rank built the same buffers: nothing for the sync to replace")
+    if buffers == "once":
+        return data_parallel(model, **options)
+    if buffers == "synced":
+        sync_buffers(model)
+        return DistributedDataParallel(model, broadcast_buffers=False, **options)
+    return DistributedDataParallel(model, **options)
+
+
+def buffer_checksum(model) -> float:
+    """The model's buffers' bytes, each weighted by a fixed random number (a plain or
+    position-weighted sum is the same for every transposable 2:4 mask)."""
+    total = 0.0
+    for buffer in model.buffers():
+        data = buffer.detach().contiguous().reshape(-1).view(torch.uint8).double().cpu()
+        weights = torch.rand(data.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        total += float((data * weights).sum())
+    return total
+
+
+def all_ranks(value: float) -> list[float]:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def ddp_accumulated(wrapped, device, ids, rank):
@@ -409,7 +444,9 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
         got = fsdp2_case(variant, device, world, rank, compiled="compile" in kind, checkpointed="ckpt" in kind)
         return compare(name, *got, *loose)
     if kind.startswith("ddp"):
-        got = ddp_case(variant, device, world, rank, compiled="compile" in kind, no_sync="nosync" in kind)
+        buffers = "once" if "once" in kind else "synced" if "synced" in kind else "every forward"
+        got = ddp_case(variant, device, world, rank, compiled="compile" in kind, no_sync="nosync" in kind,
+                       buffers=buffers)
         return compare(name, *got, *loose)
     if kind == "dcp":
         return dcp_case(variant, device, world, rank, out)
@@ -423,7 +460,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", required=True, help="KIND:VARIANT,... (KIND: fsdp2, fsdp2-compile, "
-                        "fsdp2-ckpt, ddp, ddp-compile, ddp-nosync, dcp; VARIANT: distributed_models.VARIANTS)")
+                        "fsdp2-ckpt, ddp, ddp-compile, ddp-nosync, ddp-once, ddp-synced, dcp, tpdcp, tp, tp-compile, sp, "
+                        "sp-compile; VARIANT: distributed_models.VARIANTS)")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--load-one", action="store_true", help="load the dcp cases' checkpoints in this one "
                         "process (run without torchrun, after them)")

@@ -19,12 +19,15 @@ TRAINABLE = ["bsr", "bsr-unfused", "2:4", "2:4-unfused", "2:4-recipe", "bdiag", 
 SAVED = ["bsr", "2:4-recipe", "bell", "int8+2:4"]
 BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt:bsr", "fsdp2-ckpt:2:4-recipe"]
         + [f"ddp:{v}" for v in [*TRAINABLE, "int8+2:4"]] + ["ddp-nosync:bsr", "ddp-nosync:2:4"]
+        # (each rank built from a seed of its own: the one sync at construction makes them the first rank's)
+        + [f"ddp-once:{v}" for v in ["bsr", "2:4-recipe", "bell", "int8+2:4"]]
+        + [f"ddp-synced:{v}" for v in ["2:4-recipe", "bell", "scaled+bsr"]]
         + [f"dcp:{v}" for v in SAVED]
         + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused", "int8-mlp",
                                "int8-mlp-unfused+bias", "bell-colwise+bias"]]
         + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr", "bell-colwise"]]
         + [f"sp:{v}" for v in ["dense", "2:4+bias", "bsr-unfused+bias", "bell-colwise", "int8-mlp-unfused+bias"]])
-GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "dcp:scaled+bsr"]
+GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "ddp-once:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "bdiag", "scaled+bsr"]]
             + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe"]
             + [f"ddp-compile:{v}" for v in ["bsr", "2:4", "bell", "bdiag"]]

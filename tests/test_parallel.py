@@ -101,3 +101,17 @@ def test_sequence_shares_must_be_equal():
     with pytest.raises(InputError, match="splits in 4 equal shares"):
         parallel._by_sequence(torch.zeros(2, 6, 8), 4)
     assert parallel._by_sequence(torch.zeros(2, 8, 8), 4).shape == (2, 8, 8)
+
+
+@pytest.mark.parametrize("option", ["broadcast_buffers", "forward_sync_buffers"])
+def test_data_parallel_refuses_a_buffer_option_it_sets_itself(option):
+    """data_parallel decides how buffers sync: an option that would say otherwise is refused
+    by name (before any process group is needed)."""
+    with pytest.raises(InputError, match=f"Expected no {option}.*Got {option}=True"):
+        parallel.data_parallel(nn.Linear(4, 4), **{option: True})
+
+
+def test_sync_buffers_without_a_process_group_says_so():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(InputError, match="Expected an initialized process group.*Got none"):
+        parallel.sync_buffers(nn.BatchNorm1d(4))

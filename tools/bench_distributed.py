@@ -20,7 +20,7 @@ import bench_models  # tools/ is on sys.path when run as a script
 import ranks
 from bench_record import Table, write
 
-ENGINES, MODES = ("one", "fsdp2", "ddp", "ddp-nobuf"), ("eager", "compile")
+ENGINES, MODES = ("one", "fsdp2", "ddp", "ddp-once"), ("eager", "compile")
 
 
 def config():
@@ -41,9 +41,11 @@ def model_for(variant: str, engine: str, mode: str, device) -> torch.nn.Module:
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-    if engine.startswith("ddp"):  # ddp-nobuf: without DDP's broadcast of every buffer before each forward
+    if engine.startswith("ddp"):  # ddp-once: sparsegen.parallel.data_parallel (buffers synced once, not per forward)
         from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device.index], broadcast_buffers=engine == "ddp")
+        from sparsegen.parallel import data_parallel
+        wrap = data_parallel if engine == "ddp-once" else DistributedDataParallel
+        model = wrap(model, device_ids=[device.index])
         return torch.compile(model) if mode == "compile" else model
     if mode == "compile":
         for layer in model.model.layers:
