@@ -31,7 +31,8 @@ tool.
 """
 ABOUT = {
     "Whole models": "transformers models built from configs, patched by `sparsegen.patch`, against the dense "
-                    "model in the same mode and process (speedup: dense time over the patched model's).",
+                    "model in the same mode and process (speedup: dense time over the patched model's; in runs "
+                    "with rounds, the median of each round's ratio, the two timed in turn).",
     "Block-sparse layers": "One layer's forward: sparsegen's kernels against cuBLAS on the same weight made dense.",
     "2:4 semi-structured": "2:4 layers against cuBLAS and PyTorch's cuSPARSELt path.",
     "Training": "Forward + backward of layers, dense against sparse, the same inputs.",
