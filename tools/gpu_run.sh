@@ -134,6 +134,10 @@ for step in "${steps[@]}"; do
          SPARSEGEN_CACHE_DIR=/tmp/ro_cache SPARSEGEN_KERNEL_BUNDLE=/tmp/bundle python3 tools/bundle_check.py 2>&1 | tee "$OUT/bundle.log"
          chattr -i /tmp/ro_cache ;;
     probe) python3 tools/probe_host.py 2>&1 | tee "$OUT/probe.log" ;;
+    launch_probe) # host us per launch of each launcher a compiled graph calls, against torch.mm(out=)
+         for tokens in ${PROBE_TOKENS:-1 8 32}; do
+           timeout 150 python3 tools/probe_launch.py --tokens $tokens --width ${PROBE_WIDTH:-2048} 2>&1 \
+             | tee -a "$OUT/launch_probe.log" | grep -E "^\||host us"; done ;;
     crossovers) python3 -m sparsegen tune ${TUNE_ARGS:-} 2>&1 | tee "$OUT/crossovers.log" | tail -16  # this GPU's table, used by later steps
          cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;
