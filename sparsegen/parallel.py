@@ -276,7 +276,8 @@ def sync_buffers(model: nn.Module, group=None) -> None:
     tensor leaves it, and the layers rebuild what they derived from an index when it moves."""
     expect(dist.is_available() and dist.is_initialized(), "an initialized process group "
            "(torch.distributed.init_process_group) to sync buffers over", "none")
+    first = 0 if group is None else dist.get_global_rank(group, 0)  # (torch before 2.6 has no group_src)
     for buffer in model.buffers():
         received = buffer.contiguous().clone()
-        dist.broadcast(received.reshape(-1).view(torch.uint8), group_src=0, group=group)
+        dist.broadcast(received.reshape(-1).view(torch.uint8), src=first, group=group)
         buffer.copy_(received)
