@@ -30,7 +30,7 @@ BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt
 GPU_ONLY = (["fsdp2:scaled+bsr", "ddp:scaled+bsr", "ddp-once:scaled+bsr", "dcp:scaled+bsr"]
             + [f"fsdp2-compile:{v}" for v in ["dense", "bsr", "2:4", "2:4-recipe", "bell", "bdiag", "scaled+bsr"]]
             + ["fsdp2-compile-ckpt:bsr", "fsdp2-compile-ckpt:2:4-recipe"]
-            + [f"ddp-compile:{v}" for v in ["bsr", "2:4", "bell", "bdiag"]]
+            + [f"ddp-compile:{v}" for v in ["bsr", "2:4", "bell", "bdiag"]] + ["ddp-once-compile:2:4-recipe"]
             + ["tp-compile:bsr", "tp-compile:2:4-unfused+bias", "tp-compile:bell-colwise+bias", "sp-compile:2:4+bias"])
 # NVLink multicast off, as the GPU machines require (and harmless elsewhere)
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
