@@ -437,21 +437,15 @@ def warmed_up(case: Case, step: Callable) -> tuple[Callable, list[torch.Tensor]]
 
 
 def round_times(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[list[float]]:
-    """Per round, each step's median of `reps` calls, the steps taken in turn: the host's speed
-    and the GPU's clocks drift during a run by more than the margins measured (a host-bound
-    decode step's dense twin measured 1.9 to 3.7 ms in one process), less so within a round."""
-    return [rotated_back(r, [timed_ms(step, device, reps) for step in rotated(r, steps)]) for r in range(rounds)]
-
-
-def rotated(r: int, items: list) -> list:
-    """Round r starts with step r (mod their number): none is always first after a switch."""
-    r %= len(items)
-    return items[r:] + items[:r]
-
-
-def rotated_back(r: int, items: list) -> list:
-    r %= len(items)
-    return items[-r:] + items[:-r] if r else items
+    """Per round, each step's median of `reps` calls, the steps taken in turn, round r starting
+    with step r (none is always the first after a switch): the host's speed and the GPU's clocks
+    drift during a run by more than the margins measured (a host-bound decode step's dense twin
+    measured 1.9 to 3.7 ms in one process), less so within a round. Rows list steps as given."""
+    rows = []
+    for r in range(rounds):
+        times = {at: timed_ms(steps[at], device, reps) for at in [(r + i) % len(steps) for i in range(len(steps))]}
+        rows.append([times[at] for at in range(len(steps))])
+    return rows
 
 
 def interleaved_ms(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[float]:
