@@ -115,3 +115,20 @@ def test_sync_buffers_without_a_process_group_says_so():
     assert not torch.distributed.is_initialized()
     with pytest.raises(InputError, match="Expected an initialized process group.*Got none"):
         parallel.sync_buffers(nn.BatchNorm1d(4))
+
+
+def test_sync_buffers_moves_every_buffers_version_so_layers_derive_again(tmp_path):
+    """A collective writing into a tensor leaves its version, and the layers rebuild what they
+    derived from an index only when its version moves: sync_buffers copies each buffer in,
+    so a rewritten layout is seen (a block-ELL model trained on stale indices otherwise)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(*layers().values())
+        before = {name: buffer._version for name, buffer in model.named_buffers()}
+        values = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        parallel.sync_buffers(model)
+        after = dict(model.named_buffers())
+        assert before and all(after[name]._version > version for name, version in before.items())
+        assert all(torch.equal(after[name], value) for name, value in values.items())
+    finally:
+        torch.distributed.destroy_process_group()
