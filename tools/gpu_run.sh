@@ -134,10 +134,15 @@ for step in "${steps[@]}"; do
          SPARSEGEN_CACHE_DIR=/tmp/ro_cache SPARSEGEN_KERNEL_BUNDLE=/tmp/bundle python3 tools/bundle_check.py 2>&1 | tee "$OUT/bundle.log"
          chattr -i /tmp/ro_cache ;;
     probe) python3 tools/probe_host.py 2>&1 | tee "$OUT/probe.log" ;;
-    launch_probe) # host us per launch of each launcher a compiled graph calls, against torch.mm(out=)
+    launch_probe) # host us per launch of each launcher a compiled graph calls, against torch.mm(out=):
+         # in bursts of one call (probe_launch), then in place in a compiled decode step (probe_in_situ)
          for tokens in ${PROBE_TOKENS:-1 8 32}; do
            timeout 150 python3 tools/probe_launch.py --tokens $tokens --width ${PROBE_WIDTH:-2048} 2>&1 \
-             | tee -a "$OUT/launch_probe.log" | grep -E "^\||host us"; done ;;
+             | tee -a "$OUT/launch_probe.log" | grep -E "^\||host us"; done
+         timeout 200 python3 tools/probe_in_situ.py --case llama_decode1 dense b128d0.25 2:4 2>&1 \
+           | tee -a "$OUT/launch_probe.log" | grep -E "^\||under"
+         timeout 200 python3 tools/probe_in_situ.py --case llama8b_decode32 dense fp8-2:4 int8-2:4 2>&1 \
+           | tee -a "$OUT/launch_probe.log" | grep -E "^\||under" ;;
     crossovers) python3 -m sparsegen tune ${TUNE_ARGS:-} 2>&1 | tee "$OUT/crossovers.log" | tail -16  # this GPU's table, used by later steps
          cp "$SPARSEGEN_CACHE_DIR"/crossovers/*.json "$OUT/" ;;
     tune) python3 tools/bench.py --tune 2>&1 | tee "$OUT/tune.log" ;;

@@ -1,0 +1,104 @@
+"""Host time of a product call where a compiled decode step makes it: the step timed as it
+is, and with every call of one kind turned into a no-op - Inductor's extern mm/addmm (cuBLAS)
+or sparsegen's launchers; the difference over the calls per step is one call's cost in
+place, between Inductor's other work, which a burst of one call (probe_launch.py) does not
+see. A step with no-ops computes garbage: only its time counts. Rounds time the two in turn.
+GPU: PYTHONPATH=. python tools/probe_in_situ.py [--case llama_decode1] [--rounds 9] [variant ...]
+(--smoke: bench_models' tiny models on the CPU, to try the tool.)"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+
+import torch
+from torch._inductor.select_algorithm import extern_kernels
+
+import bench_models  # tools/ is on sys.path when run as a script
+
+KINDS = {"cuBLAS (extern mm, addmm)": lambda name: name in ("mm", "addmm"),
+         "sparsegen launchers": lambda name: name.startswith("sparsegen_")}
+
+
+def names_of(kind: str) -> list[str]:
+    return [name for name in dir(extern_kernels) if KINDS[kind](name)]
+
+
+@contextlib.contextmanager
+def replaced(names: list[str], make):
+    """extern_kernels.<name> = make(name, original) for each name, until the block ends (a
+    compiled graph looks them up at each call)."""
+    originals = {name: getattr(extern_kernels, name) for name in names}
+    try:
+        for name, original in originals.items():
+            setattr(extern_kernels, name, make(name, original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(extern_kernels, name, original)
+
+
+def calls_per_step(step, names: list[str]) -> int:
+    counts = []
+
+    def counting(name, original):
+        def call(*args, **kwargs):
+            counts.append(name)
+            return original(*args, **kwargs)
+        return call
+    with replaced(names, counting):
+        getattr(step, "reset", lambda: None)()
+        step()
+    return len(counts)
+
+
+def without(step, names: list[str]):
+    """The step with those calls skipped (as cheap a Python call as each can be)."""
+    def skipped(*args, **kwargs):
+        return None
+
+    def run():
+        with replaced(names, lambda name, original: skipped):
+            step()
+    run.reset = getattr(step, "reset", lambda: None)
+    return run
+
+
+def probe(case, variant: str, device, reps: int, rounds: int) -> list[dict]:
+    model = bench_models.patched(case.make_model(), case.family, variant)
+    step, _ = bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, "compile")))
+    rows = []
+    for kind in KINDS:
+        names = names_of(kind)
+        calls = calls_per_step(step, names)
+        if not calls:
+            continue
+        times = bench_models.round_times([step, without(step, names)], device, reps, rounds)
+        whole, bare = (statistics.median(column) for column in zip(*times))
+        per_call = statistics.median((a - b) / calls for a, b in times) * 1e3
+        rows.append(dict(variant=variant, kind=kind, calls=calls, ms=whole, without_ms=bare, us_per_call=per_call))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="llama_decode1")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("variants", nargs="*", default=["dense", "b128d0.25", "2:4"])
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    case, = bench_models.cases([args.case], device, args.smoke)
+    print(f"{args.case} under torch.compile: a step as it is and without each kind of call; rounds: {args.rounds}")
+    print("| variant | kind | calls per step | step ms | without them ms | us per call in place |\n"
+          "|---|---|---|---|---|---|")
+    for variant in args.variants:
+        for row in probe(case, variant, device, args.reps, args.rounds):
+            print(f"| {row['variant']} | {row['kind']} | {row['calls']} | {row['ms']:.3f} | {row['without_ms']:.3f} | "
+                  f"{row['us_per_call']:.1f} |", flush=True)
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
