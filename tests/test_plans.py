@@ -91,7 +91,7 @@ def _packed_with_driver(monkeypatch, status: int, device: int = 0):
         return status
 
     monkeypatch.setattr(runtime, "_launch_ex", lambda: launch_ex)
-    monkeypatch.setattr(runtime, "_current_device", lambda: device)
+    monkeypatch.setattr(runtime, "current_device", lambda: device)
     monkeypatch.setattr(runtime, "current_stream", lambda index: 0x5000 + index)
     kern = _FakeKernel()
     launch = runtime.PackedLaunch(kern, grid=(7, 3, 1), maps=(), pointers=(0,), ints=(5,))

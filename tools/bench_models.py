@@ -423,6 +423,13 @@ class DenseSteps:
         return self.steps[mode]
 
 
+def variant_step(case: Case, variant: str, mode: str) -> Callable:
+    """A fresh model of the case with `variant` swapped in, its step in `mode`, warmed up (the
+    profiling and probing tools' start)."""
+    model = patched(case.make_model(), case.family, variant)
+    return warmed_up(case, case.make_step(in_mode(model, mode)))[0]
+
+
 def warmed_up(case: Case, step: Callable) -> tuple[Callable, list[torch.Tensor]]:
     """(step, the outputs of the warm-up calls that compile and record: TRAINING_STEPS of a
     training case, 3 of the others)."""

@@ -54,7 +54,7 @@ def pieces(x: torch.Tensor, layer: nn.Module) -> dict:
         "torch.compiler.is_compiling()": torch.compiler.is_compiling,
         "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
         "runtime.current_stream(0)": lambda: runtime.current_stream(0),
-        "runtime._current_device()": runtime._current_device,
+        "runtime.current_device()": runtime.current_device,
         "struct.pack_into(3Q3i)": lambda: struct.pack_into("3Q3i", buffer, 0, 1, 2, 3, 4, 5, 6),
         "plan.run(x, values, bias, y)": lambda: plan.run(x, layer.values, layer.bias, y),
         "plan.launch.run() (bound parameters)": plan.launch.run,

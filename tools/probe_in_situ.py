@@ -65,8 +65,7 @@ def without(step, names: list[str]):
 
 
 def probe(case, variant: str, device, reps: int, rounds: int) -> list[dict]:
-    model = bench_models.patched(case.make_model(), case.family, variant)
-    step, _ = bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, "compile")))
+    step = bench_models.variant_step(case, variant, "compile")
     rows = []
     for kind in KINDS:
         names = names_of(kind)

@@ -75,8 +75,7 @@ def _is_weight_grad(chain, tokens: int) -> bool:
 
 def gpu_ms_by_kind(case, variant: str, mode: str, steps: int = 3, top: int = 0, ops: int = 0) -> dict:
     """GPU ms per step of each kernel kind, for the case's model with `variant` in `mode`."""
-    model = bench_models.patched(case.make_model(), case.family, variant)
-    step, _ = bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, mode)))
+    step = bench_models.variant_step(case, variant, mode)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.set_grad_enabled(case.training), torch.profiler.profile(activities=activities,
                                                                         record_shapes=case.training or ops > 0) as prof:

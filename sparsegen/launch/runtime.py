@@ -90,7 +90,7 @@ def _slow_current_stream(device_index: int) -> int:
 # The raw-handle query inductor uses costs ~1 us; building a torch Stream object, ~10.
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _slow_current_stream)
 # Likewise the raw device query: torch.cuda.current_device() adds its lazy-init check (~3 us).
-_current_device = current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 # And the capture query, without torch.cuda's Python wrapper around it (a frame per call).
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
@@ -139,7 +139,7 @@ class Kernel:
 
     def launch_array(self, grid: tuple[int, int, int], array) -> None:
         """Launch with cuLaunchKernel's void*[] of parameter addresses, already packed."""
-        if _current_device() != self.device_index:
+        if current_device() != self.device_index:
             # The driver launches into the thread's current context: make it this device's.
             with torch.cuda.device(self.device_index):
                 return self.launch_array(grid, array)
@@ -211,7 +211,7 @@ class TensorMap:
                      _L2_PROMOTE_256B, 0)
         status = _libcuda().cuTensorMapEncodeTiled(*arguments)
         if status == _CUDA_ERROR_INVALID_CONTEXT:  # a thread whose first CUDA work this is (see Kernel.launch_array)
-            _ensure_context(_current_device())
+            _ensure_context(current_device())
             status = _libcuda().cuTensorMapEncodeTiled(*arguments)
         _call(f"cuTensorMapEncodeTiled(rows {rows}, cols {cols}, box {box_rows}x{box_cols})", status)
 
@@ -269,7 +269,7 @@ class PackedLaunch:
         convert where cuLaunchKernel takes eleven (1.5 us against 0.6 on the 2-core dev machine;
         a compiled decode step makes a few dozen of these launches and is host-bound)."""
         kern = self.kern
-        if self._launch_ex is None or _current_device() != kern.device_index:
+        if self._launch_ex is None or current_device() != kern.device_index:
             return kern.launch_array(self.grid, self.array)  # (it switches devices and contexts)
         config = self._config
         config.hStream = current_stream(kern.device_index)
