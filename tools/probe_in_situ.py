@@ -4,12 +4,18 @@ or sparsegen's launchers; the difference over the calls per step is one call's c
 place, between Inductor's other work, which a burst of one call (probe_launch.py) does not
 see. A step with no-ops computes garbage: only its time counts. Rounds time the two in turn.
 GPU: PYTHONPATH=. python tools/probe_in_situ.py [--case llama_decode1] [--rounds 9] [variant ...]
+--census N: instead, sparsegen's Python functions a step calls and how often (cProfile's
+exact call counts over N steps): a plan made, a TMA descriptor encoded or a full path taken
+per step is work a burst never repeats.
 (--smoke: bench_models' tiny models on the CPU, to try the tool.)"""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import statistics
+from pathlib import Path
 
 import torch
 from torch._inductor.select_algorithm import extern_kernels
@@ -65,7 +71,13 @@ def without(step, names: list[str]):
 
 
 def probe(case, variant: str, device, reps: int, rounds: int) -> list[dict]:
-    step = bench_models.variant_step(case, variant, "compile")
+    """The rows of one variant; its steps run in the grad mode they were warmed up in (the
+    grad mode is in every graph's guards: another one compiles other graphs)."""
+    with torch.set_grad_enabled(case.training):
+        return _probe(bench_models.variant_step(case, variant, "compile"), variant, device, reps, rounds)
+
+
+def _probe(step, variant: str, device, reps: int, rounds: int) -> list[dict]:
     rows = []
     for kind in KINDS:
         names = names_of(kind)
@@ -79,16 +91,45 @@ def probe(case, variant: str, device, reps: int, rounds: int) -> list[dict]:
     return rows
 
 
+def census(step, steps: int) -> list[tuple[float, str]]:
+    """[(calls per step, "module:line(function)")] of sparsegen's functions over `steps` steps,
+    most called first."""
+    reset, profiler = getattr(step, "reset", lambda: None), cProfile.Profile()
+    for _ in range(steps):  # (in the caller's grad mode: that of the warm-up)
+        reset()
+        profiler.enable()
+        step()
+        profiler.disable()
+    counted = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, ...)}
+    rows = [(calls / steps, f"{Path(file).parent.name}/{Path(file).name}:{line}({function})")
+            for (file, line, function), (_, calls, *_) in counted.items() if "/sparsegen/" in file]
+    return sorted(rows, reverse=True)
+
+
+def print_census(case, variant: str, steps: int) -> None:
+    with torch.set_grad_enabled(case.training):
+        rows = census(bench_models.variant_step(case, variant, "compile"), steps)
+    print(f"\n{variant}: sparsegen's functions, calls per step (over {steps} steps)")
+    for calls, where in rows:
+        print(f"  {calls:8.2f}  {where}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="llama_decode1")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--census", type=int, default=0, help="list the calls over this many steps instead")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("variants", nargs="*", default=["dense", "b128d0.25", "2:4"])
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     case, = bench_models.cases([args.case], device, args.smoke)
+    if args.census:
+        for variant in args.variants:
+            print_census(case, variant, args.census)
+            torch._dynamo.reset()
+        return
     print(f"{args.case} under torch.compile: a step as it is and without each kind of call; rounds: {args.rounds}")
     print("| variant | kind | calls per step | step ms | without them ms | us per call in place |\n"
           "|---|---|---|---|---|---|")
