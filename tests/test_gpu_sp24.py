@@ -621,6 +621,22 @@ def test_training_steps_free_each_steps_compression():
     assert steps(30) <= settled
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, n, k", [((65,), 336, 160), ((3, 37), 1024, 512), ((4096,), 5632, 2048)])
+def test_fresh_weights_share_a_plan_and_each_call_reads_its_own(dtype, shape, n, k):
+    """sp24_dds_fresh keeps one plan per signature and binds W per call: weights of one
+    signature, all alive at once, each give their own product, by one plan."""
+    made = len(sp24_ops._FRESH_PLANS._plans)
+    weights = [sp24_ops.sp24_compress(torch.randn(n, k, device="cuda", dtype=dtype)) for _ in range(3)]
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for values, metadata in weights * 2:
+        x = torch.randn(*shape, k, device="cuda", dtype=dtype)
+        out = sp24_ops.sp24_dds_fresh(x, values, metadata, bias, n)
+        want = x.double() @ semi24.decompress(values, metadata, (n, k)).double().t() + bias.double()
+        assert out.shape == (*shape, n) and relative_error(out, want) < TOLERANCE[dtype]
+    assert len(sp24_ops._FRESH_PLANS._plans) <= made + 1
+
+
 @pytest.mark.parametrize("in_features, out_features", [(1024, 4096), (4096, 1024), (192, 96)])
 def test_recipe_adamw_steps_follow_a_float64_twin(in_features, out_features):
     """Three fused-AdamW steps of a Sparse24TrainingLinear as a GPT-2 MLP trains (bias, fp32

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.launch.plans import PlanCache
+from sparsegen.launch import plans
+from sparsegen.launch.plans import PlanCache, SignatureCache
 
 
 def test_plan_is_made_once_per_owner_and_signature():
@@ -27,6 +28,18 @@ def test_plans_go_with_their_owner():
     gc.collect()
     assert not cache._plans
     assert cache.get(torch.zeros(3), (1,), lambda: "new") == "new"
+
+
+def test_signature_plans_serve_any_operands_and_go_when_plans_are_forgotten(monkeypatch):
+    cache, made = SignatureCache(), []
+    make = lambda: made.append(1) or len(made)
+    assert [cache.get((16, "bf16"), make), cache.get((16, "bf16"), make), cache.get((32, "bf16"), make)] == [1, 1, 2]
+    plans.forget_all()  # (a crossover table reloaded: every decision again)
+    assert cache.get((16, "bf16"), make) == 3
+    monkeypatch.setattr(SignatureCache, "MAX_SIGNATURES", 4)
+    for tokens in range(10):  # a stream of new shapes keeps at most MAX_SIGNATURES plans
+        cache.get((tokens,), make)
+        assert len(cache._plans) <= 4
 
 
 def test_compiled_inference_graph_calls_the_op_directly():

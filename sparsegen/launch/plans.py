@@ -42,7 +42,32 @@ class PlanCache:
         return plan
 
 
-_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+class SignatureCache:
+    """plan = cache.get(signature, make): one plan per call signature, whatever the operands,
+    for plans that bind every operand per call (a weight made in the step that uses it: a
+    plan per weight would be made, whole, on every call)."""
+
+    MAX_SIGNATURES = 256  # a stream of new shapes keeps no history past this
+
+    def __init__(self):
+        self._plans: dict = {}
+        _CACHES.add(self)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def get(self, signature: tuple, make: Callable):
+        plan = self._plans.get(signature)
+        if plan is None:
+            with allocating("a launch plan"):
+                plan = make()
+            if len(self._plans) >= self.MAX_SIGNATURES:
+                self._plans.clear()
+            self._plans[signature] = plan
+        return plan
+
+
+_CACHES: "weakref.WeakSet[PlanCache | SignatureCache]" = weakref.WeakSet()
 
 
 def forget_all() -> None:

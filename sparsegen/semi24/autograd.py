@@ -73,7 +73,7 @@ def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) 
     dense = ops.sp24_expand(values, metadata, n)
     if stored_transposable(metadata, n, k):
         # W^T has at most 2 nonzeros in every group of 4: its magnitude compression is exact.
-        return ops.sp24_dds(dy, *ops.sp24_compress(dense.t()), None, k)
+        return ops.sp24_dds_fresh(dy, *ops.sp24_compress(dense.t()), None, k)
     return dy @ dense
 
 

@@ -103,6 +103,36 @@ def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias
     return _product(x, values, metadata, bias, out_features, out, tile, splits, instr, epilogue, None)
 
 
+def sp24_dds_fresh(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias,
+                   out_features: int) -> torch.Tensor:
+    """sp24_dds for a W compressed in the step that uses it (a training step's dX over W^T,
+    the 2by4 recipe's masked weight, the MVUE sample of dW): one plan per call signature,
+    W's addresses bound per call. A plan per weight, as sp24_dds keeps, was made whole for
+    every such call (on the H100 machine's host, most of the ~0.5 ms a 2:4 backward took)."""
+    x2 = calls.rows_2d(x)
+    if not _fresh_plan_applies(x2, values, metadata, out_features):
+        return sp24_dds(x, values, metadata, bias, out_features)
+    splits = dispatch.wanted_splits(None, x2.dtype, 0)
+    signature = (*x2.shape, x2.dtype, values.dtype, x2.device.index, out_features, splits)
+    plan = _FRESH_PLANS.get(signature, lambda: _sp24_plan(x2, values, metadata, out_features, splits))
+    if plan.dense or plan.keep:  # (cuBLAS's decision, or copies of this W bound in the plan)
+        return sp24_dds(x, values, metadata, bias, out_features)
+    y, shaped = calls.output_for(x, x2, None, plan.width, sp24_output_dtype(x.dtype))
+    plan.run_at(x2.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                weight=(values.data_ptr(), metadata.data_ptr()))
+    return shaped
+
+
+def _fresh_plan_applies(x2, values, metadata, out_features: int) -> bool:
+    """Operands a plan binds as they are, outside CUDA graph capture (a plan made there is
+    used once: sp24_dds's path)."""
+    return (bool(x2.numel()) and out_features > 0 and calls.tma_ready(values) and calls.tma_ready(metadata)
+            and not runtime.capturing())
+
+
+_FRESH_PLANS = plans.SignatureCache()
+
+
 def sp24_scaled_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, x_scale: torch.Tensor,
                     w_scale: torch.Tensor, bias, out_features: int, out_dtype: torch.dtype, out=None,
                     tile=None, splits: int | None = None, instr: str | None = None,
@@ -239,10 +269,11 @@ class _Sp24Plan:
         contiguous, 16-byte aligned; scales (x_scale, w_scale, code) for a scaled plan)."""
         self.run_at(x2.data_ptr(), bias.data_ptr() if bias is not None else 0, y.data_ptr(), scales)
 
-    def run_at(self, x_address: int, bias_address: int, y_address: int, scales=None) -> None:
+    def run_at(self, x_address: int, bias_address: int, y_address: int, scales=None, weight=None) -> None:
         """run, given the operands' addresses (bias 0 for none): a compiled graph's launcher
         has read them already (every frame and query here is paid per launch). A quantizing
-        plan's scales[0] is the static input scale, or None for a scale per token."""
+        plan's scales[0] is the static input scale, or None for a scale per token. `weight`:
+        (values' address, metadata's) to bind first, for a plan kept per signature."""
         space = None
         if self.workspace:  # the kept workspace where it holds enough (capturing or not), else as made
             device_index = self.kern.device_index
@@ -251,6 +282,9 @@ class _Sp24Plan:
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
             launch.bind(0, x_address)
+            if weight is not None:
+                launch.bind(1, weight[0])
+                launch.bind(2, weight[1])
             if self.quantizes:  # X's address twice: its boxes' map and the pointer its scales are found by
                 pointers[0] = x_address
             if scales is not None:

@@ -80,7 +80,7 @@ def _sparse_product(x: torch.Tensor, operand: torch.Tensor, mask: torch.Tensor, 
     if not calls.runs_16bit_kernels(x):
         return F.linear(x, operand * mask, bias)
     values, metadata = compress_masked(operand, mask)
-    return ops.sp24_dds(x, values, metadata, bias, operand.shape[0])
+    return ops.sp24_dds_fresh(x, values, metadata, bias, operand.shape[0])
 
 
 sp24_masked_product_op = library.define(
@@ -99,7 +99,7 @@ def _sparse_weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     if not _mvue_dw_on_kernel(dy2):
         return _mvue_rows(dy2.t()) @ x2
     values, metadata = prune_and_compress(dy2.contiguous().t(), "mvue")  # the kernel unless turned off
-    return ops.sp24_dds(x2.t().contiguous(), values, metadata, None, dy2.shape[1]).t()
+    return ops.sp24_dds_fresh(x2.t().contiguous(), values, metadata, None, dy2.shape[1]).t()
 
 
 def _mvue_dw_on_kernel(dy2: torch.Tensor) -> bool:
