@@ -6,7 +6,8 @@ see. A step with no-ops computes garbage: only its time counts. Rounds time the 
 GPU: PYTHONPATH=. python tools/probe_in_situ.py [--case llama_decode1] [--rounds 9] [variant ...]
 --census N: instead, sparsegen's Python functions a step calls and how often (cProfile's
 exact call counts over N steps): a plan made, a TMA descriptor encoded or a full path taken
-per step is work a burst never repeats.
+per step is work a burst never repeats. With --everything: every function and builtin, by
+its own host time per step (profiled), to compare a variant's step with its dense twin's.
 (--smoke: bench_models' tiny models on the CPU, to try the tool.)"""
 from __future__ import annotations
 
@@ -91,27 +92,29 @@ def _probe(step, variant: str, device, reps: int, rounds: int) -> list[dict]:
     return rows
 
 
-def census(step, steps: int) -> list[tuple[float, str]]:
-    """[(calls per step, "module:line(function)")] of sparsegen's functions over `steps` steps,
-    most called first."""
+def census(step, steps: int, everything: bool = False) -> list[tuple[float, float, str]]:
+    """[(calls per step, host us per step spent in it, "module:line(function)")] of
+    sparsegen's functions (`everything`: of every function and builtin, Inductor's wrapper
+    and torch's included) over `steps` steps, the most costly first."""
     reset, profiler = getattr(step, "reset", lambda: None), cProfile.Profile()
     for _ in range(steps):  # (in the caller's grad mode: that of the warm-up)
         reset()
         profiler.enable()
         step()
         profiler.disable()
-    counted = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, ...)}
-    rows = [(calls / steps, f"{Path(file).parent.name}/{Path(file).name}:{line}({function})")
-            for (file, line, function), (_, calls, *_) in counted.items() if "/sparsegen/" in file]
-    return sorted(rows, reverse=True)
+    counted = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, own s, ...)}
+    rows = [(calls / steps, own / steps * 1e6, f"{Path(file).parent.name}/{Path(file).name}:{line}({function})")
+            for (file, line, function), (_, calls, own, *_) in counted.items() if everything or "/sparsegen/" in file]
+    return sorted(rows, key=lambda row: (row[1], row[0]) if everything else row, reverse=True)
 
 
-def print_census(case, variant: str, steps: int) -> None:
+def print_census(case, variant: str, steps: int, everything: bool) -> None:
     with torch.set_grad_enabled(case.training):
-        rows = census(bench_models.variant_step(case, variant, "compile"), steps)
-    print(f"\n{variant}: sparsegen's functions, calls per step (over {steps} steps)")
-    for calls, where in rows:
-        print(f"  {calls:8.2f}  {where}")
+        rows = census(bench_models.variant_step(case, variant, "compile"), steps, everything)
+    print(f"\n{variant}: {'every function' if everything else 'sparsegen functions'} a step calls: calls per step, "
+          f"host us of its own per step (profiled), over {steps} steps; total {sum(r[1] for r in rows):.0f} us")
+    for calls, us, where in rows[:40] if everything else rows:
+        print(f"  {calls:8.2f}  {us:9.1f}  {where}")
 
 
 def main() -> None:
@@ -120,6 +123,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--census", type=int, default=0, help="list the calls over this many steps instead")
+    parser.add_argument("--everything", action="store_true", help="the census of every function, not sparsegen's")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("variants", nargs="*", default=["dense", "b128d0.25", "2:4"])
     args = parser.parse_args()
@@ -127,7 +131,7 @@ def main() -> None:
     case, = bench_models.cases([args.case], device, args.smoke)
     if args.census:
         for variant in args.variants:
-            print_census(case, variant, args.census)
+            print_census(case, variant, args.census, args.everything)
             torch._dynamo.reset()
         return
     print(f"{args.case} under torch.compile: a step as it is and without each kind of call; rounds: {args.rounds}")
