@@ -95,17 +95,20 @@ def profile(engine: str, mode: str, variant: str, ids, device, rank: int) -> Non
     """torch.profiler over 3 steps after the warm-up, and dynamo's counters since the start."""
     from torch._dynamo.utils import counters
 
-    from sparsegen.launch import calls
+    from sparsegen.launch import calls, plans
 
     run = Steps(model_for(variant, engine, mode, device), ids, engine)
     run.run(3)
     builds, build_outside = [], calls.outside_graphs.run  # index tensors a layer derived again (per_layout)
     calls.outside_graphs.run = lambda build, *rest: builds.append(build) or build_outside(build, *rest)
+    made, allocating = [], plans.allocating  # launch plans made (every plan cache makes one under it)
+    plans.allocating = lambda what: made.append(what) or allocating(what)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         run.run(3)
-    calls.outside_graphs.run = build_outside
-    print(f"rank {rank}: {len(builds)} derived index tensors built again in 3 steps", flush=True)
+    calls.outside_graphs.run, plans.allocating = build_outside, allocating
+    print(f"rank {rank}: {len(builds)} derived index tensors built again and {len(made)} launch plans made in 3 steps",
+          flush=True)
     if rank == 0:
         print(f"==== {engine} {mode} {variant}: 3 steps", flush=True)
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
