@@ -67,7 +67,7 @@ VARIANTS = {
 }
 # The same variants patched with fuse=False: activations and gated products left to PyTorch
 # (on request only, to measure what the fused epilogues give).
-VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25")})
+VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25", "2:4t-mlp", "b64d0.25")})
 INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
 BYTE_VARIANTS = ["dense", "2:4", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4"]
 OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]

@@ -152,6 +152,11 @@ for step in "${steps[@]}"; do
     tp_bench) # tensor parallelism of the MLPs against the dense twin under the same plan (issue 40 item 5)
          timeout ${TP_BENCH_TIMEOUT:-500} python3 -m torch.distributed.run --nproc_per_node=${NGPU:-2} tools/bench_tp.py \
            ${TP_BENCH_ARGS:-} --json "$R/71_tp${DIST_TAG:-}.json" 2>&1 | tee "$OUT/tp_bench${DIST_TAG:-}.log" | grep "^|" ;;
+    train_unfused) # one GPU's training step at bench_distributed's shape, the gated MLPs fused (act(gate) * up
+         # on strided views of the fused product: non-vectorized kernels in eager) and unfused (PyTorch's MLP)
+         timeout ${UNFUSED_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node=1 tools/bench_distributed.py \
+           --engines one --modes eager,compile --variants dense,2:4t-mlp,2:4t-mlp-unfused,b64d0.25,b64d0.25-unfused \
+           --steps 10 --json "$R/72_train_unfused.json" 2>&1 | tee "$OUT/train_unfused.log" | grep "^|" ;;
     distributed_bench) # FSDP2 / DDP training steps against dense (issue 40), NVLink multicast off (KINDS.md)
          timeout ${DIST_BENCH_TIMEOUT:-500} \
            python3 -m torch.distributed.run --nproc_per_node=${NGPU:-2} tools/bench_distributed.py ${DIST_BENCH_ARGS:-} \
