@@ -33,3 +33,20 @@ def test_calls_are_counted_skipped_while_asked_and_put_back():
     tool.without(step, ["mm"])()
     assert out.isnan().all() and extern_kernels.mm is original
     assert tool.names_of("cuBLAS (extern mm, addmm)") == ["addmm", "mm"]
+
+
+def test_census_counts_each_function_per_step_and_keeps_to_sparsegen_unless_asked():
+    from sparsegen.launch import calls
+    tool = load_tool()
+
+    def outside():  # not sparsegen's
+        return None
+
+    def step():
+        calls.kernel_left_to_dispatch()
+        calls.kernel_left_to_dispatch()
+        outside()
+    ours = tool.census(step, steps=3)
+    assert [(count, where.rsplit("(", 1)[-1]) for count, _, where in ours] == [(2.0, "kernel_left_to_dispatch)")]
+    every = tool.census(step, steps=3, everything=True)
+    assert [count for count, _, where in every if where.endswith("(outside)")] == [1.0]
