@@ -108,7 +108,8 @@ def sp24_dds_fresh(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     """sp24_dds for a W compressed in the step that uses it (a training step's dX over W^T,
     the 2by4 recipe's masked weight, the MVUE sample of dW): one plan per call signature,
     W's addresses bound per call. A plan per weight, as sp24_dds keeps, was made whole for
-    every such call (on the H100 machine's host, most of the ~0.5 ms a 2:4 backward took)."""
+    every such call: on the H100 machine's host a 2:4 layer's backward took 495 us of host
+    time of its own with it, 257 us without (torch.profiler)."""
     x2 = calls.rows_2d(x)
     if not _fresh_plan_applies(x2, values, metadata, out_features):
         return sp24_dds(x, values, metadata, bias, out_features)
