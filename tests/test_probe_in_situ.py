@@ -46,7 +46,10 @@ def test_census_counts_each_function_per_step_and_keeps_to_sparsegen_unless_aske
         calls.kernel_left_to_dispatch()
         calls.kernel_left_to_dispatch()
         outside()
-    ours = tool.census(step, steps=3)
-    assert [(count, where.rsplit("(", 1)[-1]) for count, _, where in ours] == [(2.0, "kernel_left_to_dispatch)")]
-    every = tool.census(step, steps=3, everything=True)
-    assert [count for count, _, where in every if where.endswith("(outside)")] == [1.0]
+    def other():
+        calls.kernel_left_to_dispatch()
+    ours = tool.census({"step": step, "other": other}, count=3)
+    assert [(count, where.rsplit("(", 1)[-1]) for count, _, where in ours["step"]] == [(2.0, "kernel_left_to_dispatch)")]
+    assert [count for count, _, _ in ours["other"]] == [1.0]  # (each step its own profiler)
+    every = tool.census({"step": step}, count=3, everything=True)
+    assert [count for count, _, where in every["step"] if where.endswith("(outside)")] == [1.0]

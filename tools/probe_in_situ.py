@@ -5,9 +5,10 @@ place, between Inductor's other work, which a burst of one call (probe_launch.py
 see. A step with no-ops computes garbage: only its time counts. Rounds time the two in turn.
 GPU: PYTHONPATH=. python tools/probe_in_situ.py [--case llama_decode1] [--rounds 9] [variant ...]
 --census N: instead, sparsegen's Python functions a step calls and how often (cProfile's
-exact call counts over N steps): a plan made, a TMA descriptor encoded or a full path taken
-per step is work a burst never repeats. With --everything: every function and builtin, by
-its own host time per step (profiled), to compare a variant's step with its dense twin's.
+exact call counts over N steps of each variant, taken in turn): a plan made, a TMA descriptor
+encoded or a full path taken per step is work a burst never repeats. With --everything: every
+function and builtin, by its own host time per step (profiled), to compare a variant's step
+with its dense twin's.
 (--smoke: bench_models' tiny models on the CPU, to try the tool.)"""
 from __future__ import annotations
 
@@ -92,29 +93,41 @@ def _probe(step, variant: str, device, reps: int, rounds: int) -> list[dict]:
     return rows
 
 
-def census(step, steps: int, everything: bool = False) -> list[tuple[float, float, str]]:
-    """[(calls per step, host us per step spent in it, "module:line(function)")] of
+def census(steps: dict, count: int, everything: bool = False) -> dict:
+    """{name: [(calls per step, host us per step spent in it, "module:line(function)")]} of
     sparsegen's functions (`everything`: of every function and builtin, Inductor's wrapper
-    and torch's included) over `steps` steps, the most costly first."""
-    reset, profiler = getattr(step, "reset", lambda: None), cProfile.Profile()
-    for _ in range(steps):  # (in the caller's grad mode: that of the warm-up)
-        reset()
-        profiler.enable()
-        step()
-        profiler.disable()
+    and torch's included), the most costly first, over `count` calls of each of `steps`
+    ({name: step}) taken in turn, one profiler each: the host's speed drifts within a process
+    (Triton's launches cost 8.1, 6.0 and 4.0 us in three variants profiled one after another on
+    the H100 machine), and steps taken in turn meet the same drift."""
+    profilers = {name: cProfile.Profile() for name in steps}
+    for _ in range(count):  # (in the caller's grad mode: that of the warm-up)
+        for name, step in steps.items():
+            getattr(step, "reset", lambda: None)()
+            profilers[name].enable()
+            step()
+            profilers[name].disable()
+    return {name: _rows(profiler, count, everything) for name, profiler in profilers.items()}
+
+
+def _rows(profiler: cProfile.Profile, count: int, everything: bool) -> list[tuple[float, float, str]]:
     counted = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, own s, ...)}
-    rows = [(calls / steps, own / steps * 1e6, f"{Path(file).parent.name}/{Path(file).name}:{line}({function})")
+    rows = [(calls / count, own / count * 1e6, f"{Path(file).parent.name}/{Path(file).name}:{line}({function})")
             for (file, line, function), (_, calls, own, *_) in counted.items() if everything or "/sparsegen/" in file]
     return sorted(rows, key=lambda row: (row[1], row[0]) if everything else row, reverse=True)
 
 
-def print_census(case, variant: str, steps: int, everything: bool) -> None:
+def print_census(case, variants: list[str], count: int, everything: bool) -> None:
+    """The census of the variants' compiled steps, built together (no Dynamo reset between)."""
     with torch.set_grad_enabled(case.training):
-        rows = census(bench_models.variant_step(case, variant, "compile"), steps, everything)
-    print(f"\n{variant}: {'every function' if everything else 'sparsegen functions'} a step calls: calls per step, "
-          f"host us of its own per step (profiled), over {steps} steps; total {sum(r[1] for r in rows):.0f} us")
-    for calls, us, where in rows[:40] if everything else rows:
-        print(f"  {calls:8.2f}  {us:9.1f}  {where}")
+        steps = {variant: bench_models.variant_step(case, variant, "compile") for variant in variants}
+        tables = census(steps, count, everything)
+    for variant, rows in tables.items():
+        print(f"\n{variant}: {'every function' if everything else 'sparsegen functions'} a step calls: calls per "
+              f"step, host us of its own per step (profiled), over {count} steps taken in turn with the other "
+              f"variants'; total {sum(r[1] for r in rows):.0f} us")
+        for calls, us, where in rows[:40] if everything else rows:
+            print(f"  {calls:8.2f}  {us:9.1f}  {where}")
 
 
 def main() -> None:
@@ -130,9 +143,7 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     case, = bench_models.cases([args.case], device, args.smoke)
     if args.census:
-        for variant in args.variants:
-            print_census(case, variant, args.census, args.everything)
-            torch._dynamo.reset()
+        print_census(case, args.variants, args.census, args.everything)
         return
     print(f"{args.case} under torch.compile: a step as it is and without each kind of call; rounds: {args.rounds}")
     print("| variant | kind | calls per step | step ms | without them ms | us per call in place |\n"
