@@ -77,18 +77,33 @@ class Steps:
         return times
 
 
-def interleaved_ms(variants: list[str], engine: str, mode: str, ids, device, steps: int) -> dict:
-    """Median step ms per variant, the variants' models held together and timed in turns
-    (rounds of 2 steps each after 3 warm-up steps): a drift of the machine's speed during the
-    run reaches every variant alike."""
+def interleaved(variants: list[str], engine: str, mode: str, ids, device, steps: int) -> tuple[dict, dict]:
+    """({variant: median step ms}, {variant: speedup over dense}), the variants' models held
+    together and timed in turns (rounds of 2 steps each after 3 warm-up steps, round r starting
+    with variant r): a drift of the machine's speed during the run reaches every variant alike,
+    and a speedup is the median over rounds of that round's dense ms over the variant's."""
     runs = {variant: Steps(model_for(variant, engine, mode, device), ids, engine) for variant in variants}
     for run in runs.values():
         run.run(3)
-    times = {variant: [] for variant in variants}
-    for _ in range(-(-steps // 2)):
-        for variant, run in runs.items():
-            times[variant] += run.run(2)
-    return {variant: statistics.median(t) for variant, t in times.items()}
+    rounds = []
+    for r in range(-(-steps // 2)):
+        rounds.append({variant: runs[variant].run(2) for variant in in_turn(variants, r)})
+    return medians_and_speedups(rounds, variants)
+
+
+def in_turn(names: list[str], r: int) -> list[str]:
+    """The names in round r's order: round r starts with name r (none always follows a switch)."""
+    start = r % len(names)
+    return names[start:] + names[:start]
+
+
+def medians_and_speedups(rounds: list[dict], variants: list[str]) -> tuple[dict, dict]:
+    """Each variant's median ms over every round, and the median over rounds of the round's
+    dense median over the variant's ("dense" among the variants)."""
+    ms = {v: statistics.median(t for times in rounds for t in times[v]) for v in variants}
+    speedups = {v: statistics.median(statistics.median(times["dense"]) / statistics.median(times[v])
+                                     for times in rounds) for v in variants}
+    return ms, speedups
 
 
 def profile(engine: str, mode: str, variant: str, ids, device, rank: int) -> None:
@@ -133,16 +148,17 @@ def main() -> int:
     table = Table("Training", f"Llama-1B-shaped (4 layers) training step on {world} H100s, 4 x 1024 tokens per GPU",
                   [("engine", ""), ("mode", ""), ("dense ms", ".1f")] + [(v, "x") for v in variants if v != "dense"],
                   "tools/bench_distributed.py under torchrun: median of the steps after 3 warm-ups (forward, backward, "
-                  "fused AdamW), CUDA events on rank 0, the variants' models timed in turns, 2 steps each; 'one' is each GPU training the same model alone. Speedups "
-                  "are the dense twin's step time over the variant's under the same engine and mode.")
+                  "fused AdamW), CUDA events on rank 0, the variants' models timed in turns, 2 steps each, round r starting with "
+                  "variant r; 'one' is each GPU training the same model alone. Speedups are the median over rounds of the dense "
+                  "twin's round time over the variant's, under the same engine and mode.")
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            ms = interleaved_ms(["dense", *[v for v in variants if v != "dense"]], engine, mode, ids, device,
-                                args.steps)
+            ms, speedups = interleaved(["dense", *[v for v in variants if v != "dense"]], engine, mode, ids, device,
+                                       args.steps)
             gc.collect()
             torch.cuda.empty_cache()
             if rank == 0:
-                table.add(engine, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants if v != "dense"])
+                table.add(engine, mode, ms["dense"], *[speedups[v] for v in variants if v != "dense"])
     if rank == 0:
         write(args.json, "bench_distributed.py", sys.argv[1:], [table],
               launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")

@@ -1,0 +1,24 @@
+"""tools/bench_distributed.py's timing on the CPU: rounds rotate which variant goes first, and a
+speedup is the median of the rounds' own dense/variant ratios (a slow round moves neither)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_distributed  # noqa: E402
+
+
+def test_each_round_starts_with_the_next_variant():
+    names = ["dense", "b64d0.25", "2:4t-mlp"]
+    orders = [bench_distributed.in_turn(names, r) for r in range(4)]
+    assert [order[0] for order in orders] == ["dense", "b64d0.25", "2:4t-mlp", "dense"]
+    assert all(sorted(order) == sorted(names) for order in orders)
+
+
+def test_speedup_is_the_median_of_each_rounds_ratio():
+    # the host drifts between rounds: each round's ratio is 2, 2 and 1 (a hiccup in the last),
+    # while the medians over every step give 12 / 10 = 1.2x
+    rounds = [{"dense": [10.0, 10.0], "sparse": [5.0, 5.0]}, {"dense": [20.0, 20.0], "sparse": [10.0, 10.0]},
+              {"dense": [12.0, 12.0], "sparse": [12.0, 12.0]}]
+    ms, speedups = bench_distributed.medians_and_speedups(rounds, ["dense", "sparse"])
+    assert ms == {"dense": 12.0, "sparse": 10.0}
+    assert speedups == {"dense": 1.0, "sparse": 2.0}
