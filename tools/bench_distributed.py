@@ -87,14 +87,8 @@ def interleaved(variants: list[str], engine: str, mode: str, ids, device, steps:
         run.run(3)
     rounds = []
     for r in range(-(-steps // 2)):
-        rounds.append({variant: runs[variant].run(2) for variant in in_turn(variants, r)})
+        rounds.append({variant: runs[variant].run(2) for variant in bench_models.in_turn(variants, r)})
     return medians_and_speedups(rounds, variants)
-
-
-def in_turn(names: list[str], r: int) -> list[str]:
-    """The names in round r's order: round r starts with name r (none always follows a switch)."""
-    start = r % len(names)
-    return names[start:] + names[:start]
 
 
 def medians_and_speedups(rounds: list[dict], variants: list[str]) -> tuple[dict, dict]:

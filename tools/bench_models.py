@@ -450,9 +450,15 @@ def round_times(steps: list[Callable], device, reps: int, rounds: int = 5) -> li
     measured 1.9 to 3.7 ms in one process), less so within a round. Rows list steps as given."""
     rows = []
     for r in range(rounds):
-        times = {at: timed_ms(steps[at], device, reps) for at in [(r + i) % len(steps) for i in range(len(steps))]}
+        times = {at: timed_ms(steps[at], device, reps) for at in in_turn(list(range(len(steps))), r)}
         rows.append([times[at] for at in range(len(steps))])
     return rows
+
+
+def in_turn(items: list, r: int) -> list:
+    """The items in round r's order: round r starts with item r (none always follows a switch)."""
+    start = r % len(items)
+    return items[start:] + items[:start]
 
 
 def interleaved_ms(steps: list[Callable], device, reps: int, rounds: int = 5) -> list[float]:

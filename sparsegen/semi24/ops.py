@@ -116,7 +116,7 @@ def sp24_dds_fresh(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     splits = dispatch.wanted_splits(None, x2.dtype, 0)
     signature = (*x2.shape, x2.dtype, values.dtype, x2.device.index, out_features, splits)
     plan = _FRESH_PLANS.get(signature, lambda: _sp24_plan(x2, values, metadata, out_features, splits))
-    if plan.dense or plan.keep:  # (cuBLAS's decision, or copies of this W bound in the plan)
+    if plan.dense:  # (cuBLAS's decision; tma_ready operands need no copies, so the plan keeps none)
         return sp24_dds(x, values, metadata, bias, out_features)
     y, shaped = calls.output_for(x, x2, None, plan.width, sp24_output_dtype(x.dtype))
     plan.run_at(x2.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
