@@ -5,11 +5,12 @@ nn.Linear layers get torch's own), attention replicated. Prefill and decode step
 bench_models' cases, eager or compiled.
 
 GPU: PYTHONPATH=. torchrun --nproc_per_node=2 tools/bench_tp.py [--cases llama8b_prefill,llama8b_decode1]
-     [--variants dense,2:4,b128d0.25,fp8-2:4] [--modes eager,compile] [--reps 10] [--json FILE]
+     [--variants dense,2:4,b128d0.25,fp8-2:4] [--modes eager,compile] [--reps 10] [--rounds 7] [--json FILE]
      [--profile llama8b_prefill:fp8-2:4:compile,...]
 CPU smoke (gloo, tiny shapes): torchrun --nproc_per_node=2 tools/bench_tp.py --smoke
 """
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,20 +42,34 @@ def tp_step(case, variant: str, mode: str, mesh):
     return bench_models.warmed_up(case, case.make_step(bench_models.in_mode(model, mode)))[0]
 
 
-def steps_ms(case, variants: list[str], mode: str, mesh, device, reps: int) -> dict:
-    """{variant: median step ms}. Eager: every variant's model kept, timed in alternating rounds
-    (the host's speed drifts during a run by more than the margins). Compiled: each variant
-    alone after a Dynamo reset, as bench_models --apart does in fresh processes (models
-    compiled side by side slowed each other's calls)."""
+def speedups_over_dense(case, variants: list[str], mode: str, mesh, device, reps: int, rounds: int):
+    """({variant: median step ms}, {variant: speedup over dense}), variants[0] being "dense".
+    The host's speed drifts during a run by more than the margins (a compiled decode cell read
+    0.77x and 1.11x in two runs that timed the variants one after another), so steps are timed
+    in turns (bench_models.round_times) and a speedup is the median of the rounds' own ratios.
+    Eager: every variant's model in the same rounds. Compiled: each variant with a dense twin
+    compiled beside it after a Dynamo reset, as bench_models --alone does."""
     with torch.no_grad():
         if mode == "eager":
-            steps = [tp_step(case, v, mode, mesh) for v in variants]
-            return dict(zip(variants, bench_models.interleaved_ms(steps, device, reps)))
-        timed = {}
-        for variant in variants:
+            return paired({v: tp_step(case, v, mode, mesh) for v in variants}, device, reps, rounds)
+        dense_ms, ms, speedups = [], {}, {}
+        for variant in variants[1:]:
             torch._dynamo.reset()
-            timed[variant] = bench_models.timed_ms(tp_step(case, variant, mode, mesh), device, reps * 5)
-        return timed
+            pair_ms, pair_speedups = paired({v: tp_step(case, v, mode, mesh) for v in ("dense", variant)},
+                                            device, reps, rounds)
+            dense_ms.append(pair_ms["dense"])
+            ms[variant], speedups[variant] = pair_ms[variant], pair_speedups[variant]
+        ms["dense"] = statistics.median(dense_ms) if dense_ms else float("nan")
+        return ms, speedups
+
+
+def paired(steps: dict, device, reps: int, rounds: int) -> tuple[dict, dict]:
+    """Each step's median over rounds that take them in turn, and the median over rounds of
+    the first step's time over each step's."""
+    times = bench_models.round_times(list(steps.values()), device, reps, rounds)
+    names = list(steps)
+    ms = {name: statistics.median(row[at] for row in times) for at, name in enumerate(names)}
+    return ms, {name: statistics.median(row[0] / row[at] for row in times) for at, name in enumerate(names)}
 
 
 def profiled(case, variant: str, mode: str, mesh, top: int = 12) -> None:
@@ -78,7 +93,8 @@ def main() -> int:
     parser.add_argument("--cases", default="llama8b_prefill,llama8b_decode1,llama8b_decode8")
     parser.add_argument("--variants", default="dense,2:4,b128d0.25,fp8-2:4")
     parser.add_argument("--modes", default="eager,compile")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, on whatever device there is")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="CASE:VARIANT:MODE,...: rank 0's top kernels of those "
@@ -91,13 +107,15 @@ def main() -> int:
     table = Table("Whole models", f"Tensor parallelism over {world} GPUs: each MLP split, attention replicated",
                   [("model", ""), ("mode", ""), ("dense ms", ".3f")] + [(v, "x") for v in variants],
                   "tools/bench_tp.py under torchrun: median step time on rank 0; the dense twin runs the same "
-                  "plan (torch's styles on nn.Linear). Eager: the models timed in alternating rounds; compiled: "
-                  "each alone after a Dynamo reset. Speedup: the dense twin's time over the variant's.")
+                  "plan (torch's styles on nn.Linear). Steps timed in rounds that take them in turn (eager: every "
+                  "variant; compiled: each variant with a dense twin, after a Dynamo reset); speedup: the "
+                  "median over rounds of the dense twin's time over the variant's.")
     for case in bench_models.cases(args.cases.split(","), device, args.smoke):
         for mode in args.modes.split(","):
-            ms = steps_ms(case, ["dense", *variants], mode, mesh, device, args.reps)
+            ms, speedups = speedups_over_dense(case, ["dense", *variants], mode, mesh, device, args.reps,
+                                               args.rounds)
             if rank == 0:  # recorded row by row: a run stopped at its time limit keeps what it measured
-                table.add(case.name, mode, ms["dense"], *[ms["dense"] / ms[v] for v in variants])
+                table.add(case.name, mode, ms["dense"], *[speedups[v] for v in variants])
                 write(args.json, "bench_tp.py", sys.argv[1:], [table],
                       launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
     for cell in filter(None, args.profile.split(",")):
