@@ -139,7 +139,7 @@ def main() -> int:
     torch._dynamo.config.cache_size_limit = 64
     ids = bench_models.token_ids(32000, (4, 1024), "cpu").add(rank).remainder(32000).to(device)  # rank's own batch
     variants = args.variants.split(",")
-    table = Table("Training", f"Llama-1B-shaped (4 layers) training step on {world} H100s, 4 x 1024 tokens per GPU",
+    table = Table("Training", f"Llama-1B-shaped (4 layers) training step on {world} GPUs, 4 x 1024 tokens per GPU",
                   [("engine", ""), ("mode", ""), ("dense ms", ".1f")] + [(v, "x") for v in variants if v != "dense"],
                   "tools/bench_distributed.py under torchrun: median of the steps after 3 warm-ups (forward, backward, "
                   "fused AdamW), CUDA events on rank 0, the variants' models timed in turns, 2 steps each, round r starting with "
@@ -151,11 +151,10 @@ def main() -> int:
                                        args.steps)
             gc.collect()
             torch.cuda.empty_cache()
-            if rank == 0:
+            if rank == 0:  # recorded row by row: a run stopped at its time limit keeps what it measured
                 table.add(engine, mode, ms["dense"], *[speedups[v] for v in variants if v != "dense"])
-    if rank == 0:
-        write(args.json, "bench_distributed.py", sys.argv[1:], [table],
-              launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
+                write(args.json, "bench_distributed.py", sys.argv[1:], [table],
+                      launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
     for spec in args.profile.split(",") if args.profile else []:
         profile(*spec.split(":", 2), ids, device, rank)
     dist.destroy_process_group()
