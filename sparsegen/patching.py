@@ -181,8 +181,22 @@ def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
     unused = [pattern for pattern, _, _ in compiled if pattern not in used]
     expect(not unused, "every pattern to match a linear layer's name (the whole qualified name, or a "
            r"whole dotted suffix of it: 'mlp\.up_proj' matches 'model.layers.0.mlp.up_proj')",
-           f"no match for {unused}; {_closest(unused, [name for name, _ in linears])}")
+           f"no match for {unused}; {_unmatched_hint(model, unused, [name for name, _ in linears])}")
     return plan
+
+
+def _unmatched_hint(model: nn.Module, patterns: list[str], names: list[str]) -> str:
+    """Why the patterns matched nothing, for the error: the layers sparsegen already made that
+    they match (a model patched twice, as a notebook cell run again does), else the linear
+    layers' names most like them."""
+    regexes = [_regex(pattern) for pattern in patterns]
+    made = [name for name, module in model.named_modules()
+            if _is_sparse_layer(module) and any(matches(regex, name) for regex in regexes)]
+    if not made:
+        return _closest(patterns, names)
+    shown = ", ".join(made[:3]) + (f" ({len(made)} in all)" if len(made) > 3 else "")
+    return (f"they match only layers sparsegen already made: {shown}. Patch a model once; for other "
+            "settings patch a fresh copy of the dense model")
 
 
 def matches(regex: re.Pattern, name: str) -> bool:

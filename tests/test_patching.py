@@ -75,6 +75,15 @@ def test_patch_errors_change_nothing():
     assert all(type(m) is not sparsegen.BlockSparseLinear for m in net.modules())
 
 
+def test_patching_twice_says_the_layers_are_already_sparse():
+    net = model()
+    sparsegen.patch(net, {r"\d+\.(up|down)": {"block": (32, 32), "density": 0.5}})
+    with pytest.raises(sparsegen.InputError, match=r"already made: 0\.up, 0\.down, 1\.up \(4 in all\)"):
+        sparsegen.patch(net, {r"\d+\.(up|down)": {"sparsity": "2:4"}})
+    with pytest.raises(sparsegen.InputError, match="has no nn.Linear"):  # matching no sparse layer either
+        sparsegen.patch(net, {r"\d+\.upp": {"sparsity": "2:4"}})
+
+
 def test_random_layout_when_not_from_dense():
     net = model()
     sparsegen.patch(net, {r"0\.up": {"block": (32, 32), "density": 0.5}}, from_dense=False)
