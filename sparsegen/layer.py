@@ -46,6 +46,14 @@ class SparseLinearForward:
     (lean.LeanLayer), autocast, the input checks, then the layout's autograd Function where a
     gradient is needed, else its bare product (no autograd on the host path)."""
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """What code written for nn.Linear reads of its weight besides the values - T5's MLP
+        casts its input to `wo.weight.dtype` - as a meta tensor of the dense weight's shape
+        and dtype. The dense weight is stored nowhere (`to_dense_weight()` computes it), so
+        code that reads its values fails loudly instead of reading something else."""
+        return torch.empty(self.out_features, self.in_features, dtype=self.values.dtype, device="meta")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._lean_forward(x)
         if y is not None:

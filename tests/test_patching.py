@@ -159,3 +159,27 @@ def test_dense_copy_computes_what_the_patched_model_does(rules):
         torch.testing.assert_close(twin(x), net(x))
     masked = twin[0].up.weight == 0  # the pruned weights are zeros in the copy
     assert 0.2 < masked.double().mean() < 0.8
+
+
+@pytest.mark.parametrize("settings", [{"block": (32, 32), "density": 0.5}, {"sparsity": "2:4"},
+                                      {"sparsity": "block-diagonal", "nblocks": 4}])
+def test_a_model_that_reads_its_linears_weight_dtype_runs_patched(settings):
+    """T5's MLP casts its input to `wo.weight.dtype`: a sparse layer's `weight` is a meta
+    tensor of the dense weight's shape and dtype (reading its values fails loudly), and the
+    patched model computes what its dense copy does, forward and backward."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=96)
+    net = transformers.T5ForConditionalGeneration(config).eval()
+    names = sparsegen.patch(net, {r"DenseReluDense\.(wi|wo)": settings})
+    assert len(names) == 8
+    wo = net.encoder.block[0].layer[1].DenseReluDense.wo
+    assert (wo.weight.shape, wo.weight.dtype, wo.weight.device.type) == ((64, 128), torch.float32, "meta")
+    with pytest.raises(RuntimeError):
+        wo.weight.sum().item()
+    ids = torch.randint(1, 96, (2, 12))
+    twin = sparsegen.dense_copy(net)
+    batch = dict(input_ids=ids, decoder_input_ids=ids, labels=ids)
+    loss, twin_loss = net(**batch).loss, twin(**batch).loss
+    torch.testing.assert_close(loss, twin_loss, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert wo.values.grad is not None and wo.values.grad.abs().sum() > 0
