@@ -41,18 +41,21 @@ def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
                                         or (bias is not None and bias.requires_grad))
 
 
-class SparseLinearForward:
-    """forward as every layout's inference layer runs it: the lean path for repeated calls
-    (lean.LeanLayer), autocast, the input checks, then the layout's autograd Function where a
-    gradient is needed, else its bare product (no autograd on the host path)."""
+class WeightLike:
+    """`weight` as code written for nn.Linear reads it besides its values - T5's MLP casts its
+    input to `wo.weight.dtype` (unless int8) - a meta tensor of the dense weight's shape and
+    the stored values' dtype. The dense weight is stored nowhere (`to_dense_weight()`
+    computes it), so code that reads its values fails loudly instead of reading something else."""
 
     @property
     def weight(self) -> torch.Tensor:
-        """What code written for nn.Linear reads of its weight besides the values - T5's MLP
-        casts its input to `wo.weight.dtype` - as a meta tensor of the dense weight's shape
-        and dtype. The dense weight is stored nowhere (`to_dense_weight()` computes it), so
-        code that reads its values fails loudly instead of reading something else."""
         return torch.empty(self.out_features, self.in_features, dtype=self.values.dtype, device="meta")
+
+
+class SparseLinearForward(WeightLike):
+    """forward as every layout's inference layer runs it: the lean path for repeated calls
+    (lean.LeanLayer), autocast, the input checks, then the layout's autograd Function where a
+    gradient is needed, else its bare product (no autograd on the host path)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._lean_forward(x)

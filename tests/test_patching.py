@@ -183,3 +183,19 @@ def test_a_model_that_reads_its_linears_weight_dtype_runs_patched(settings):
     torch.testing.assert_close(loss, twin_loss, rtol=1e-5, atol=1e-5)
     loss.backward()
     assert wo.values.grad is not None and wo.values.grad.abs().sum() > 0
+
+
+def test_one_byte_layers_weight_names_their_dtype():
+    """A one-byte 2:4 layer's `weight` has its values' dtype: T5 skips its cast for int8 (the
+    layer quantizes the 16-bit input itself), and the model runs as its dense copy does."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=96)
+    net = transformers.T5ForConditionalGeneration(config).eval().to(torch.bfloat16)
+    sparsegen.patch(net, {r"DenseReluDense\.(wi|wo)": {"sparsity": "2:4", "weight_dtype": "int8"}})
+    wo = net.decoder.block[1].layer[2].DenseReluDense.wo
+    assert (wo.weight.shape, wo.weight.dtype, wo.weight.device.type) == ((64, 128), torch.int8, "meta")
+    ids = torch.randint(1, 96, (2, 12))
+    with torch.no_grad():
+        logits = net(input_ids=ids, decoder_input_ids=ids).logits.float()
+        want = sparsegen.dense_copy(net)(input_ids=ids, decoder_input_ids=ids).logits.float()
+    assert (logits - want).norm() / want.norm() < 2e-2

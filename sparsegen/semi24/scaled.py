@@ -19,7 +19,7 @@ from .. import checkpoint
 from ..errors import InputError, expect
 from ..jit import epilogues, registry
 from ..launch import lean, library, runtime
-from ..layer import dense_linear, in_units
+from ..layer import WeightLike, dense_linear, in_units
 from . import format as semi24
 from . import ops
 
@@ -163,7 +163,7 @@ class _InputGradient(torch.autograd.Function):
         return (d_product.to(x.dtype) @ weight,) + (None,) * 6
 
 
-class ScaledSparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """Inference layer: `values` [out, in/2] one-byte (the kept 2:4 weights quantized with
     `weight_scale` [out], float32, one per output channel), `metadata` as mma.sp reads it,
     `bias` in the activations' dtype, and optionally `input_scale` (a static per-tensor
