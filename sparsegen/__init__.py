@@ -8,7 +8,8 @@ from .semi24.scaled import ScaledSparse24Linear
 from .compressed import load_compressed
 from . import inductor  # noqa: F401 (the compiled graphs' lowerings)
 from .bsr import topology
-from .patching import GatedMLP, dense_copy, patch
+from .patching import GatedMLP, patch
+from .dense_twin import dense_copy
 from .jit.spec import KernelSpec, TileConfig
 from .semi24.tensor import Sparse24Tensor, to_sparse24
 from .semi24.train import Sparse24TrainingLinear, dense_finetune_, masked_decay_

@@ -84,19 +84,47 @@ def _fuse_activations(model: nn.Module, built: dict) -> None:
         act = activation_of(getattr(parent, act_attr, None)) if act_attr else None
         if act and isinstance(layer, epilogues.Fusable) and layer.epilogue == "none":
             layer.fuse(act)
-            setattr(parent, act_attr, nn.Identity())
+            setattr(parent, act_attr, FusedActivation(getattr(parent, act_attr)))
+
+
+class FusedActivation(nn.Identity):
+    """Where patch took an activation into the preceding layer's epilogue: nothing to do here.
+    The activation module is kept (not as a submodule: no state, not patched) for dense_copy
+    to put back."""
+
+    def __init__(self, activation: nn.Module):
+        super().__init__()
+        self.__dict__["activation"] = activation
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up as one sparse layer whose kernel applies
     the gated epilogue: one product and no elementwise pass between the projections."""
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module):
+    def __init__(self, gate_up: nn.Module, down: nn.Module, replaced: nn.Module | None = None):
         super().__init__()
         self.gate_up, self.down_proj = gate_up, down
+        # The model's own MLP without its projections (its class, activation and settings), for
+        # dense_copy to rebuild; kept out of the module tree: it holds no tensors.
+        self.__dict__["replaced"] = None if replaced is None else _without_projections(replaced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up(x))
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _without_projections(mlp: nn.Module) -> nn.Module | None:
+    """A copy of a gated MLP with its three projections left out (the original keeps them), or
+    None where anything else in it holds a tensor (a copy would hold it twice)."""
+    kept = {name: mlp._modules[name] for name in _PROJECTIONS}
+    try:
+        mlp._modules.update(dict.fromkeys(_PROJECTIONS))
+        holds_tensors = any(True for _ in (*mlp.parameters(), *mlp.buffers()))
+        return None if holds_tensors else copy.deepcopy(mlp)
+    finally:
+        mlp._modules.update(kept)
 
 
 _GATES = {"silu": "swiglu", "gelu": "geglu"}  # the gate's activation -> the gated epilogue
@@ -115,7 +143,7 @@ class _GatedPlan:
         fused = epilogues.interleaved_linear(gate.weight, up.weight, gate.bias, up.bias)
         layer = _build(fused, self.settings, from_dense, self.projections[0])
         # (down_proj as the mlp holds it now: replaced where a rule matched it)
-        return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj)
+        return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj, self.mlp)
 
 
 def fuse_loaded_gated_mlps(model: nn.Module) -> list[str]:
@@ -126,7 +154,7 @@ def fuse_loaded_gated_mlps(model: nn.Module) -> list[str]:
     found = [(name, mlp, layer) for name, mlp in model.named_modules() if name
              for layer in [_loaded_pair(mlp)] if layer is not None]
     for name, mlp, layer in found:
-        _replace(model, name, GatedMLP(layer, mlp.down_proj))
+        _replace(model, name, GatedMLP(layer, mlp.down_proj, mlp))
     return [name for name, _, _ in found]
 
 
@@ -251,43 +279,14 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias
     try:
-        return FACES[settings.get("sparsity", "block")].patch(linear, settings, from_dense)
+        layer = FACES[settings.get("sparsity", "block")].patch(linear, settings, from_dense)
     except InputError as error:
         raise InputError(f"{name}: {error}") from None
-
-
-def dense_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` with every sparsegen layer replaced by the nn.Linear of its
-    (masked) weight: the dense model that computes what the sparse one does (to check a
-    patched model against, or to export where sparsegen is not installed). One-byte layers
-    become nn.Linear of their dequantized weight in the model's floating dtype."""
-    twin = copy.deepcopy(model)
-    dtype = _model_dtype(twin)
-    for name, module in list(twin.named_modules()):
-        if _keeps_own_dtypes(module):
-            _replace(twin, name, module.to_linear(dtype))
-        elif _is_sparse_layer(module):
-            _replace(twin, name, module.to_linear())
-    return twin
+    if type(module) is not nn.Linear:  # (a Conv1D: its weight is stored [in, out])
+        layer.replaced_class = type(module)
+    return layer
 
 
 def _is_sparse_layer(module: nn.Module) -> bool:
     """A layer of any of sparsegen's layouts: each has to_linear (its weight as nn.Linear)."""
     return type(module).__module__.startswith("sparsegen.") and callable(getattr(module, "to_linear", None))
-
-
-def _keeps_own_dtypes(module: nn.Module) -> bool:
-    """A layer whose tensors keep their dtypes through a model's casts (one-byte weights and
-    float32 scales: its OWN_DTYPES); its to_linear takes the model's dtype."""
-    return bool(getattr(module, "OWN_DTYPES", ()))
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype | None:
-    """The 16- or 32-bit float dtype of the model's first such tensor outside one-byte layers
-    (their scales are float32 whatever the model's dtype), or None (the layers' default)."""
-    scaled = {id(t) for m in model.modules() if _keeps_own_dtypes(m)
-              for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) not in scaled and tensor.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            return tensor.dtype
-    return None

@@ -40,8 +40,10 @@ def test_a_layer_that_ran_copies_and_saves(kind):
         assert not any("_lean_calls" in m.__dict__ for m in twin.modules()), how
         with torch.no_grad():
             got = twin(x).double()
-        # dense_copy of a one-byte layer skips the layer's quantization of x: e4m3's 3-bit steps
-        bound = 0.08 if how == "dense_copy" and kind.startswith("scaled") else 0.0
+        # dense_copy of a one-byte layer skips the layer's quantization of x: e4m3's 3-bit steps;
+        # of a gated MLP it is the model's own MLP again, rounding act(gate) and the product
+        # apart (bf16 ulps) where the fused reference rounds once
+        bound = (0.08 if kind.startswith("scaled") else 1e-2 if kind == "gated-mlp" else 0.0) if how == "dense_copy" else 0.0
         assert (got - want).norm() <= bound * want.norm(), how
     lean = [m for m in layer.modules() if hasattr(m, "_lean_forward")]
     assert all("_lean_calls" in m.__dict__ for m in lean)  # (the original keeps its cache)

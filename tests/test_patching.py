@@ -199,3 +199,40 @@ def test_one_byte_layers_weight_names_their_dtype():
         logits = net(input_ids=ids, decoder_input_ids=ids).logits.float()
         want = sparsegen.dense_copy(net)(input_ids=ids, decoder_input_ids=ids).logits.float()
     assert (logits - want).norm() / want.norm() < 2e-2
+
+
+ARCHITECTURES = {
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96)), {r"mlp\.(gate|up|down)_proj": {"block": (16, 16), "density": 0.5},
+                          r"self_attn\.o_proj": {"sparsity": "2:4"}}),
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0)),
+        {r"mlp\.c_(fc|proj)": {"sparsity": "2:4"}, r"attn\.c_(attn|proj)": {"block": (16, 16), "density": 0.5}}),
+    "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=96)),
+        {r"intermediate\.dense": {"sparsity": "2:4"}, r"output\.dense": {"sparsity": "block-diagonal", "nblocks": 2}}),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_dense_copy_is_the_unpatched_models_structure_and_exports(architecture, tmp_path):
+    """dense_copy puts patch's fusions apart (a GatedMLP back to the model's MLP, an activation
+    taken into an epilogue back to its module) and GPT-2's Conv1D layers back to Conv1D: its
+    state_dict has the unpatched model's names and shapes, so save_pretrained and transformers'
+    own from_pretrained give a model with the sparse one's logits."""
+    make, rules = ARCHITECTURES[architecture]
+    torch.manual_seed(0)
+    model, unpatched = make().eval(), make()
+    sparsegen.patch(model, rules)
+    twin = sparsegen.dense_copy(model)
+    assert ({k: v.shape for k, v in twin.state_dict().items()}
+            == {k: v.shape for k, v in unpatched.state_dict().items()})
+    assert {type(m).__name__ for m in twin.modules()} == {type(m).__name__ for m in unpatched.modules()}
+    twin.save_pretrained(tmp_path)
+    exported = type(unpatched).from_pretrained(tmp_path).eval()
+    ids = torch.randint(1, 96, (2, 11))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for copy_ in (twin, exported):
+            torch.testing.assert_close(copy_(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
