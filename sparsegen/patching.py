@@ -275,6 +275,8 @@ def _dense_weight(module: nn.Module) -> torch.Tensor | None:
 
 def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn.Module:
     weight = _dense_weight(module)
+    expect(not (from_dense and weight.is_meta), f"{name}: weights to prune (from_dense=True), or from_dense=False "
+           "for a model built on the meta device (layers to load a checkpoint into)", "weights on the meta device")
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None,
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias

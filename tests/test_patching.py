@@ -236,3 +236,31 @@ def test_dense_copy_is_the_unpatched_models_structure_and_exports(architecture, 
         want = model(input_ids=ids).logits
         for copy_ in (twin, exported):
             torch.testing.assert_close(copy_(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+META_RULES = [{"block": (16, 16), "density": 0.5}, {"sparsity": "2:4"}, {"sparsity": "2:4", "weight_dtype": "int8"},
+              {"sparsity": "2:4", "training": {"mask_interval": 3}}, {"sparsity": "block-ell", "block": (16, 16), "per_row": 2},
+              {"sparsity": "block-diagonal", "nblocks": 4}]
+
+
+@pytest.mark.parametrize("settings", META_RULES, ids=lambda s: s.get("sparsity", "block") + s.get("weight_dtype", ""))
+def test_a_model_built_on_the_meta_device_patches_and_loads_a_checkpoint(settings):
+    """The large-model pattern: build on the meta device, patch with from_dense=False (no
+    weights to prune there; from_dense=True says so), to_empty, then load a patched model's
+    state_dict: the same logits."""
+    make, _ = ARCHITECTURES["llama"]
+    rules = {r"mlp\.(gate|up|down)_proj": settings}
+    torch.manual_seed(0)
+    source = make().eval()
+    sparsegen.patch(source, rules)
+    with torch.device("meta"):
+        model = make()
+    with pytest.raises(sparsegen.InputError, match="from_dense=False for a model built on the meta device"):
+        sparsegen.patch(model, rules)
+    sparsegen.patch(model, rules, from_dense=False)
+    model.to_empty(device="cpu").eval()
+    model.model.rotary_emb = type(source.model.rotary_emb)(source.config)  # (the one buffer no state_dict holds)
+    model.load_state_dict(source.state_dict())
+    ids = torch.randint(1, 96, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, source(input_ids=ids).logits)
