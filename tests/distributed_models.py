@@ -64,3 +64,15 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
     def checkpointed(*args, **kwargs):
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     layer.forward = checkpointed
+
+
+def build_on_meta(variant: str) -> torch.nn.Module:
+    """The variant's model as a large one is built: no memory, on the meta device, patched
+    with from_dense=False (there are no weights to prune), in bf16."""
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config(mlp_bias=variant.endswith("+bias")))
+    rules, fuse = VARIANTS[variant.removesuffix("+bias")]
+    if rules:
+        sparsegen.patch(model, rules, fuse=fuse, from_dense=False)
+    return model.to(torch.bfloat16)
+

@@ -302,6 +302,44 @@ def fsdp2_sharded(variant: str, device, seed: int):
     return fully_shard(model)
 
 
+def fsdp2_on_meta(variant: str, device):
+    """The variant's model built on the meta device, sharded there, then given memory by
+    to_empty (FSDP2's large-model start): nothing in it until a checkpoint loads."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = models.build_on_meta(variant)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=device)
+    rotary = model.model.rotary_emb  # (its buffer is in no checkpoint: made again on the device)
+    model.model.rotary_emb = type(rotary)(model.config).to(device, torch.bfloat16)  # (as build casts it)
+    return model
+
+
+def loaded_from(model, folder: Path):
+    """The model with the torch.distributed.checkpoint in `folder` loaded into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state)
+    return model
+
+
+def meta_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
+    """What dcp_case saved, loaded into a model built on the meta device (fsdp2_on_meta): the
+    logits of the same checkpoint loaded into a model built with memory, exactly - so every
+    index a layer derives was rebuilt from the loaded state, not left as to_empty's bytes."""
+    folder = out / f"dcp_{variant.replace(':', '')}"
+    ids = batches(device, world)[0][2 * rank:2 * rank + 2]
+    with torch.no_grad():
+        want = loaded_from(fsdp2_sharded(variant, device, 7), folder)(input_ids=ids).logits
+        got = loaded_from(fsdp2_on_meta(variant, device), folder)(input_ids=ids).logits
+    return "" if torch.equal(got, want) else f"built on meta, the loaded model's logits differ: {relative_error(got, want):.2e}"
+
+
 def tp_dcp_case(variant: str, device, world: int, rank: int, out: Path) -> str:
     """A tensor-parallel model trained a step, saved with torch.distributed.checkpoint, loads
     back into a fresh one exactly; its logits are kept for the one-process load."""
@@ -452,6 +490,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
         return dcp_case(variant, device, world, rank, out)
     if kind == "tpdcp":
         return tp_dcp_case(variant, device, world, rank, out)
+    if kind == "dcp-meta":
+        return meta_dcp_case(variant, device, world, rank, out)
     if kind.startswith(("tp", "sp")):
         return tp_case(variant, device, world, compiled="compile" in kind, sequence=kind.startswith("sp"))
     return f"no case kind {kind!r}"
@@ -460,7 +500,8 @@ def run_case(name: str, device, world: int, rank: int, out: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", required=True, help="KIND:VARIANT,... (KIND: fsdp2, fsdp2-compile, "
-                        "fsdp2-ckpt, ddp, ddp-compile, ddp-nosync, ddp-once, ddp-synced, dcp, tpdcp, tp, tp-compile, sp, "
+                        "fsdp2-ckpt, ddp, ddp-compile, ddp-nosync, ddp-once, ddp-synced, dcp, dcp-meta (after dcp), tpdcp, tp, "
+                        "tp-compile, sp, "
                         "sp-compile; VARIANT: distributed_models.VARIANTS)")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--load-one", action="store_true", help="load the dcp cases' checkpoints in this one "

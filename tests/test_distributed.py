@@ -1,6 +1,7 @@
 """Sparse models on more than one process: FSDP2 (MixedPrecisionPolicy, activation
 checkpointing, per-layer torch.compile after sharding), DDP (no_sync, compiled),
-torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2, on 1 and on 4) and tensor
+torch.distributed.checkpoint (saved on 2 ranks, loaded back on 2 - also into a model built on
+the meta device - on 1 and on 4) and tensor
 parallelism (sparsegen.parallel's styles through parallelize_module, with sequence
 parallelism too), each against a
 twin in one process that sees every rank's batch (tests/distributed_worker.py says how).
@@ -22,7 +23,7 @@ BOTH = ([f"fsdp2:{v}" for v in ["dense", *TRAINABLE, "int8+2:4"]] + ["fsdp2-ckpt
         # (each rank built from a seed of its own: the one sync at construction makes them the first rank's)
         + [f"ddp-once:{v}" for v in ["bsr", "2:4-recipe", "bell", "int8+2:4"]]
         + [f"ddp-synced:{v}" for v in ["2:4-recipe", "bell", "scaled+bsr"]]
-        + [f"dcp:{v}" for v in SAVED]
+        + [f"dcp:{v}" for v in SAVED] + [f"dcp-meta:{v}" for v in SAVED]  # (loads what dcp saved)
         + [f"tp:{v}" for v in ["dense", "bsr", "bsr-unfused+bias", "2:4+bias", "2:4-unfused", "int8-mlp",
                                "int8-mlp-unfused+bias", "bell-colwise+bias"]]
         + [f"tpdcp:{v}" for v in ["2:4+bias", "2:4-unfused", "int8-mlp-unfused+bias", "bsr", "bell-colwise"]]
