@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import expect
+from .errors import InputError, expect
 from .launch import calls, lean
 from .jit import epilogues
 
@@ -41,15 +41,55 @@ def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
                                         or (bias is not None and bias.requires_grad))
 
 
-class WeightLike:
-    """`weight` as code written for nn.Linear reads it besides its values - T5's MLP casts its
-    input to `wo.weight.dtype` (unless int8) - a meta tensor of the dense weight's shape and
-    the stored values' dtype. The dense weight is stored nowhere (`to_dense_weight()`
-    computes it), so code that reads its values fails loudly instead of reading something else."""
+class DenseWeightDescription:
+    """What a sparse layer answers for `weight`: the dense weight's shape, dtype and device,
+    for code written for nn.Linear that reads those (`x.to(proj.weight.dtype)`). It is no
+    tensor - the dense weight is stored nowhere - so code that would read or write its values
+    (an init, `.data`, `.requires_grad = False`) fails loudly instead of touching nothing."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+        for name, value in (("shape", torch.Size(shape)), ("dtype", dtype), ("device", device)):
+            object.__setattr__(self, name, value)
 
     @property
-    def weight(self) -> torch.Tensor:
-        return torch.empty(self.out_features, self.in_features, dtype=self.values.dtype, device="meta")
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"A sparse layer's weight is a description of the dense weight (shape, dtype, "
+                             f"device), not a tensor: it has no {name!r}. The stored values are the layer's "
+                             "`values`; `to_dense_weight()` builds the dense weight.")
+
+    def __setattr__(self, name: str, value) -> None:
+        raise InputError(f"Expected changes to a sparse layer's own parameters (`values`, `bias`; "
+                         f"layer.requires_grad_(False) freezes them). Got {name!r} set on its weight's description.")
+
+    def __repr__(self) -> str:
+        return f"DenseWeightDescription(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+class WeightLike:
+    """`weight` as code written for nn.Linear reads it besides its values - a
+    DenseWeightDescription in the stored values' dtype and device."""
+
+    @property
+    def weight(self) -> DenseWeightDescription:
+        return DenseWeightDescription((self.out_features, self.in_features), self.values.dtype, self.values.device)
 
 
 class SparseLinearForward(WeightLike):

@@ -164,18 +164,22 @@ def test_dense_copy_computes_what_the_patched_model_does(rules):
 @pytest.mark.parametrize("settings", [{"block": (32, 32), "density": 0.5}, {"sparsity": "2:4"},
                                       {"sparsity": "block-diagonal", "nblocks": 4}])
 def test_a_model_that_reads_its_linears_weight_dtype_runs_patched(settings):
-    """T5's MLP casts its input to `wo.weight.dtype`: a sparse layer's `weight` is a meta
-    tensor of the dense weight's shape and dtype (reading its values fails loudly), and the
-    patched model computes what its dense copy does, forward and backward."""
+    """T5's MLP reads `wo.weight` (casting its input to the dtype where it is a tensor): a
+    sparse layer's `weight` describes the dense weight - shape, dtype, device - and is no
+    tensor, so reading its values or freezing it through it fails loudly; the patched model
+    computes what its dense copy does, forward and backward."""
     torch.manual_seed(0)
     config = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=96)
     net = transformers.T5ForConditionalGeneration(config).eval()
     names = sparsegen.patch(net, {r"DenseReluDense\.(wi|wo)": settings})
     assert len(names) == 8
     wo = net.encoder.block[0].layer[1].DenseReluDense.wo
-    assert (wo.weight.shape, wo.weight.dtype, wo.weight.device.type) == ((64, 128), torch.float32, "meta")
-    with pytest.raises(RuntimeError):
-        wo.weight.sum().item()
+    assert (wo.weight.shape, wo.weight.dtype, wo.weight.device) == ((64, 128), torch.float32, wo.values.device)
+    assert wo.weight.size(1) == 128 and not isinstance(wo.weight, torch.Tensor)
+    with pytest.raises(AttributeError, match="to_dense_weight"):
+        wo.weight.sum()
+    with pytest.raises(sparsegen.InputError, match="requires_grad_"):
+        wo.weight.requires_grad = False
     ids = torch.randint(1, 96, (2, 12))
     twin = sparsegen.dense_copy(net)
     batch = dict(input_ids=ids, decoder_input_ids=ids, labels=ids)
@@ -185,20 +189,21 @@ def test_a_model_that_reads_its_linears_weight_dtype_runs_patched(settings):
     assert wo.values.grad is not None and wo.values.grad.abs().sum() > 0
 
 
-def test_one_byte_layers_weight_names_their_dtype():
-    """A one-byte 2:4 layer's `weight` has its values' dtype: T5 skips its cast for int8 (the
-    layer quantizes the 16-bit input itself), and the model runs as its dense copy does."""
+@pytest.mark.parametrize("weight_dtype, dtype", [("int8", torch.int8), ("e4m3", torch.float8_e4m3fn)])
+def test_one_byte_layers_weight_names_their_dtype(weight_dtype, dtype):
+    """A one-byte 2:4 layer's `weight` describes its values' dtype, and a T5 with such MLPs
+    (the layer quantizes the 16-bit input itself) runs as its dense copy does."""
     torch.manual_seed(0)
     config = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=96)
     net = transformers.T5ForConditionalGeneration(config).eval().to(torch.bfloat16)
-    sparsegen.patch(net, {r"DenseReluDense\.(wi|wo)": {"sparsity": "2:4", "weight_dtype": "int8"}})
+    sparsegen.patch(net, {r"DenseReluDense\.(wi|wo)": {"sparsity": "2:4", "weight_dtype": weight_dtype}})
     wo = net.decoder.block[1].layer[2].DenseReluDense.wo
-    assert (wo.weight.shape, wo.weight.dtype, wo.weight.device.type) == ((64, 128), torch.int8, "meta")
+    assert (wo.weight.shape, wo.weight.dtype) == ((64, 128), dtype)
     ids = torch.randint(1, 96, (2, 12))
     with torch.no_grad():
         logits = net(input_ids=ids, decoder_input_ids=ids).logits.float()
         want = sparsegen.dense_copy(net)(input_ids=ids, decoder_input_ids=ids).logits.float()
-    assert (logits - want).norm() / want.norm() < 2e-2
+    assert (logits - want).norm() / want.norm() < (2e-2 if weight_dtype == "int8" else 6e-2)  # (x's e4m3 steps)
 
 
 ARCHITECTURES = {
