@@ -385,12 +385,25 @@ def mask_gradients(twin: nn.Module, model: nn.Module) -> None:
     """Zero, in every step, the gradient of the twin's weights where the sparse model stores
     none (the twin's dense copies hold exact zeros there)."""
     sparse = (sparsegen.BlockSparseLinear, sparsegen.Sparse24Linear, sparsegen.Sparse24TrainingLinear)
+    twins = dict(twin.named_modules())
     for name, module in model.named_modules():
         if isinstance(module, sparse):
-            for linear in twin.get_submodule(name).modules():
+            for linear in (m for part in twin_parts(twins, name) for m in part.modules()):
                 if isinstance(linear, nn.Linear):
                     kept = linear.weight.detach() != 0
                     linear.weight.register_hook(lambda grad, kept=kept: grad * kept)
+
+
+def twin_parts(twins: dict, name: str) -> list[nn.Module]:
+    """The dense twin's modules ({name: module}) holding what the sparse model's module `name`
+    holds: the same name, or for a GatedMLP's gate_up (dense_copy gives the model's own MLP
+    back) its gate and up projections."""
+    parent = name.rpartition(".")[0]
+    parts = [twins[name]] if name in twins else [twins[f"{parent}.{p}"] for p in ("gate_proj", "up_proj")
+                                                 if f"{parent}.{p}" in twins]
+    if not parts:
+        raise KeyError(f"the dense twin has no module for {name}")
+    return parts
 
 
 def check_error(case: Case, outputs: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
