@@ -79,6 +79,9 @@ class DenseWeightDescription:
         raise InputError(f"Expected changes to a sparse layer's own parameters (`values`, `bias`; "
                          f"layer.requires_grad_(False) freezes them). Got {name!r} set on its weight's description.")
 
+    def __reduce__(self):  # (copies and pickles are made anew: __setattr__ refuses every name)
+        return DenseWeightDescription, (tuple(self.shape), self.dtype, self.device)
+
     def __repr__(self) -> str:
         return f"DenseWeightDescription(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 

@@ -180,6 +180,7 @@ def test_a_model_that_reads_its_linears_weight_dtype_runs_patched(settings):
         wo.weight.sum()
     with pytest.raises(sparsegen.InputError, match="requires_grad_"):
         wo.weight.requires_grad = False
+    assert repr(copy.deepcopy(wo.weight)) == repr(wo.weight)
     ids = torch.randint(1, 96, (2, 12))
     twin = sparsegen.dense_copy(net)
     batch = dict(input_ids=ids, decoder_input_ids=ids, labels=ids)
