@@ -35,6 +35,27 @@ class CheckedLoad:
         check_entries(self, state, prefix)
         super()._load_from_state_dict(state, prefix, *args)
         self._after_load()
+        derived = {*self._non_persistent_buffers_set, *self._rebuilt, *self._optional}
+        if all(prefix + name in state_dict for name, b in self._buffers.items() if b is not None and name not in derived):
+            self.__dict__.pop("_awaits_load", None)  # (its layout, metadata or mask came from the file)
+
+    def _apply(self, fn, *args, **kwargs):
+        """As nn.Module's; a layer whose buffers leave the meta device (to_empty) holds index
+        bytes nobody wrote, so it refuses to run (expect_loaded) until a state_dict loads."""
+        was_meta = any(b is not None and b.is_meta for b in self._buffers.values())
+        result = super()._apply(fn, *args, **kwargs)
+        if was_meta and not any(b is not None and b.is_meta for b in self._buffers.values()):
+            self.__dict__["_awaits_load"] = True
+        return result
+
+
+def expect_loaded(layer: nn.Module) -> None:
+    """A forward's first check: not a layer built on the meta device and given memory by
+    to_empty without a load (its layout or metadata would be uninitialized bytes into a kernel)."""
+    if "_awaits_load" in layer.__dict__:
+        expect(False, f"a {type(layer).__name__} built on the meta device to get its layout from load_state_dict "
+               "after to_empty (or one built off the meta device, for a random layout)",
+               "a call before any load: its index buffers hold uninitialized memory")
 
 
 def check_entries(module: nn.Module, state_dict: dict, prefix: str) -> None:

@@ -238,6 +238,7 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
         return self
 
     def forward(self, x: Tensor) -> Tensor:
+        checkpoint.expect_loaded(self)
         y = self._launched(x)  # (None where the call takes the checked path below)
         if y is not None:
             return y

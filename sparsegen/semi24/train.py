@@ -220,6 +220,7 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        checkpoint.expect_loaded(self)
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         calls.check_inputs(x, weight, bias, self.in_features)
         if self.training and self._counts_a_step():
