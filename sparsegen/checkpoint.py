@@ -41,7 +41,7 @@ class CheckedLoad:
 
     def _apply(self, fn, *args, **kwargs):
         """As nn.Module's; a layer whose buffers leave the meta device (to_empty) holds index
-        bytes nobody wrote, so it refuses to run (expect_loaded) until a state_dict loads."""
+        bytes nobody wrote, so it refuses to run (refuse_unloaded) until a state_dict loads."""
         was_meta = any(b is not None and b.is_meta for b in self._buffers.values())
         result = super()._apply(fn, *args, **kwargs)
         if was_meta and not any(b is not None and b.is_meta for b in self._buffers.values()):
@@ -49,13 +49,13 @@ class CheckedLoad:
         return result
 
 
-def expect_loaded(layer: nn.Module) -> None:
-    """A forward's first check: not a layer built on the meta device and given memory by
-    to_empty without a load (its layout or metadata would be uninitialized bytes into a kernel)."""
-    if "_awaits_load" in layer.__dict__:
-        expect(False, f"a {type(layer).__name__} built on the meta device to get its layout from load_state_dict "
-               "after to_empty (or one built off the meta device, for a random layout)",
-               "a call before any load: its index buffers hold uninitialized memory")
+def refuse_unloaded(layer: nn.Module) -> None:
+    """A forward's answer where `"_awaits_load" in layer.__dict__` (its first check, written
+    inline: a dict lookup per call): a layer built on the meta device and given memory by
+    to_empty without a load - its layout or metadata would be uninitialized bytes into a kernel."""
+    expect(False, f"a {type(layer).__name__} built on the meta device to get its layout from load_state_dict "
+           "after to_empty (or one built off the meta device, for a random layout)",
+           "a call before any load: its index buffers hold uninitialized memory")
 
 
 def check_entries(module: nn.Module, state_dict: dict, prefix: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .checkpoint import expect_loaded
+from .checkpoint import refuse_unloaded
 from .errors import InputError, expect
 from .launch import calls, lean
 from .jit import epilogues
@@ -102,7 +102,8 @@ class SparseLinearForward(WeightLike):
     gradient is needed, else its bare product (no autograd on the host path)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        expect_loaded(self)
+        if "_awaits_load" in self.__dict__:
+            refuse_unloaded(self)
         y = self._lean_forward(x)
         if y is not None:
             return y

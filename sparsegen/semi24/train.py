@@ -220,7 +220,8 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        checkpoint.expect_loaded(self)
+        if "_awaits_load" in self.__dict__:
+            checkpoint.refuse_unloaded(self)
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         calls.check_inputs(x, weight, bias, self.in_features)
         if self.training and self._counts_a_step():
