@@ -47,11 +47,15 @@ def build(variant: str, device: torch.device, seed: int = 0) -> torch.nn.Module:
     """The variant's model in bf16 on `device`, the same for a given seed on every rank
     (VARIANT+bias: the MLP's projections with biases)."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config(mlp_bias=variant.endswith("+bias")))
+    return patched(transformers.LlamaForCausalLM(config(mlp_bias=variant.endswith("+bias"))), variant,
+                   from_dense=True).to(device, torch.bfloat16)
+
+
+def patched(model: torch.nn.Module, variant: str, from_dense: bool) -> torch.nn.Module:
     rules, fuse = VARIANTS[variant.removesuffix("+bias")]
     if rules:
-        sparsegen.patch(model, rules, fuse=fuse)
-    return model.to(device, torch.bfloat16)
+        sparsegen.patch(model, rules, fuse=fuse, from_dense=from_dense)
+    return model
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -71,8 +75,4 @@ def build_on_meta(variant: str) -> torch.nn.Module:
     with from_dense=False (there are no weights to prune), in bf16."""
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config(mlp_bias=variant.endswith("+bias")))
-    rules, fuse = VARIANTS[variant.removesuffix("+bias")]
-    if rules:
-        sparsegen.patch(model, rules, fuse=fuse, from_dense=False)
-    return model.to(torch.bfloat16)
-
+    return patched(model, variant, from_dense=False).to(torch.bfloat16)
