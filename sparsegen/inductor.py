@@ -43,7 +43,7 @@ def _register() -> None:
 
         @register_lowering(getattr(torch.ops.sparsegen, spec.op).default, type_promotion_kind=None)
         def lower(*args):
-            inlined = None if spec.inline is None else spec.inline(args, lowerings, _computed_in_graph)
+            inlined = None if spec.inline is None else spec.inline(args, lowerings, GraphContext())
             if inlined is not None:
                 return inlined
             tensors = len(spec.args.tensors)
@@ -60,6 +60,8 @@ def _register() -> None:
 
     for spec in registry.lowerings():
         lowering(spec)
+        for name, launcher in spec.more_launchers:
+            _set_launcher(name, launcher)
 
 
 def _launchers(spec: registry.Lowering) -> dict[tuple[int, ...], str]:
@@ -71,11 +73,19 @@ def _launchers(spec: registry.Lowering) -> dict[tuple[int, ...], str]:
     names = {}
     for count in range(len(optional) + 1):
         for missing in itertools.combinations(optional, count):
-            name = f"sparsegen_{spec.op}" + "".join(f"_no_{spec.args.tensors[at]}" for at in missing)
-            if not hasattr(extern_kernels, name):
-                setattr(extern_kernels, name, _with_none_at(spec.launcher, missing))
-            names[missing] = f"extern_kernels.{name}"
+            name = f"{spec.op}" + "".join(f"_no_{spec.args.tensors[at]}" for at in missing)
+            names[missing] = _set_launcher(name, _with_none_at(spec.launcher, missing))
     return names
+
+
+def _set_launcher(name: str, launcher) -> str:
+    """extern_kernels.sparsegen_<name> = launcher (the first one set stays: graphs hold the
+    name); the name as generated code calls it."""
+    from torch._inductor.select_algorithm import extern_kernels
+    full = f"sparsegen_{name}"
+    if not hasattr(extern_kernels, full):
+        setattr(extern_kernels, full, launcher)
+    return f"extern_kernels.{full}"
 
 
 def _with_none_at(launch, missing: tuple[int, ...]):
@@ -97,14 +107,80 @@ def _with_none_at(launch, missing: tuple[int, ...]):
     return launcher
 
 
-def _computed_in_graph(x) -> bool:
-    """Whether Inductor generates x's loops itself (a pointwise or reduction, realized or not),
-    so that what reads x may join that kernel; False for an extern kernel's output or an input."""
-    from torch._inductor import ir
-    node = x
-    while isinstance(node, (ir.MutableBox, ir.BaseView)):
-        node = node.data
-    return isinstance(node, (ir.ComputedBuffer, ir.Loops))
+class GraphContext:
+    """What an inline lowering (registry.Lowering.inline) may ask of the graph being lowered:
+    whether Inductor computes an input itself, the other calls of the same op on the same X,
+    results decided for calls not lowered yet, and extern calls of the layout's launchers."""
+
+    def __init__(self):
+        from torch._inductor.virtualized import V
+        self._graph, self.node = V.graph, V.graph.current_node
+        # (per graph lowered: a graph lowered again starts afresh)
+        self._decided = self._graph.__dict__.setdefault("_sparsegen_decided", {})
+
+    @staticmethod
+    def computed_in_graph(x) -> bool:
+        """Whether Inductor generates x's loops itself (a pointwise or reduction, realized or not),
+        so that what reads x may join that kernel; False for an extern kernel's output or an input."""
+        from torch._inductor import ir
+        node = x
+        while isinstance(node, (ir.MutableBox, ir.BaseView)):
+            node = node.data
+        return isinstance(node, (ir.ComputedBuffer, ir.Loops))
+
+    def decided(self):
+        """What an earlier call's lowering decided this call is (decide), or None."""
+        return self._decided.get(self.node)
+
+    def decide(self, node, value) -> None:
+        self._decided[node] = value
+
+    def siblings(self) -> list:
+        """[(node, its arguments but X, lowered)] of the calls of this op on this call's X (the
+        same tensor, or the same reshape of it) not lowered yet, this call first. X itself is
+        left None: a later call's reshape of it is not lowered yet either."""
+        source, found = _source(self.node.args[0]), [(self.node, None)]
+        for user in _reshaped_users(source[0]):
+            if user is self.node or user.target != self.node.target or user in self._decided:
+                continue
+            if _source(user.args[0]) == source:
+                try:
+                    found.append((user, (None, *torch.fx.node.map_arg(user.args[1:], self._graph.env.__getitem__))))
+                except KeyError:  # an argument computed later
+                    continue
+        return found
+
+    def extern(self, name: str, inputs: list, constants: tuple, dtype: torch.dtype, size: list):
+        """The result of `extern_kernels.sparsegen_<name>(*inputs, *constants, out=buffer)` (a
+        Lowering's more_launchers), into a new contiguous buffer of `size` on X's device."""
+        from torch._inductor import ir
+        present = [ir.ExternKernel.realize_input(t) for t in inputs]
+        layout = ir.FixedLayout(present[0].get_device(), dtype, size)
+        return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
+                                                      python_kernel_name=f"extern_kernels.sparsegen_{name}"))
+
+
+_RESHAPES = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
+
+
+def _source(node) -> tuple:
+    """(the tensor node reads, its shape): through one reshape, so that layers each reshaping
+    one input to rows find each other."""
+    value = node.meta.get("val") if hasattr(node, "meta") else None
+    shape = tuple(value.shape) if value is not None else None
+    if getattr(node, "op", None) == "call_function" and str(node.target) in _RESHAPES:
+        return node.args[0], shape
+    return node, shape
+
+
+def _reshaped_users(node) -> list:
+    """node's users and its reshapes' users, in graph order as far as FX keeps it."""
+    found = []
+    for user in node.users:
+        found.append(user)
+        if user.op == "call_function" and str(user.target) in _RESHAPES:
+            found.extend(user.users)
+    return found
 
 
 library.on_first_trace(register)

@@ -107,3 +107,86 @@ def test_compiled_training_step_still_matches_eager():
     x.grad = layer.values.grad = None
     layer(x).square().sum().backward()
     torch.testing.assert_close(grads, [x.grad, layer.values.grad])
+
+
+class Projections(torch.nn.Module):
+    """A norm, then three layers of its output (an attention's q, k and v), each changed after."""
+
+    def __init__(self, make, hidden=128, kv=64):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(hidden, dtype=torch.bfloat16)
+        self.q, self.k, self.v = make(hidden, hidden), make(hidden, kv), make(hidden, kv)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.q(y) * 2, self.k(y) + 1, self.v(y)
+
+
+def scaled_layer(weight_dtype, bias=False):
+    return lambda k, n: sparsegen.ScaledSparse24Linear.from_dense(
+        torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16), weight_dtype)
+
+
+def sixteen_bit_layer(bias=False):
+    return lambda k, n: sparsegen.Sparse24Linear(k, n, bias=bias, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("weight_dtype", ["e4m3", "int8"])
+def test_layers_reading_one_input_are_one_grouped_launch(weight_dtype):
+    """q, k and v: one quantization of the norm's output, one launch, each layer a view of its
+    columns - against float64 of the stored weights times that output."""
+    model = Projections(scaled_layer(weight_dtype))
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert source.count("extern_kernels.sparsegen_sp24_group(") == 1, source
+    assert "sparsegen_sp24_scaled_dds" not in source and "sparsegen_sp24_scaled_linear" not in source
+    with torch.no_grad():
+        y, eager = model.norm(x).double(), model(x)
+        for out, by_eager, layer, after in zip(got, eager, (model.q, model.k, model.v),
+                                               (lambda t: t * 2, lambda t: t + 1, lambda t: t)):
+            weight = dequantized(layer.values, layer.metadata, layer.weight_scale).double()
+            reference = after(y @ weight.t())
+            error = lambda t: float((t.double() - reference).norm() / reference.norm())
+            assert error(out) < 1.5 * error(by_eager) + 1e-3, (error(out), error(by_eager))  # as the norm test's
+
+
+def test_sixteen_bit_layers_reading_one_input_are_one_grouped_launch():
+    model = Projections(sixteen_bit_layer()).to(torch.bfloat16)
+    x = torch.randn(2, 7, 128, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert source.count("extern_kernels.sparsegen_sp24_group(") == 1, source
+    with torch.no_grad():
+        for out, want in zip(got, model(x)):
+            torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("make, launcher", [
+    (scaled_layer("e4m3", bias=True), "extern_kernels.sparsegen_sp24_scaled_dds("),
+    (sixteen_bit_layer(bias=True), "extern_kernels.sparsegen_sp24_dds(")])
+def test_layers_with_bias_keep_their_own_launches(make, launcher):
+    """The grouped kernel adds no bias: each layer calls its own launcher, as before."""
+    model = Projections(make).to(torch.bfloat16)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert "sparsegen_sp24_group" not in source and source.count(launcher) == 3, source
+    with torch.no_grad():
+        for out, want in zip(got, model(x)):
+            torch.testing.assert_close(out, want, atol=0.1, rtol=0.05)
+
+
+def test_a_llama_decoder_layer_groups_its_attention_projections():
+    """A transformers Llama built from a config, every linear 2:4 FP8: per decoder layer one
+    grouped launch (q, k and v); gate and up stay one gated product; logits as eager mode's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    sparsegen.patch(model, {r"layers\.\d+\.(self_attn|mlp)\.\w+_proj": {"sparsity": "2:4", "weight_dtype": "e4m3"}})
+    ids = torch.randint(0, 256, (2, 9))
+    got, (source, *_) = compiled_code(lambda t: model(input_ids=t).logits, ids)
+    assert source.count("extern_kernels.sparsegen_sp24_group(") == 2, source
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert float((got - want).float().norm() / want.float().norm()) < 5e-2

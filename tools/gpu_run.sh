@@ -123,6 +123,10 @@ for step in "${steps[@]}"; do
          timeout 300 python3 tools/bench.py --bell --json "$R/21_layers_bell.json" 2>&1 | tee "$OUT/bell_bench.log" | grep "^|" ;;
     acc) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_acc.py 2>&1 | tee "$OUT/acc_tests.log" | tail -8
          timeout 200 python3 tools/bench.py --acc --json "$R/22_layers_acc.json" 2>&1 | tee "$OUT/acc_bench.log" | grep "^|" ;;
+    grouped_tests) # grouped 2:4 products (q, k and v in one launch) and the lowerings that make them
+         timeout ${GROUPED_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_inductor.py \
+           "tests/test_gpu_scaled24.py::test_compiled_decode_layer_is_one_launch" \
+           "tests/test_gpu_scaled24.py::test_compiled_and_graphed_match_eager" 2>&1 | tee "$OUT/grouped_tests.log" | tail -15 ;;
     tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_sp24.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     epi_tests) timeout 400 python3 -m pytest -q -m gpu tests/test_gpu_epilogues.py tests/test_inductor.py --maxfail=8 2>&1 | tee "$OUT/epi_tests.log" | tail -15 ;;
     dense_tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_dense_path.py -x 2>&1 | tee "$OUT/dense_tests.log" | tail -5 ;;

@@ -116,8 +116,9 @@ class Lowering:
     output_dtype: Callable = lambda dtype, args: dtype  # Y's dtype for X's (and the op's arguments)
     own_args: object = None                          # an op that is no registered product: its
                                                      # ProductArgs-like tensors / optional / out_features_and_epilogue
-    inline: Callable | None = None                  # inline(args, Inductor's lowerings, computed_in_graph(x)):
-                                                     # the op as other ops' lowerings, or None (the launcher)
+    inline: Callable | None = None                  # inline(args, Inductor's lowerings, inductor.GraphContext):
+                                                     # the op as other lowerings and calls, or None (the launcher)
+    more_launchers: tuple = ()                       # (name, launcher): what inline's graph.extern calls may name
 
     @property
     def args(self) -> ProductArgs:

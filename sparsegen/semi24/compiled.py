@@ -2,12 +2,14 @@
 Inductor's own output buffer, by the lean plan where there is one."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..launch import calls, lean, plans, runtime
 from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
-from . import dispatch, ops
+from . import dispatch, grouped, ops, specs
 from . import scaled  # (defines torch.ops.sparsegen.sp24_scaled_dds and sp24_scaled_linear)
 
 # The launcher's plans, per weight and call signature (the graph's checks ran when it was traced).
@@ -27,6 +29,28 @@ def sp24_dds_into(x, values, metadata, bias, out_features, epilogue, *, out):
         ops.sp24_dds(x, values, metadata, bias, out_features, out=out, epilogue=epilogue)
     else:
         out.copy_(torch.ops.sparsegen.sp24_dds.default(x, values, metadata, bias, out_features, epilogue))
+
+
+def _grouped_by_inductor(args: tuple, lower: dict, graph):
+    """16-bit sp24_dds calls that read one x (an attention's q, k and v projections) as one
+    grouped launch; None for a call with no such neighbour (its own launcher)."""
+    decided = graph.decided()
+    if decided is not None:
+        return decided
+    group = _group(graph, args, _groups_with)
+    if len(group) < 2:
+        return None
+    x = args[0]
+    operands = [t for _, other in group for t in (other[1], other[2])]
+    return _grouped(lower, graph, group, [x, *operands], False, ops.sp24_output_dtype(x.get_dtype()))
+
+
+def _groups_with(args: tuple, other: tuple) -> bool:
+    """Whether another sp24_dds call can share this one's grouped launch: no bias, no epilogue,
+    Y as wide as W is tall in both, the same weight dtype and K."""
+    return (args[3] is None and other[3] is None and args[5] == other[5] == "none"
+            and _same_weight_kind(args[1], other[1])
+            and args[4] == args[1].get_size()[0] and other[4] == other[1].get_size()[0])
 
 
 class _ScaledArgs:
@@ -60,6 +84,37 @@ def sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, bias, epilogue, 
     else:
         out.copy_(torch.ops.sparsegen.sp24_scaled_dds.default(x, values, metadata, x_scale, w_scale, bias, epilogue,
                                                               out_dtype))
+
+
+def sp24_group_into(*args, out):
+    """grouped.py's products as a compiled graph calls them: args are X (2-D: one-byte for a scaled group), its
+    scales [M] where scaled, then each weight's values, metadata (and scales [N_g]), then the
+    constants `scaled` and `epilogue`. Y: [M, sum of N_g] in `out`."""
+    *tensors, scaled, epilogue = args
+    x, x_scale = tensors[0], tensors[1] if scaled else None
+    weights = grouped.weights_of(tuple(tensors[2 if scaled else 1:]), scaled)
+    code = ops.SCALED_OUTPUT_CODES.get(out.dtype, 0) if scaled else 0
+    plan = grouped.kept_plan(x, weights, epilogue, code)
+    x_address, y_address = x.data_ptr(), out.data_ptr()
+    if (plan is not None and lean.runs_into(plan, x, out, x_address | y_address)
+            and (x_scale is None or x_scale.is_contiguous())):
+        grouped.run_group_at(plan, x_address, y_address, x_scale, [w_scale for _, _, w_scale in weights])
+    else:
+        _one_by_one(x, x_scale, weights, epilogue, out)
+
+
+def _one_by_one(x, x_scale, weights: list[tuple], epilogue: str, out: torch.Tensor) -> None:
+    """Each product on its own, into its columns of out (compiled.py's launchers: their checks
+    and fallbacks, a strided Y included)."""
+    at = 0
+    for values, metadata, w_scale in weights:
+        n = values.shape[0]
+        columns = out[..., at:at + n]
+        if x_scale is None:
+            sp24_dds_into(x, values, metadata, None, n, epilogue, out=columns)
+        else:
+            sp24_scaled_dds_into(x, values, metadata, x_scale, w_scale, None, epilogue, out.dtype, out=columns)
+        at += n
 
 
 class _ScaledLinearArgs:
@@ -123,22 +178,88 @@ def _quantize_launch(dtype, source, device_index: int, m: int, k: int) -> runtim
     return runtime.PackedLaunch(kern, (m, 1, 1), (), (0, 0, 0, 0), (k,))
 
 
-def _quantized_by_inductor(args: tuple, lower: dict, computed_in_graph):
+def _quantized_by_inductor(args: tuple, lower: dict, graph):
     """sp24_scaled_linear as PyTorch's ops and sp24_scaled_dds, where Inductor computes x in a
-    kernel of its own (a norm, a copy) that the quantization then joins; None elsewhere (the
-    launcher's sp24_quantize kernel: one launch where Inductor's may take three)."""
+    kernel of its own (a norm, a copy) that the quantization then joins - with the layers that
+    read the same x in one grouped launch (_grouped) where they can share it; None elsewhere
+    (the launcher's sp24_quantize kernel: one launch where Inductor's may take three)."""
+    decided = graph.decided()
+    if decided is not None:
+        return decided
     x, values, metadata, w_scale, bias, input_scale, epilogue, out_dtype = args
-    if not computed_in_graph(x):
+    if not graph.computed_in_graph(x):
         return None
-    aten, dtype = torch.ops.aten, values.get_dtype()
+    q, x_scale = _quantized_in_graph(lower, x, values.get_dtype(), input_scale)
+    group = _group(graph, args, _scaled_groups_with)
+    if len(group) > 1:
+        operands = [t for _, other in group for t in (other[1], other[2], other[3])]
+        return _grouped(lower, graph, group, [q, x_scale, *operands], True, out_dtype)
+    product = lower[torch.ops.sparsegen.sp24_scaled_dds.default]
+    return product(q, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+
+
+def _quantized_in_graph(lower: dict, x, dtype, input_scale) -> tuple:
+    """(x quantized to `dtype`, its scale per row), as Inductor's lowerings (scaled.quantize)."""
+    aten = torch.ops.aten
     x_scale = _row_scales_by_inductor(lower, x, dtype, input_scale)
     q = lower[aten.div.Tensor](_as(lower, x, torch.float32), lower[aten.unsqueeze.default](x_scale, -1))
-    largest = scaled._LARGEST[dtype]  # scaled.quantize from here
+    largest = scaled._LARGEST[dtype]
     q = lower[aten.clamp_max.default](lower[aten.clamp_min.default](q, -largest), largest)
     if dtype == torch.int8:
         q = lower[aten.round.default](q)
-    product = lower[torch.ops.sparsegen.sp24_scaled_dds.default]
-    return product(_as(lower, q, dtype), values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
+    return _as(lower, q, dtype), x_scale
+
+
+def _scaled_groups_with(args: tuple, other: tuple) -> bool:
+    """Whether another sp24_scaled_linear call can share this one's grouped launch: no bias or
+    static scale in either, no epilogue, the same weight dtype, K and Y dtype."""
+    return (args[4] is None and args[5] is None and other[4] is None and other[5] is None
+            and args[6] == other[6] == "none" and args[7] == other[7] and _same_weight_kind(args[1], other[1]))
+
+
+def _same_weight_kind(values, other) -> bool:
+    """Weights of one dtype and K, each a whole number of rows the grouped kernel can count."""
+    try:
+        int(other.get_size()[0]), int(values.get_size()[0])
+    except TypeError:  # (a symbolic size)
+        return False
+    return values.get_dtype() == other.get_dtype() and values.get_size()[1] == other.get_size()[1]
+
+
+def _group(graph, args: tuple, groups_with) -> list:
+    """[(node, args)] of the calls that share this call's launch (this call first), at most
+    specs.MAX_GROUPS of them; this call alone where grouped.worth_grouping says no."""
+    found = [(node, args if other is None else other) for node, other in graph.siblings()]
+    found = [found[0]] + [(node, other) for node, other in found[1:] if groups_with(args, other)]
+    found = found[:specs.MAX_GROUPS]
+    x, values = args[0], args[1]
+    *leading, k = x.get_size()
+    try:
+        rows = int(math.prod(leading))
+    except TypeError:  # (symbolic: decided per call by the launcher)
+        rows = None
+    widths = [int(other[1].get_size()[0]) for _, other in found]
+    if len(found) > 1 and not grouped.worth_grouping(x.get_device(), rows, int(k), widths, values.get_dtype()):
+        return found[:1]
+    return found
+
+
+def _grouped(lower: dict, graph, group: list, inputs: list, scaled_: bool, out_dtype):
+    """One grouped launch (sp24_group_into) for every call of `group`, on X as rows (the kernel's
+    2-D operand: a layer's [batch, tokens, K] input is a view), each call then a view of its
+    columns in X's shape; this call's view returned, the others' kept for their lowering."""
+    aten, widths = torch.ops.aten, [int(other[1].get_size()[0]) for _, other in group]
+    x = inputs[0]
+    *leading, k = x.get_size()
+    rows = lower[aten.view.default](x, [-1, k]) if len(leading) != 1 else x
+    y = graph.extern("sp24_group", [rows, *inputs[1:]], (scaled_, "none"), out_dtype,
+                     [rows.get_size()[0], sum(widths)])
+    at = 0
+    for (node, _), width in zip(group, widths):
+        columns = lower[aten.slice.Tensor](y, -1, at, at + width)
+        graph.decide(node, columns if len(leading) == 1 else lower[aten.view.default](columns, [*leading, width]))
+        at += width
+    return graph.decided()
 
 
 def _row_scales_by_inductor(lower: dict, x, dtype, input_scale):
@@ -156,7 +277,8 @@ def _as(lower: dict, t, dtype):
 
 
 LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
-                              output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype)),
+                              output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype), inline=_grouped_by_inductor,
+                              more_launchers=(("sp24_group", sp24_group_into),)),
              registry.Lowering("sp24_scaled_dds", sp24_scaled_dds_into, output_dtype=lambda dtype, args: args[7],
                                own_args=_ScaledArgs),
              registry.Lowering("sp24_scaled_linear", sp24_scaled_linear_into, output_dtype=lambda dtype, args: args[7],

@@ -18,10 +18,10 @@ DTYPE_NAMES = {**calls.DTYPE_NAMES, **BYTE_DTYPE_NAMES}
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, tile=None, instr=None,
-                 narrow: bool = False, epilogue: str = "none", scales: int = 0, quantize: int = 0):
+                 narrow: bool = False, epilogue: str = "none", scales: int = 0, quantize: int = 0, groups: int = 1):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     spec = sp24_spec(DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, instr=instr, narrow=narrow,
-                     epilogue=epilogue, scales=scales, quantize=quantize)
+                     epilogue=epilogue, scales=scales, quantize=quantize, groups=groups)
     return runtime.kernel(spec, device_index)
 
 

@@ -76,13 +76,7 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
         return runtime.PackedLaunch(kern, grid, (), pointers, ints), ()
     given = (values, metadata)
     values, metadata = calls.aligned(values), calls.aligned(metadata)  # TMA reads from 16-byte aligned rows
-    (n, half_k), w_rows, per_byte = values.shape, specs.w_rows(spec), 2 // values.element_size()
-    # X's boxes: a stage's 64 (16-bit) or 128 (one-byte) values per row, swizzled as wgmma reads
-    # them; a quantizing kernel's are its 16-bit X as they are (it writes the bytes itself)
-    x_box = (128, False) if specs.quantizes_x(spec) else (64 * per_byte,)
-    maps = ((x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, *x_box),
-            (values.dtype, n, half_k, w_rows, 32 * per_byte),
-            (torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False))
+    maps = (x_map_shape(spec, x2, values.dtype), *weight_map_shapes(spec, values))
     launch = runtime.PackedLaunch(kern, grid, maps, (0,) * (6 + specs.quantizes_x(spec)), ints)
     launch.bind_map(1, values.data_ptr())
     launch.bind_map(2, metadata.data_ptr())
@@ -90,6 +84,23 @@ def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, o
     # its key, the metadata, which a plan must not hold (plans.PlanCache) - a training step's
     # fresh compression would never be freed.
     return launch, tuple(t for t, g in zip((values, metadata), given) if t is not g)
+
+
+def x_map_shape(spec, x2: torch.Tensor, values_dtype: torch.dtype) -> tuple:
+    """X's TMA boxes (runtime.TensorMap's arguments after the address): a stage's 64 (16-bit)
+    or 128 (one-byte) values per row, swizzled as wgmma reads them; a quantizing kernel's are
+    its 16-bit X as they are (it writes the bytes itself)."""
+    (m, k), per_byte = x2.shape, 2 // values_dtype.itemsize
+    x_box = (128, False) if specs.quantizes_x(spec) else (64 * per_byte,)
+    return (x2.dtype, m, k, spec.tile.tile_m // spec.tile.cluster, *x_box)
+
+
+def weight_map_shapes(spec, values: torch.Tensor) -> tuple[tuple, tuple]:
+    """W's values' and metadata's TMA boxes: per stage, 32 kept values and 2 k32 tiles of
+    metadata words per row (twice as many of each for one-byte dtypes)."""
+    (n, half_k), w_rows, per_byte = values.shape, specs.w_rows(spec), 2 // values.element_size()
+    return ((values.dtype, n, half_k, w_rows, 32 * per_byte),
+            (torch.int32, n // 16, half_k, w_rows // 16, 32 * per_byte, False))
 
 
 def sp24_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias, out_features: int,
@@ -279,11 +290,7 @@ class _Sp24Plan:
         has read them already (every frame and query here is paid per launch). A quantizing
         plan's scales[0] is the static input scale, or None for a scale per token. `weight`:
         (values' address, metadata's) to bind first, for a plan kept per signature."""
-        space = None
-        if self.workspace:  # the kept workspace where it holds enough (capturing or not), else as made
-            device_index = self.kern.device_index
-            space = workspace.kept_for(device_index, runtime.current_stream(device_index), self.workspace,
-                                       self.counters) or _split_workspace(self, torch.device("cuda", device_index))
+        space = self.split_workspace()
         launch, pointers = self.launch, self.launch.pointers
         with launch.lock:
             launch.bind(0, x_address)
@@ -298,6 +305,16 @@ class _Sp24Plan:
             if space is not None:
                 pointers[-2], pointers[-1] = space.sums.data_ptr(), space.counts.data_ptr()
             launch.run()
+
+
+    def split_workspace(self) -> workspace.SplitWorkspace | None:
+        """The split-K sums and counters of this launch (None: K is not split): the kept
+        workspace where it holds enough (capturing or not), else as made."""
+        if not self.workspace:
+            return None
+        device_index = self.kern.device_index
+        return workspace.kept_for(device_index, runtime.current_stream(device_index), self.workspace,
+                                  self.counters) or _split_workspace(self, torch.device("cuda", device_index))
 
 
 def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, tile=None, instr=None,

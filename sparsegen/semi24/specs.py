@@ -37,6 +37,11 @@ QUANTIZED_X = registry.Param("quantize", 0, choices=(0, 1), named_at_default=Fal
                              doc="scaled products on wgmma.sp (tma) only: 1 takes X in the output's 16-bit type and "
                                  "quantizes it per token in the kernel (sp24_quantize's bytes), for at most tile_m "
                                  "<= 64 tokens (one token tile): a decode step's layer in one launch")
+MAX_GROUPS = 3  # a grouped product's weights: an attention's q, k and v projections
+GROUPS = registry.Param("groups", 1, choices=tuple(range(1, MAX_GROUPS + 1)), named_at_default=False,
+                        doc="sp24_dds on wgmma.sp (tma) only: how many weights of one X a launch multiplies, "
+                            "Y's columns weight after weight (every weight but the last a whole number of tiles: "
+                            "the caller checks); a compiled graph's q, k and v projections in one launch")
 SOURCE = registry.Param("src", 1, choices=tuple(SCALED_OUTPUTS),
                         doc="sp24_quantize's input: bf16 (1) or fp16 (2) activations")
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
@@ -91,6 +96,10 @@ def quantizes_x(spec: KernelSpec) -> bool:
     return spec.param_values.get("quantize", 0) == 1
 
 
+def groups(spec: KernelSpec) -> int:
+    return spec.param_values.get("groups", 1)
+
+
 def _validate(spec: KernelSpec) -> None:
     """What every 2:4 op needs: trans nt, the mma.sp block, 16-bit or one-byte values."""
     check_trans(spec, "nt")
@@ -112,6 +121,8 @@ def _validate(spec: KernelSpec) -> None:
     expect(not quantizes_x(spec) or (_scales(spec) and tma and t.cluster == 1 and t.tile_m <= 64),
            "scales, instr 'tma', cluster 1 and tile_m <= 64 for quantize", f"{spec.instr!r}, {t.tag}, scales "
            f"{_scales(spec)}", SpecError)
+    expect(groups(spec) == 1 or (tma and not quantizes_x(spec)), "instr 'tma' and no quantize for groups > 1",
+           f"{spec.instr!r}, quantize {spec.param_values.get('quantize', 0)}", SpecError)
     if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
         expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
                "warps_n = 1, whole warpgroups (warps_m % 4 == 0) and tile_m <= 256 for tma",
@@ -168,7 +179,7 @@ def _prune_context(spec: KernelSpec) -> dict:
 
 def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
               instr: str | None = None, narrow: bool = False, epilogue: str = "none", scales: int = 0,
-              quantize: int = 0) -> KernelSpec:
+              quantize: int = 0, groups: int = 1) -> KernelSpec:
     """The 2:4 forward. On sm_90 (tile sweeps on an H200: tools/bench24.py --tune and a
     one-off one for `narrow`): wgmma.sp fed by TMA, two consumer warpgroups of 64 W rows,
     256 tokens per block, blocks in pairs sharing X (1.2-1.6x dense at M >= 1024, where
@@ -195,7 +206,7 @@ def sp24_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int |
     if quantize and tile.stages > 6:
         tile = dataclasses.replace(tile, stages=6)
     return KernelSpec(op="sp24_dds", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr=instr, epilogue=epilogue, params={"scales": scales, "quantize": quantize})
+                      instr=instr, epilogue=epilogue, params={"scales": scales, "quantize": quantize, "groups": groups})
 
 
 def sp24_compress_spec(dtype: str, arch: int, op: str = "sp24_compress") -> KernelSpec:
@@ -222,6 +233,10 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     # and their decode kernels that quantize X themselves (Hopper: wgmma.sp)
     fused += [sp24_spec(d, arch, rows=1, epilogue=e, scales=out, quantize=1)
               for d in dtypes if d in BYTE_DTYPES and arch == 90 for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
+    # a compiled decode step's q, k and v projections in one launch (grouped.py; wgmma.sp)
+    fused += [sp24_spec(d, arch, rows=1, scales=0 if d in ("bf16", "fp16") else out, groups=MAX_GROUPS)
+              for d in dtypes if d != "fp32" and arch == 90 for out in SCALED_OUTPUTS
+              if d in BYTE_DTYPES or out == 1]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
@@ -231,7 +246,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
 registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_dds", "semi24/sp24_dds.cu.j2", _validate, _dds_smem, context=_output_context,
                      epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
-                     params=(SCALES, QUANTIZED_X), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
+                     params=(SCALES, QUANTIZED_X, GROUPS), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,

@@ -41,6 +41,25 @@ namespace sg {
 
 struct NoQuantize { static constexpr bool ON = false; };
 
+// The weights of one launch: Y's columns [start[g], start[g + 1]) are X times weight g (its
+// values' and metadata's maps, its per-feature scales). G > 1 is a grouped product - the
+// q, k and v projections of one input in one launch, where a compiled decode step is
+// host-bound and each launch costs host time. Every group but the last starts on a tile
+// edge (the host checks), so a tile reads one weight.
+template <int G>
+struct Groups {
+  const TensorMap* w[G];
+  const TensorMap* m[G];
+  const float* feature[G];
+  int start[G + 1];  // start[G]: N
+  __device__ int of(int n0) const {
+    int g = 0;
+#pragma unroll
+    for (int i = 1; i < G; ++i) g += n0 >= start[i];
+    return g;
+  }
+};
+
 // The xq variant's quantizer: sg_quantize.cuh's, from Src (the activations' 16-bit type).
 template <class Src, bool INT8>
 struct QuantizeX : Quantizer<Src, INT8> { static constexpr bool ON = true; };
@@ -50,7 +69,7 @@ struct QuantizeX : Quantizer<Src, INT8> { static constexpr bool ON = true; };
 // is float, or int for int8. Mma and Elem are the output's (bf16 for e4m3, int32 for int8;
 // SCALED: the scales' bf16 or fp16, for either).
 template <class WgmmaSp, class Mma, class Elem, int TILE_T, int CONSUMERS, int STAGES, int CLUSTER, int IN_BYTES = 2,
-          class Epi = NoEpilogue, bool SCALED = false, class Quant = NoQuantize>
+          class Epi = NoEpilogue, bool SCALED = false, class Quant = NoQuantize, int GROUPS = 1>
 struct Sp24DdsTma {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   using Acc = typename WgmmaSp::Acc;
@@ -72,6 +91,7 @@ struct Sp24DdsTma {
   static constexpr bool XQ = Quant::ON;
   static constexpr int X16_BYTES = XQ ? TILE_T * STAGE_K * 2 : 0, X16_ROW = STAGE_K * 2;
   static_assert(!XQ || (CLUSTER == 1 && !REBALANCE && IN_BYTES == 1 && SCALED), "xq: one-byte scaled, small tiles");
+  static_assert(GROUPS == 1 || !XQ, "grouped products take quantized X");
 
   // K-major operand descriptor: rows of `row_bytes` (64 or 128) with the matching swizzle;
   // 8-row groups are 8 rows apart (the leading offset is unused when swizzled).
@@ -389,6 +409,16 @@ struct Sp24DdsTma {
   __device__ static void run(const TensorMap* x_map, const TensorMap* w_map, const TensorMap* m_map, Scales scales,
                              const Elem* bias, Elem* y, float* partial, int* tile_counts, int M, int K, int N,
                              int k_split, const unsigned short* x16 = nullptr) {
+    static_assert(GROUPS == 1, "grouped products start at run_groups");
+    const Groups<1> one{{w_map}, {m_map}, {scales.feature}, {0, N}};
+    run_groups(x_map, one, scales.token, bias, y, partial, tile_counts, M, K, N, k_split, x16);
+  }
+
+  __device__ static void run_groups(const TensorMap* x_map, const Groups<GROUPS>& groups, const float* x_scale,
+                                    const Elem* bias, Elem* y, float* partial, int* tile_counts, int M, int K, int N,
+                                    int k_split, const unsigned short* x16 = nullptr) {
+    const TensorMap *w_map = groups.w[0], *m_map = groups.m[0];  // (xq: the only group)
+    Scales scales{x_scale, groups.feature[0]};
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = smem_ptr(smem_raw), smem = (base + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
     const u32 staging = smem + STAGES * STAGE_BYTES, x16_ring = staging + STAGING_BYTES;
@@ -424,8 +454,11 @@ struct Sp24DdsTma {
       // The producer needs few registers: hand them to the consumers' accumulators.
       if constexpr (REBALANCE) RegisterSplit<THREADS>::producer();
       if (threadIdx.x == 0)
-        for (int item = first; item < raster.items; item += step, s0 += stages)
-          produce(x_map, w_map, m_map, smem, bars, s0, stages, k_begin, raster.m0(item), raster.n0(item, rank), rank);
+        for (int item = first; item < raster.items; item += step, s0 += stages) {
+          const int n0 = raster.n0(item, rank), g = groups.of(n0);
+          produce(x_map, groups.w[g], groups.m[g], smem, bars, s0, stages, k_begin, raster.m0(item), n0 - groups.start[g],
+                  rank);
+        }
     }
     if (wg > 0) {
       if constexpr (REBALANCE) RegisterSplit<THREADS>::consumer();
@@ -435,8 +468,12 @@ struct Sp24DdsTma {
         Acc acc[ACC] = {};
         consume(smem, bars, s0, stages, c, acc);
         const u32 own = staging + c * Store::BYTES;
-        if constexpr (SCALED)
-          write(rescale(acc, scales, m0, n0, M, N, c), partial, tile_counts, bias, y, own, m0, n0, M, N, c);
+        if constexpr (SCALED) {  // (the group's scales, by its own feature index)
+          const int g = groups.of(n0), at = groups.start[g];
+          const Scales own_scales{scales.token, groups.feature[g]};
+          write(rescale(acc, own_scales, m0, n0 - at, M, groups.start[g + 1] - at, c), partial, tile_counts, bias, y,
+                own, m0, n0, M, N, c);
+        }
         else
           write(acc, partial, tile_counts, bias, y, own, m0, n0, M, N, c);
       }
