@@ -133,6 +133,7 @@ class GraphContext:
         return self._decided.get(self.node)
 
     def decide(self, node, value) -> None:
+        """node's lowering returns `value`; None: node is lowered on its own, in no later call's group."""
         self._decided[node] = value
 
     def siblings(self) -> list:

@@ -190,3 +190,37 @@ def test_a_llama_decoder_layer_groups_its_attention_projections():
     with torch.no_grad():
         want = model(input_ids=ids).logits
     assert float((got - want).float().norm() / want.float().norm()) < 5e-2
+
+
+def test_a_fourth_layer_on_the_same_input_runs_on_its_own():
+    """At most three weights a launch: the first three layers share one, the fourth calls its
+    own launcher, and nothing is computed twice."""
+    layers = torch.nn.ModuleList(sparsegen.Sparse24Linear(128, n, bias=False, dtype=torch.bfloat16)
+                                 for n in (128, 64, 64, 32))
+
+    def model(x):
+        y = torch.relu(x)
+        return [layer(y) for layer in layers]
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert source.count("extern_kernels.sparsegen_sp24_group(") == 1, source
+    assert source.count("extern_kernels.sparsegen_sp24_dds_no_bias(") == 1, source
+    with torch.no_grad():
+        for out, want in zip(got, model(x)):
+            torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("arch, dtype, rows, dense_wins, want", [
+    (90, torch.bfloat16, 32, False, True), (80, torch.bfloat16, 32, False, False),
+    (90, torch.bfloat16, 2048, True, False), (90, torch.float8_e4m3fn, 2048, True, True),
+    (90, torch.bfloat16, None, True, True)])
+def test_grouping_is_kept_to_where_the_grouped_kernel_runs(monkeypatch, arch, dtype, rows, dense_wins, want):
+    """On a GPU: Hopper only (wgmma.sp), and not where a 16-bit product would take cuBLAS by itself
+    at a known token count (one by one into Y's columns each would cost a copy)."""
+    from sparsegen.launch import dense_path
+    from sparsegen.semi24 import grouped
+
+    monkeypatch.setattr(grouped.runtime, "device_arch", lambda device: arch)
+    monkeypatch.setattr(dense_path, "wanted", lambda *args: dense_wins)
+    assert grouped.worth_grouping(torch.device("cuda", 0), rows, 4096, [4096, 1024, 1024], dtype) is want
+    assert grouped.worth_grouping(torch.device("cpu"), rows, 4096, [4096, 1024], dtype)

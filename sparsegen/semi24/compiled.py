@@ -239,9 +239,10 @@ def _group(graph, args: tuple, groups_with) -> list:
     except TypeError:  # (symbolic: decided per call by the launcher)
         rows = None
     widths = [int(other[1].get_size()[0]) for _, other in found]
-    if len(found) > 1 and not grouped.worth_grouping(x.get_device(), rows, int(k), widths, values.get_dtype()):
-        return found[:1]
-    return found
+    if len(found) > 1 and grouped.worth_grouping(x.get_device(), rows, int(k), widths, values.get_dtype()):
+        return found
+    graph.decide(graph.node, None)  # (lowered now, on its own: a later call's group leaves it out)
+    return found[:1]
 
 
 def _grouped(lower: dict, graph, group: list, inputs: list, scaled_: bool, out_dtype):
