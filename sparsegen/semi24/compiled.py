@@ -46,9 +46,11 @@ def _grouped_by_inductor(args: tuple, lower: dict, graph):
 
 
 def _groups_with(args: tuple, other: tuple) -> bool:
-    """Whether another sp24_dds call can share this one's grouped launch: no bias, no epilogue,
-    Y as wide as W is tall in both, the same weight dtype and K."""
-    return (args[3] is None and other[3] is None and args[5] == other[5] == "none"
+    """Whether another sp24_dds call can share this one's grouped launch: 16-bit weights (the
+    one-byte ones take sp24_scaled_linear's groups), no bias, no epilogue, Y as wide as W is tall
+    in both, the same weight dtype and K."""
+    return (args[1].get_dtype() in (torch.bfloat16, torch.float16)
+            and args[3] is None and other[3] is None and args[5] == other[5] == "none"
             and _same_weight_kind(args[1], other[1])
             and args[4] == args[1].get_size()[0] and other[4] == other[1].get_size()[0])
 

@@ -41,18 +41,16 @@ def group_plan(x2: torch.Tensor, weights: list[tuple], epilogue: str, code: int)
     if not _groups_on_kernel(x2, weights, epilogue):
         return None
     (m, k), device_index = x2.shape, x2.device.index or 0
-    n = sum(values.shape[0] for values, _, _ in weights)
-    dtype = weights[0][0].dtype
-    kern = dispatch.forward_kernel(dtype, device_index, dispatch.rows_bucket(m), None, None,
-                                   dispatch.narrow_tiles(m, n, device_index), epilogue, code, 0, len(weights))
-    spec = kern.spec
-    if spec.instr != "tma" or any(values.shape[0] % specs.w_rows(spec) for values, _, _ in weights[:-1]):
-        return None
     if any(_dense_by_itself(values, m, k, device_index) for values, _, _ in weights):
         return None  # (as its own call it would run on cuBLAS: so it does)
-    grid, k_split = dispatch.grid(spec, m, k, n, device_index, dispatch.wanted_splits(None, dtype, code),
+    n, dtype = sum(values.shape[0] for values, _, _ in weights), weights[0][0].dtype
+    kern = dispatch.forward_kernel(dtype, device_index, dispatch.rows_bucket(m), None, None,
+                                   dispatch.narrow_tiles(m, n, device_index), epilogue, code, 0, len(weights))
+    if any(values.shape[0] % specs.w_rows(kern.spec) for values, _, _ in weights[:-1]):
+        return None  # (a weight ending inside a tile)
+    grid, k_split = dispatch.grid(kern.spec, m, k, n, device_index, dispatch.wanted_splits(None, dtype, code),
                                   kern.resident_blocks)
-    sums, counters = (grid[2] * m * n, dispatch.tile_counts(spec, m, n)) if grid[2] > 1 else (0, 0)
+    sums, counters = (grid[2] * m * n, dispatch.tile_counts(kern.spec, m, n)) if grid[2] > 1 else (0, 0)
     return ops._Sp24Plan(kern, _grouped_launch(kern, grid, k_split, x2, weights, n), (), sums, counters, n)
 
 

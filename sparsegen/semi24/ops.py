@@ -67,8 +67,7 @@ def runs_prune_kernels(t: torch.Tensor) -> bool:
 def _sp24_launch(kern, grid, k_split: int, x2: torch.Tensor, values, metadata, out_features: int):
     """(The packed launch of a 2:4 product, the tensors it points into). X is bound per call
     (a TMA map or the first pointer); W's values and metadata are bound here, the same call
-    after call: per stage, 32 kept values and 2 k32 tiles of metadata words per row (twice as
-    many of each for one-byte dtypes). Then the scales (null but in scaled kernels), bias, Y and
+    after call (weight_map_shapes). Then the scales (null but in scaled kernels), bias, Y and
     the split-K sums and counts."""
     spec, (m, k), ints = kern.spec, x2.shape, (x2.shape[0], x2.shape[1], out_features, k_split)
     if spec.instr != "tma":
