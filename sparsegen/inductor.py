@@ -52,10 +52,8 @@ def _register() -> None:
             x = present[0]
             out_features, epilogue = spec.args.out_features_and_epilogue(args)
             size = [*x.get_size()[:-1], epilogues.output_features(epilogue, out_features)]
-            layout = ir.FixedLayout(x.get_device(), spec.output_dtype(x.get_dtype(), args), size)
             kernel = names[tuple(at for at, t in enumerate(inputs) if t is None)]
-            return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
-                                                          python_kernel_name=kernel))
+            return _extern_out(kernel, present, constants, spec.output_dtype(x.get_dtype(), args), size)
         return lower
 
     for spec in registry.lowerings():
@@ -85,7 +83,21 @@ def _set_launcher(name: str, launcher) -> str:
     full = f"sparsegen_{name}"
     if not hasattr(extern_kernels, full):
         setattr(extern_kernels, full, launcher)
-    return f"extern_kernels.{full}"
+    return _kernel_name(name)
+
+
+def _kernel_name(name: str) -> str:
+    """How generated code calls the launcher set as `name` (_set_launcher)."""
+    return f"extern_kernels.sparsegen_{name}"
+
+
+def _extern_out(kernel: str, present: list, constants: tuple, dtype: torch.dtype, size: list):
+    """`kernel(*present, *constants, out=buffer)` into a new contiguous buffer of `size` on the
+    first input's device (present: realized inputs)."""
+    from torch._inductor import ir
+    layout = ir.FixedLayout(present[0].get_device(), dtype, size)
+    return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
+                                                  python_kernel_name=kernel))
 
 
 def _with_none_at(launch, missing: tuple[int, ...]):
@@ -156,9 +168,7 @@ class GraphContext:
         Lowering's more_launchers), into a new contiguous buffer of `size` on X's device."""
         from torch._inductor import ir
         present = [ir.ExternKernel.realize_input(t) for t in inputs]
-        layout = ir.FixedLayout(present[0].get_device(), dtype, size)
-        return ir.TensorBox.create(ir.ExternKernelOut(layout, present, constant_args=constants,
-                                                      python_kernel_name=f"extern_kernels.sparsegen_{name}"))
+        return _extern_out(_kernel_name(name), present, constants, dtype, size)
 
 
 _RESHAPES = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
