@@ -8,6 +8,9 @@ import sparsegen
 from sparsegen.launch import plans
 from sparsegen.launch.plans import PlanCache, SignatureCache
 
+ON_EVERY_DEVICE = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])]
+
 
 def test_plan_is_made_once_per_owner_and_signature():
     cache, owner, made = PlanCache(), torch.zeros(3), []
@@ -216,6 +219,86 @@ def test_the_transposable_answer_survives_a_rewrite_and_follows_a_change(monkeyp
     assert not autograd.stored_transposable(metadata, 32, 64) and len(checks) == 2
 
 
+def counted_sync_checks(monkeypatch) -> list:
+    """Each comparison kept_index.current makes on the spot (a host sync on a GPU), recorded."""
+    from sparsegen.launch import kept_index
+    checks, check = [], kept_index._check_every_moved_index
+    monkeypatch.setattr(kept_index, "_check_every_moved_index", lambda: checks.append(1) or check())
+    return checks
+
+
+@pytest.mark.parametrize("device", ON_EVERY_DEVICE)
+def test_a_started_check_answers_for_every_moved_index_without_a_check_on_the_spot(monkeypatch, device):
+    """start_check (a 2:4 forward's) compares every rewritten index at once; the layers that
+    ask later read its answers (on a GPU from host memory, after its event): a rewrite keeps
+    what was derived, a real change among the rewrites derives again, and nothing is compared
+    on the spot."""
+    from sparsegen.launch import calls, kept_index
+    indexes = [torch.randint(0, 100, (40 + i,), dtype=torch.int32, device=device) for i in range(4)]
+    builds, checks = [], counted_sync_checks(monkeypatch)
+    derive = doubling_counted(builds)
+    first = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    rewritten(indexes)
+    indexes[1][-1] += 1
+    kept_index.start_check(indexes[3])
+    kept_index.start_check(indexes[0])          # (covered by the check already started)
+    again = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    assert checks == [] and len(builds) == 5
+    assert torch.equal(again[1], indexes[1] * 2) and all(again[i] is first[i] for i in (0, 2, 3))
+
+
+def test_an_index_that_moves_after_the_check_started_is_compared_again(monkeypatch):
+    """The started answers hold for the stamps they were taken at: an index changed (or only
+    rewritten) after the start is compared on the spot when asked, and found as it is."""
+    from sparsegen.launch import calls, kept_index
+    indexes = [torch.randint(0, 100, (40,), dtype=torch.int64) for _ in range(3)]
+    builds, checks = [], counted_sync_checks(monkeypatch)
+    derive = doubling_counted(builds)
+    first = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    rewritten(indexes)
+    kept_index.start_check(indexes[0])
+    indexes[0][0] += 1                          # changed after the start: the answer "same" is stale
+    rewritten(indexes[2:])                      # moved again, same values
+    again = [calls.per_layout("doubled", t, derive, t) for t in indexes]
+    assert len(checks) == 1 and len(builds) == 4
+    assert torch.equal(again[0], indexes[0] * 2) and again[1] is first[1] and again[2] is first[2]
+
+
+def test_a_started_check_keeps_no_index_alive():
+    """The started check holds its indices and their copies weakly: a layer dropped before
+    its answers are read takes its memory with it, and the answers of the others still hold."""
+    import weakref
+    from sparsegen.launch import calls, kept_index
+    kept, dropped = torch.arange(50, dtype=torch.int32), torch.arange(60, dtype=torch.int32)
+    calls.per_layout("doubled", kept, lambda x: x * 2, kept)
+    calls.per_layout("doubled", dropped, lambda x: x * 2, dropped)
+    rewritten([kept, dropped])
+    kept_index.start_check(kept)
+    gone = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert gone() is None
+    generation = kept_index._GENERATIONS.get(kept)
+    assert kept_index.current(kept) is generation and generation.stamp == kept_index.stamp_of(kept)
+
+
+def test_a_2_4_forward_starts_the_check_its_backward_reads(monkeypatch):
+    """A 2:4 layer's forward starts the comparison of rewritten metadata, so the backward's
+    transposable answer needs no check on the spot (on a GPU: no host sync in the backward)."""
+    from sparsegen.semi24 import autograd, format as semi24
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    mask = semi24.transposable_mask(weight)
+    values, metadata = semi24.compress(weight * mask, mask)
+    assert autograd.stored_transposable(metadata, 32, 64)
+    checks = counted_sync_checks(monkeypatch)
+    metadata.copy_(metadata.clone())            # DDP's broadcast
+    x = torch.randn(3, 64)
+    y = autograd.sp24_any_device(x, values, metadata, None, 32)
+    assert autograd.stored_transposable(metadata, 32, 64) and checks == []
+    torch.testing.assert_close(y, x @ (weight * mask).t())
+
+
 def test_moved_indices_are_compared_in_as_many_operations_whatever_their_number():
     """Every moved index against its copy at once: the changed ones (any dtype, empty ones
     too) are found, and 60 indices take the operations 6 did, views aside (a DDP step moves
@@ -248,8 +331,7 @@ def test_moved_indices_are_compared_in_as_many_operations_whatever_their_number(
     assert counts[0] == counts[1], counts
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a GPU")])])
+@pytest.mark.parametrize("device", ON_EVERY_DEVICE)
 def test_a_rewrite_keeps_what_was_derived_and_a_change_derives_again_on_every_device(device):
     """The same on indices of several dtypes, one of them empty, on the CPU and on CUDA (where
     DDP's broadcast rewrites them)."""

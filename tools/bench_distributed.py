@@ -100,8 +100,9 @@ def medians_and_speedups(rounds: list[dict], variants: list[str]) -> tuple[dict,
     return ms, speedups
 
 
-def profile(engine: str, mode: str, variant: str, ids, device, rank: int) -> None:
-    """torch.profiler over 3 steps after the warm-up, and dynamo's counters since the start."""
+def profile(engine: str, mode: str, variant: str, ids, device, rank: int, trace: Path | None) -> None:
+    """torch.profiler over 3 steps after the warm-up, and dynamo's counters since the start;
+    each rank's timeline as a gzipped Chrome trace under `trace` if given."""
     from torch._dynamo.utils import counters
 
     from sparsegen.launch import calls, plans
@@ -116,6 +117,9 @@ def profile(engine: str, mode: str, variant: str, ids, device, rank: int) -> Non
     with torch.profiler.profile(activities=activities) as prof:
         run.run(3)
     calls.outside_graphs.run, plans.allocating = build_outside, allocating
+    if trace:
+        trace.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace / f"{engine}_{mode}_{variant.replace(':', '')}_r{rank}.json.gz"))
     print(f"rank {rank}: {len(builds)} derived index tensors built again and {len(made)} launch plans made in 3 steps",
           flush=True)
     if rank == 0:
@@ -134,6 +138,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", help="ENGINE:MODE:VARIANT[,...]: after the table, where its step's time goes "
                         "(GPU kernels, host operators, recompiles and graph breaks) on rank 0")
+    parser.add_argument("--trace", type=Path, help="with --profile: each rank's Chrome trace of the profiled steps here")
     args = parser.parse_args()
     rank, world, device = ranks.joined()
     torch._dynamo.config.cache_size_limit = 64
@@ -156,7 +161,7 @@ def main() -> int:
                 write(args.json, "bench_distributed.py", sys.argv[1:], [table],
                       launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
     for spec in args.profile.split(",") if args.profile else []:
-        profile(*spec.split(":", 2), ids, device, rank)
+        profile(*spec.split(":", 2), ids, device, rank, args.trace)
     dist.destroy_process_group()
     return 0
 

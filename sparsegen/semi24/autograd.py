@@ -32,6 +32,9 @@ def sp24_reference(x: Tensor, values: Tensor, metadata: Tensor, bias: Tensor | N
 
 
 def sp24_any_device(x, values, metadata, bias, out_features: int, epilogue: str = "none") -> Tensor:
+    # A training layer's backward asks whether the metadata is still what its transposable
+    # answer was worked out from: where it was rewritten (DDP's broadcast), compare it now.
+    kept_index.start_check(metadata)
     if calls.runs_16bit_kernels(x):
         return ops.sp24_dds(x, values, metadata, bias, out_features, epilogue=epilogue)
     return sp24_reference(x, values, metadata, bias, out_features, epilogue)
