@@ -637,6 +637,32 @@ def test_fresh_weights_share_a_plan_and_each_call_reads_its_own(dtype, shape, n,
     assert len(sp24_ops._FRESH_PLANS._plans) <= made + 1
 
 
+@pytest.mark.parametrize("tokens", [16, 1024, 4096])
+def test_transposable_input_grad_makes_no_plan_per_step(tokens, monkeypatch):
+    """dX = dY W for a transposable W: the kernel over a W^T compressed per call, by one plan
+    per signature, or - where the crossover table gives the call to cuBLAS (1024 tokens on
+    an H100) - cuBLAS on the expanded W, with no W^T compressed. Never a plan per call (one
+    was made, whole, for every W^T cuBLAS should have taken). Numerics against float64, the
+    output of each call fresh."""
+    from sparsegen.launch import plans
+    from sparsegen.semi24 import autograd
+    torch.manual_seed(0)
+    n, k = 2048, 5632
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    mask = semi24.transposable_mask(weight)
+    values, metadata = sp24_ops.sp24_compress(weight, mask)
+    dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+    autograd.input_grad(dy, values, metadata, n)  # (the signature's first call makes its plan)
+    made, compressed, allocating, compress = [], [], plans.allocating, sp24_ops.sp24_compress
+    monkeypatch.setattr(plans, "allocating", lambda what: made.append(what) or allocating(what))
+    monkeypatch.setattr(sp24_ops, "sp24_compress", lambda *args: compressed.append(1) or compress(*args))
+    for _ in range(3):
+        dx = autograd.input_grad(dy, values, metadata, n)
+        assert relative_error(dx, dy.double() @ (weight * mask).double()) < TOLERANCE[torch.bfloat16]
+    takes_dense = sp24_ops.fresh_takes_dense(tokens, n, k, torch.bfloat16, 0)
+    assert made == [] and len(compressed) == (0 if takes_dense else 3)
+
+
 @pytest.mark.parametrize("in_features, out_features", [(1024, 4096), (4096, 1024), (192, 96)])
 def test_recipe_adamw_steps_follow_a_float64_twin(in_features, out_features):
     """Three fused-AdamW steps of a Sparse24TrainingLinear as a GPT-2 MLP trains (bias, fp32

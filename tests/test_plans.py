@@ -299,6 +299,23 @@ def test_a_2_4_forward_starts_the_check_its_backward_reads(monkeypatch):
     torch.testing.assert_close(y, x @ (weight * mask).t())
 
 
+def test_a_fresh_weights_dense_decision_is_made_once_per_signature_and_forgotten_with_plans(monkeypatch):
+    """fresh_takes_dense (a W made in the step: cuBLAS on it expanded, or the kernel) asks the
+    crossover table once per signature, only for 16-bit calls worth more than the host's
+    share, and again after plans are forgotten (a crossover table reloaded)."""
+    from sparsegen.launch import dense_path
+    from sparsegen.semi24 import ops
+    asked = []
+    monkeypatch.setattr(dense_path, "wanted", lambda *args: asked.append(args) or True)
+    big, small = (4096, 2048, 5632), (16, 2048, 5632)
+    assert ops.fresh_takes_dense(*big, torch.bfloat16, 0) and ops.fresh_takes_dense(*big, torch.bfloat16, 0)
+    assert len(asked) == 1 and asked[0] == ("sp24", 0, 5632, 2048, 4096)
+    assert not ops.fresh_takes_dense(*small, torch.bfloat16, 0)  # the host's share: the kernel
+    assert not ops.fresh_takes_dense(*big, torch.float32, 0) and len(asked) == 2
+    plans.forget_all()
+    assert ops.fresh_takes_dense(*big, torch.bfloat16, 0) and len(asked) == 3
+
+
 def test_moved_indices_are_compared_in_as_many_operations_whatever_their_number():
     """Every moved index against its copy at once: the changed ones (any dtype, empty ones
     too) are found, and 60 indices take the operations 6 did, views aside (a DDP step moves

@@ -123,11 +123,11 @@ def sp24_dds_fresh(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     x2 = calls.rows_2d(x)
     if not _fresh_plan_applies(x2, values, metadata, out_features):
         return sp24_dds(x, values, metadata, bias, out_features)
+    if fresh_takes_dense(*x2.shape, out_features, values.dtype, x2.device.index or 0):
+        return calls.dense_result(x, x2, sp24_expand(values, metadata, out_features), bias, None)
     splits = dispatch.wanted_splits(None, x2.dtype, 0)
     signature = (*x2.shape, x2.dtype, values.dtype, x2.device.index, out_features, splits)
     plan = _FRESH_PLANS.get(signature, lambda: _sp24_plan(x2, values, metadata, out_features, splits))
-    if plan.dense:  # (cuBLAS's decision; tma_ready operands need no copies, so the plan keeps none)
-        return sp24_dds(x, values, metadata, bias, out_features)
     y, shaped = calls.output_for(x, x2, None, plan.width, sp24_output_dtype(x.dtype))
     plan.run_at(x2.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                 weight=(values.data_ptr(), metadata.data_ptr()))
@@ -142,6 +142,18 @@ def _fresh_plan_applies(x2, values, metadata, out_features: int) -> bool:
 
 
 _FRESH_PLANS = plans.SignatureCache()
+_FRESH_DENSE = plans.SignatureCache()
+
+
+def fresh_takes_dense(m: int, k: int, out_features: int, dtype: torch.dtype, device_index: int) -> bool:
+    """Whether a product with a W made in the step runs cuBLAS on W expanded, as a kept plan
+    would outside CUDA graphs (16-bit, the GPU's crossover table for cuBLAS, more work than
+    the host's share), decided once per signature. (Handing such calls to sp24_dds made a
+    whole plan for each fresh W, and then ran the kernel: 534 us of host time a 2:4 backward
+    at 16 tokens on the H100 host, cProfile.)"""
+    return _FRESH_DENSE.get((m, k, out_features, dtype, device_index), lambda: (
+        dtype in calls.SIXTEEN_BIT and dense_path.wanted("sp24", device_index, out_features, k, m)
+        and calls.dense_outside_graphs(m, k, out_features)))
 
 
 def sp24_scaled_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, x_scale: torch.Tensor,
