@@ -2,7 +2,7 @@
 nn.Linear, forward and backward, and where the backward's goes: cProfile of the layer's
 gradient function called in this thread (autograd runs a CUDA backward in a thread of its own,
 which cProfile does not see). Few tokens, so the step is the host's.
-GPU: PYTHONPATH=. python tools/profile_backward.py [--tokens 16] [--calls 300] [--top 30]"""
+GPU: PYTHONPATH=. python tools/profile_backward.py [--tokens 16] [--calls 300] [--top 30] [--shape 2048,5632]"""
 import argparse
 import cProfile
 import io
@@ -41,17 +41,19 @@ def layers(k: int, n: int, device: torch.device):
     return dense, sparse.to(device, torch.bfloat16)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--shape", default="2048,5632", help="IN,OUT features of the layer")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tool (PyTorch's 2:4 path)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dense, sparse = layers(2048, 5632, device)
-    x = torch.randn(args.tokens, 2048, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(args.tokens, 5632, device=device, dtype=torch.bfloat16)
+    k, n = map(int, args.shape.split(","))
+    dense, sparse = layers(k, n, device)
+    x = torch.randn(args.tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(args.tokens, n, device=device, dtype=torch.bfloat16)
     for name, layer in (("nn.Linear", dense), ("Sparse24Linear transposable", sparse)):
         forward = host_us(lambda: layer(x), args.calls, device)
         both = host_us(lambda: layer(x).backward(dy), args.calls, device)
