@@ -113,7 +113,7 @@ def _answers_in_host_memory(differs: torch.Tensor) -> tuple[torch.Tensor, object
     answers = torch.empty(differs.shape, dtype=torch.bool, pin_memory=True)
     answers.copy_(differs, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(differs.device))  # (the stream the copy went on, whatever device is current)
     return answers, done
 
 
