@@ -152,8 +152,12 @@ def fresh_takes_dense(m: int, k: int, out_features: int, dtype: torch.dtype, dev
     whole plan for each fresh W, and then ran the kernel: 534 us of host time a 2:4 backward
     at 16 tokens on the H100 host, cProfile.)"""
     return _FRESH_DENSE.get((m, k, out_features, dtype, device_index), lambda: (
-        dtype in calls.SIXTEEN_BIT and dense_path.wanted("sp24", device_index, out_features, k, m)
-        and calls.dense_outside_graphs(m, k, out_features)))
+        _cublas_wins(dtype, device_index, out_features, k, m) and calls.dense_outside_graphs(m, k, out_features)))
+
+
+def _cublas_wins(dtype: torch.dtype, device_index: int, out_features: int, k: int, m: int) -> bool:
+    """Whether the GPU's crossover table gives a 16-bit product of this shape to cuBLAS."""
+    return dtype in calls.SIXTEEN_BIT and dense_path.wanted("sp24", device_index, out_features, k, m)
 
 
 def sp24_scaled_dds(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, x_scale: torch.Tensor,
@@ -338,8 +342,7 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
     split = grid[2] > 1  # a slice of partial sums per split (templates/common/sg_split_k.cuh)
     sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
-    dense = (calls.kernel_left_to_dispatch(tile, instr) and values.dtype in calls.SIXTEEN_BIT
-             and dense_path.wanted("sp24", device_index, out_features, k, m))
+    dense = calls.kernel_left_to_dispatch(tile, instr) and _cublas_wins(values.dtype, device_index, out_features, k, m)
     return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), sums,
                      counters, epilogues.output_features(epilogue, out_features), dense,
                      dense and calls.dense_outside_graphs(m, k, out_features), bool(quantize))
