@@ -75,7 +75,8 @@ def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) 
         return dy @ semi24.decompress(values, metadata, (n, k)).to(dy.dtype)
     dense = ops.sp24_expand(values, metadata, n)
     m = dy.numel() // n if n else 0
-    if stored_transposable(metadata, n, k) and not ops.fresh_takes_dense(m, n, k, dy.dtype, dy.device.index or 0):
+    # (cuBLAS's call first: where it takes the product, W^T's check is not needed at all)
+    if not ops.fresh_takes_dense(m, n, k, dy.dtype, dy.device.index or 0) and stored_transposable(metadata, n, k):
         # W^T has at most 2 nonzeros in every group of 4: its magnitude compression is exact.
         return ops.sp24_dds_fresh(dy, *ops.sp24_compress(dense.t()), None, k)
     return dy @ dense
