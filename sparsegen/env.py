@@ -75,6 +75,12 @@ def compress_kernel() -> bool:
     return _switch("SPARSEGEN_COMPRESS_KERNEL", True)
 
 
+def gated_kernel() -> bool:
+    """A gated MLP's act(gate) * up in a training step (and its gradient) runs on the generated
+    gated_product kernel, one pass each way; SPARSEGEN_GATED_KERNEL=0 falls back to PyTorch ops."""
+    return _switch("SPARSEGEN_GATED_KERNEL", True)
+
+
 def dense_fallback() -> bool:
     """Layers take cuBLAS on a dense copy of their weight where the GPU's crossover table
     says their sparse kernel would lose; SPARSEGEN_DENSE_FALLBACK=0 keeps every call sparse."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import env
 from .checkpoint import refuse_unloaded
 from .errors import InputError, expect
 from .launch import calls, lean
-from .jit import epilogues
+from .jit import epilogues, registry
 
 
 def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:
@@ -110,8 +111,21 @@ class SparseLinearForward(WeightLike):
         x, values, bias = autocast_inputs(x, self.values, self.bias)
         calls.check_inputs(x, values, bias, self.in_features)
         if needs_grad(x, values, bias):
-            return epilogues.differentiable(self._differentiable_product(x, values, bias), self.epilogue)
+            y = self._differentiable_product(x, values, bias)
+            return epilogues.differentiable(y, self.epilogue, gated_kernels(y, self.epilogue))
         return self._product(x, values, bias)
+
+
+def gated_kernels(y: torch.Tensor, epilogue: str):
+    """The gated_product kernels (forward, gradient) for a training step's gated epilogue on
+    y, where they take it: a plain 16-bit CUDA tensor on a GPU the templates cover, outside
+    torch.compile's tracing (Inductor fuses the PyTorch ops there), SPARSEGEN_GATED_KERNEL
+    not 0. Else None: PyTorch's ops."""
+    if not (epilogues.is_gated(epilogue) and type(y) is torch.Tensor and calls.runs_16bit_kernels(y)):
+        return None
+    if torch.compiler.is_compiling() or not env.gated_kernel():
+        return None
+    return registry.kit_kernel("gated_product"), registry.kit_kernel("gated_product_grad")
 
 
 def one_of(given: dict, first: str, second: str) -> None:

@@ -245,3 +245,42 @@ def test_differentiable_gated_epilogue_compiles_to_the_eager_gradient():
     got, product.grad = product.grad.clone(), None
     (epilogues.reference(product, "swiglu") * weights).sum().backward()
     torch.testing.assert_close(got, product.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_differentiable_gated_epilogue_runs_given_kernels_and_keeps_only_the_product():
+    """With kernels (as layers pass the GPU's gated_product): each called once with the
+    product and the activation, the backward's result y's gradient."""
+    product = (torch.randn(5, 4 * epilogues.GATE_GROUP, dtype=torch.float64) * 3).requires_grad_()
+    seen = []
+
+    def forward(y, act):
+        seen.append(("forward", act))
+        return epilogues.reference(y, "swiglu")
+
+    def gradient(dh, y, act):
+        seen.append(("gradient", act))
+        with torch.enable_grad():
+            wide = y.detach().requires_grad_()
+            return torch.autograd.grad(epilogues.reference(wide, "swiglu"), wide, dh)[0]
+
+    weights = torch.randn(5, 2 * epilogues.GATE_GROUP, dtype=torch.float64)
+    (epilogues.differentiable(product, "swiglu", (forward, gradient)) * weights).sum().backward()
+    got, product.grad = product.grad.clone(), None
+    (epilogues.reference(product, "swiglu") * weights).sum().backward()
+    torch.testing.assert_close(got, product.grad, rtol=1e-12, atol=1e-12)
+    assert seen == [("forward", "silu"), ("gradient", "silu")]
+
+
+def test_gated_kernels_are_for_gated_16_bit_cuda_products_only():
+    from sparsegen.layer import gated_kernels
+
+    assert gated_kernels(torch.randn(2, 32, dtype=torch.bfloat16), "swiglu") is None  # (CPU)
+    assert gated_kernels(torch.randn(2, 32, dtype=torch.bfloat16), "gelu") is None
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_gated_product_kernel_is_16_bit_only(dtype):
+    from sparsegen.semi24.specs import gated_product_spec
+
+    with pytest.raises(SpecError, match="Expected a 16-bit dtype for gated_product"):
+        gated_product_spec(dtype, 80, True).validate()

@@ -54,14 +54,24 @@ def reference(y: torch.Tensor, epilogue: str) -> torch.Tensor:
     return (act(gate) * up).movedim(0, -1).to(y.dtype)
 
 
-def differentiable(y: torch.Tensor, epilogue: str) -> torch.Tensor:
+def differentiable(y: torch.Tensor, epilogue: str, kernels=None) -> torch.Tensor:
     """The epilogue on a product autograd records (training): what an unfused PyTorch MLP
     computes, in y's dtype. A gated one runs on views of y's interleaved column groups (no
     float copy, no transposed copy: reference() would make both, and its backward as many
-    again over the product, which cost a Llama step more than the sparse products saved)."""
+    again over the product, which cost a Llama step more than the sparse products saved) -
+    or, given `kernels` (forward(y, act), gradient(dh, y, act): the GPU's gated_product,
+    which the layers pass where it runs), in one pass each way, rounding once."""
     if not is_gated(epilogue):
         return ACTIVATIONS[epilogue](y)
+    _check_gated_width(y)
+    if kernels is not None:
+        return _GatedKernels.apply(y, activation(epilogue), kernels)
     return _GatedProduct.apply(y, activation(epilogue))
+
+
+def _check_gated_width(y: torch.Tensor) -> None:
+    expect(y.shape[-1] % (2 * GATE_GROUP) == 0, f"a multiple of {2 * GATE_GROUP} columns for a gated epilogue",
+           y.shape[-1])
 
 
 def _gate_and_up(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +92,6 @@ class _GatedProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, act: str) -> torch.Tensor:
-        expect(y.shape[-1] % (2 * GATE_GROUP) == 0, f"a multiple of {2 * GATE_GROUP} columns for a gated epilogue",
-               y.shape[-1])
         gate, up = _gate_and_up(y)
         activated = ACTIVATIONS[act](gate)
         ctx.save_for_backward(y, activated)
@@ -103,6 +111,22 @@ class _GatedProduct(torch.autograd.Function):
         torch.mul(dh, activated, out=d_up)
         backward.grad_input(dh * up, gate, grad_input=d_gate)
         return dy, None
+
+
+class _GatedKernels(torch.autograd.Function):
+    """act(gate) * up and its gradient on the kernels `differentiable` was given: one pass
+    each, and only y kept for the backward (the kernel takes act(gate) again from the gate)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, act: str, kernels) -> torch.Tensor:
+        ctx.save_for_backward(y)
+        ctx.act, ctx.gradient = act, kernels[1]
+        return kernels[0](y, act)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        return ctx.gradient(dh.to(y.dtype), y, ctx.act), None, None
 
 
 # The activations in place, as PyTorch computes them out of place (the same kernels).

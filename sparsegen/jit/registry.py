@@ -237,13 +237,25 @@ def faces() -> tuple[Face, ...]:
 
 def kit_kernel(role: str) -> Callable:
     """The function a layout lends the layout kit under `role` (its module's KIT_KERNELS), so
-    that the kit calls a kernel without naming the layout it comes from. Roles:
+    that the kit calls a kernel without naming the layout it comes from (found once). Roles:
     "sampled_weight_grad" (dy2 [M, N], x2 [M, K], flat_index, block) -> [len(flat_index), bm, bk],
     dY^T X at the stored blocks whose row-major places in W's block grid flat_index lists
     (block rows in order), differentiable by no one, under torch.compile as on any device;
     "sampled_input_grad" (dy, values [count, bm, bk], perm, row_offsets, col_indices,
     flat_index, (bk, bm), in_features) -> dX = dY W, given W^T's block-CSR index (its block b
-    is values[perm[b]] transposed), in eager calls."""
+    is values[perm[b]] transposed), in eager calls; "gated_product" (y [..., 2N], act) -> H
+    [..., N] and "gated_product_grad" (dh, y, act) -> dY, a training step's gated epilogue
+    (jit/epilogues.py) on 16-bit CUDA tensors, in eager calls."""
+    found = _KIT_KERNELS.get(role)
+    if found is None:
+        found = _KIT_KERNELS[role] = _lent(role)
+    return found
+
+
+_KIT_KERNELS: dict[str, Callable] = {}
+
+
+def _lent(role: str) -> Callable:
     for layout in layouts():
         if layout.kit_module:
             lent = importlib.import_module(f"sparsegen.{layout.name}.{layout.kit_module}").KIT_KERNELS

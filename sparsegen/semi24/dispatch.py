@@ -8,7 +8,7 @@ import functools
 import torch
 
 from ..launch import calls, runtime
-from .specs import SCALED_CODES, sp24_compress_spec, sp24_quantize_spec, sp24_spec, w_rows
+from .specs import SCALED_CODES, gated_product_spec, sp24_compress_spec, sp24_quantize_spec, sp24_spec, w_rows
 
 
 # One-byte 2:4 products (Sparse24Tensor inference) and the dtype each writes Y in.
@@ -103,3 +103,9 @@ def quantize_kernel(dtype: torch.dtype, source: torch.dtype, device_index: int):
 def prune_kernel(op: str, dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch, op), device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def gated_kernel(dtype: torch.dtype, device_index: int, geglu: bool):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(gated_product_spec(DTYPE_NAMES[dtype], arch, geglu), device_index)

@@ -471,3 +471,37 @@ def sp24_transposable_mask(w: torch.Tensor, out: torch.Tensor | None = None, ste
     kern.launch((-(-tiles // kern.threads), 1, 1), (),
                 (w.data_ptr(), mask.data_ptr(), 0 if step is None else step.data_ptr()), (n, k, interval))
     return mask
+
+
+_FORWARD, _BACKWARD = 0, 1  # gated_product's modes
+
+
+def gated_product(y: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up [..., N] of a training step's gated product y [..., 2N] (16-bit CUDA,
+    gate and up in epilogues' interleaved groups), in one pass; act "silu" or "gelu"."""
+    h = torch.empty(*y.shape[:-1], y.shape[-1] // 2, dtype=y.dtype, device=y.device)
+    _launch_gated(y, None, h, act, _FORWARD)
+    return h
+
+
+def gated_product_grad(dh: torch.Tensor, y: torch.Tensor, act: str) -> torch.Tensor:
+    """The gradient of gated_product at y, given dH (y's dtype and device, [..., N]): dY
+    [..., 2N], gate and up columns interleaved as y's, in one pass."""
+    dy = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    _launch_gated(y, calls.aligned(dh), dy, act, _BACKWARD)
+    return dy
+
+
+def _launch_gated(y: torch.Tensor, dh, out: torch.Tensor, act: str, mode: int) -> None:
+    expect(act in ("silu", "gelu"), "a gate activation 'silu' or 'gelu'", repr(act))
+    y = calls.aligned(y)
+    rows, groups = y.numel() // max(y.shape[-1], 1), y.shape[-1] // (2 * epilogues.GATE_GROUP)
+    if rows * groups == 0:
+        return
+    kern = dispatch.gated_kernel(y.dtype, y.device.index or 0, act == "gelu")
+    kern.launch((-(-rows * groups // kern.threads), 1, 1), (),
+                (y.data_ptr(), 0 if dh is None else dh.data_ptr(), out.data_ptr()), (rows, groups, mode))
+
+
+# The kernels the layout kit (and every layout's gated layers) call without naming 2:4
+KIT_KERNELS = {"gated_product": gated_product, "gated_product_grad": gated_product_grad}

@@ -9,6 +9,9 @@ sp24_expand: a 2:4 W to dense, or a dense gradient's elements at W's stored posi
 (16-bit; one thread per metadata word) - Sparse24Linear's backward.
 sp24_quantize: ScaledSparse24Linear's activations, each row quantized to the one-byte dtype by
 its own scale (or a static one) in one pass; `src` is the activations' 16-bit type.
+gated_product: a training step's gated MLP epilogue, act(gate) * up over the interleaved gate/up
+product, and its gradient (16-bit; one thread per group of 8 outputs). Not 2:4's own: every
+layout's gated layers train through it (jit/epilogues.py asks for it as a kit kernel).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ GROUPS = registry.Param("groups", 1, choices=tuple(range(1, MAX_GROUPS + 1)), na
                             "the caller checks); a compiled graph's q, k and v projections in one launch")
 SOURCE = registry.Param("src", 1, choices=tuple(SCALED_OUTPUTS),
                         doc="sp24_quantize's input: bf16 (1) or fp16 (2) activations")
+GEGLU = registry.Param("geglu", 0, choices=(0, 1), doc="gated_product's activation of the gate: silu (0) or gelu (1)")
 PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
 
 
@@ -134,10 +138,17 @@ def _validate(spec: KernelSpec) -> None:
            t.tile_m, SpecError)
 
 
-def _validate_expand(spec: KernelSpec) -> None:
-    expect(spec.dtype in ("bf16", "fp16"), "a 16-bit dtype for sp24_expand (the trained layers')",
+def _validate_16bit(spec: KernelSpec) -> None:
+    """sp24_expand and gated_product: the training kernels, 16-bit only."""
+    expect(spec.dtype in ("bf16", "fp16"), f"a 16-bit dtype for {spec.op} (the trained layers')",
            spec.dtype, SpecError)
     _validate(spec)
+
+
+def gated_product_spec(dtype: str, arch: int, geglu: bool) -> KernelSpec:
+    """256 threads a block, one group of 8 outputs each."""
+    return KernelSpec(op="gated_product", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=THREADS_256,
+                      instr="mma", params={"geglu": int(geglu)})
 
 
 def _output_context(spec: KernelSpec) -> dict:
@@ -239,6 +250,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
               if d in BYTE_DTYPES or out == 1]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
     semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
+    semi += [gated_product_spec(d, arch, geglu) for d in dtypes if d in ("bf16", "fp16") for geglu in (False, True)]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     return semi + fused
 
@@ -251,7 +263,9 @@ registry.register(registry.Layout("semi24", (
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,
                      tensor_cores=False),
-    registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_expand, _no_smem, tensor_cores=False),
+    registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_quantize", "semi24/sp24_quantize.cu.j2", _validate_quantize, _no_smem,
                      context=_quantize_context, tensor_cores=False, params=(SOURCE,)),
-), default_specs, Path(__file__).parent, lowerings_module="compiled", faces_module="face"))
+    registry.OpRules("gated_product", "semi24/gated_product.cu.j2", _validate_16bit, _no_smem, tensor_cores=False,
+                     params=(GEGLU,)),
+), default_specs, Path(__file__).parent, lowerings_module="compiled", faces_module="face", kit_module="ops"))
