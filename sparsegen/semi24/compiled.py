@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..launch import calls, lean, plans, runtime
+from ..launch import calls, kept_index, lean, plans, runtime
 from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
 from . import dispatch, grouped, ops, specs
@@ -20,6 +20,10 @@ _PLANS = plans.PlanCache()
 # and what of the call may differ between graphs: each launch of a compiled decode step pays
 # for every query made here.
 def sp24_dds_into(x, values, metadata, bias, out_features, epilogue, *, out):
+    # As the eager forward does: a training layer's compiled backward asks whether rewritten
+    # metadata (DDP's broadcast) is unchanged; compared from here on, the backward waits for
+    # nothing (asked on the spot, the check held DDP's compiled 2:4 step in a host sync).
+    kept_index.start_check(metadata)
     plan = _PLANS.get(metadata, (x.shape, x.dtype, values.data_ptr(), epilogue),
                       lambda: ops.sp24_lean_plan(x, values, metadata, out_features, epilogue))
     x_address, y_address = x.data_ptr(), out.data_ptr()
