@@ -284,3 +284,13 @@ def test_gated_product_kernel_is_16_bit_only(dtype):
 
     with pytest.raises(SpecError, match="Expected a 16-bit dtype for gated_product"):
         gated_product_spec(dtype, 80, True).validate()
+
+
+def test_a_second_backward_through_given_kernels_raises_instead_of_reading_zeros():
+    product = torch.randn(2, 2 * epilogues.GATE_GROUP, dtype=torch.float64, requires_grad=True)
+    kernels = (lambda y, act: epilogues.reference(y, "swiglu"), lambda dh, y, act: torch.ones_like(y))
+    weights = torch.randn(2, epilogues.GATE_GROUP, dtype=torch.float64, requires_grad=True)
+    out = (epilogues.differentiable(product, "swiglu", kernels) * weights).sum()
+    (grad,) = torch.autograd.grad(out, product, create_graph=True)  # (dH = weights: it has a gradient)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()

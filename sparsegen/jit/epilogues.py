@@ -124,7 +124,8 @@ class _GatedKernels(torch.autograd.Function):
         return kernels[0](y, act)
 
     @staticmethod
-    def backward(ctx, dh: torch.Tensor):
+    @torch.autograd.function.once_differentiable  # (the kernel's gradient has none of its own: a
+    def backward(ctx, dh: torch.Tensor):          # second backward raises instead of reading zeros)
         (y,) = ctx.saved_tensors
         return ctx.gradient(dh.to(y.dtype), y, ctx.act), None, None
 
