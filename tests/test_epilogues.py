@@ -294,3 +294,14 @@ def test_a_second_backward_through_given_kernels_raises_instead_of_reading_zeros
     (grad,) = torch.autograd.grad(out, product, create_graph=True)  # (dH = weights: it has a gradient)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.sum().backward()
+
+
+def test_the_gated_kernels_refuse_what_they_cannot_read_before_any_launch():
+    from sparsegen.semi24 import ops
+
+    with pytest.raises(InputError, match="Expected a 16-bit CUDA product"):
+        ops.gated_product(torch.randn(4, 32, dtype=torch.bfloat16), "silu")  # (a CPU tensor)
+    with pytest.raises(InputError, match="Expected a gate activation"):
+        ops.gated_product(torch.randn(4, 32, dtype=torch.bfloat16), "relu")
+    with pytest.raises(InputError, match="Expected a 16-bit CUDA product"):
+        ops.gated_product_grad(torch.randn(4, 8), torch.randn(4, 16), "gelu")

@@ -198,3 +198,10 @@ def test_gated_layer_trains_on_the_kernel_as_on_pytorch_ops(kind, epilogue, monk
         (layer(given).double() * weights).sum().backward()
         assert relative_error(given.grad, reference.grad) < 2e-2, switch
     assert len(calls) == 1
+
+
+def test_gated_product_grad_refuses_a_gradient_of_another_shape_or_dtype():
+    y = torch.randn(5, 32, device="cuda", dtype=torch.bfloat16)
+    for dh in (torch.randn(5, 8, device="cuda", dtype=torch.bfloat16), torch.randn(5, 16, device="cuda")):
+        with pytest.raises(sparsegen.errors.InputError, match="Expected dH of shape"):
+            sp24_ops.gated_product_grad(dh, y, "silu")

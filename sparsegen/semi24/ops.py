@@ -493,7 +493,7 @@ def gated_product_grad(dh: torch.Tensor, y: torch.Tensor, act: str) -> torch.Ten
 
 
 def _launch_gated(y: torch.Tensor, dh, out: torch.Tensor, act: str, mode: int) -> None:
-    expect(act in ("silu", "gelu"), "a gate activation 'silu' or 'gelu'", repr(act))
+    _check_gated(y, dh, act)
     y = calls.aligned(y)
     rows, groups = y.numel() // max(y.shape[-1], 1), y.shape[-1] // (2 * epilogues.GATE_GROUP)
     if rows * groups == 0:
@@ -501,6 +501,19 @@ def _launch_gated(y: torch.Tensor, dh, out: torch.Tensor, act: str, mode: int) -
     kern = dispatch.gated_kernel(y.dtype, y.device.index or 0, act == "gelu")
     kern.launch((-(-rows * groups // kern.threads), 1, 1), (),
                 (y.data_ptr(), 0 if dh is None else dh.data_ptr(), out.data_ptr()), (rows, groups, mode))
+
+
+def _check_gated(y: torch.Tensor, dh, act: str) -> None:
+    """What the kernel reads, checked before it reads it: y 16-bit CUDA of whole gate/up
+    groups, dH (for the gradient) of h's shape in y's dtype on y's device."""
+    expect(act in ("silu", "gelu"), "a gate activation 'silu' or 'gelu'", repr(act))
+    expect(y.is_cuda and y.dtype in calls.SIXTEEN_BIT and y.dim() >= 1 and y.shape[-1] % (2 * epilogues.GATE_GROUP) == 0,
+           f"a 16-bit CUDA product of [..., a multiple of {2 * epilogues.GATE_GROUP}] columns",
+           f"{y.dtype} on {y.device}, shape {tuple(y.shape)}")
+    if dh is not None:
+        shape = (*y.shape[:-1], y.shape[-1] // 2)
+        expect(dh.shape == shape and dh.dtype == y.dtype and dh.device == y.device,
+               f"dH of shape {shape}, {y.dtype} on {y.device}", f"{tuple(dh.shape)}, {dh.dtype} on {dh.device}")
 
 
 # The kernels the layout kit (and every layout's gated layers) call without naming 2:4
