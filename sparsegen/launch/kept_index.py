@@ -94,7 +94,10 @@ _STARTED: dict[torch.device, _Started] = {}  # at most one per device: the lates
 def start_check(t: torch.Tensor) -> None:
     """Where t moved since its copy, launch the comparison of every moved index on its device
     now and let current() read the answers later; nothing where t has not moved, a started
-    check already covers t as it is, or a CUDA graph is being captured."""
+    check already covers t as it is, or a CUDA graph is being captured. (Every compiled 2:4
+    forward calls it: with no index kept at all, as in 2:4 inference, it returns at once.)"""
+    if not _GENERATIONS:
+        return
     kept = _GENERATIONS.get(t)
     if kept is None or kept.stamp == stamp_of(t) or _capturing(t):
         return
