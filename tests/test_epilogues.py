@@ -271,11 +271,20 @@ def test_differentiable_gated_epilogue_runs_given_kernels_and_keeps_only_the_pro
     assert seen == [("forward", "silu"), ("gradient", "silu")]
 
 
-def test_gated_kernels_are_for_gated_16_bit_cuda_products_only():
-    from sparsegen.layer import gated_kernels
+def test_gated_kernels_are_for_gated_16_bit_cuda_products_only(monkeypatch):
+    from sparsegen import layer
+    from sparsegen.semi24 import ops
 
-    assert gated_kernels(torch.randn(2, 32, dtype=torch.bfloat16), "swiglu") is None  # (CPU)
-    assert gated_kernels(torch.randn(2, 32, dtype=torch.bfloat16), "gelu") is None
+    assert layer.gated_kernels(torch.randn(2, 32, dtype=torch.bfloat16), "swiglu") is None  # (CPU)
+    assert layer.gated_kernels(torch.randn(2, 32, dtype=torch.bfloat16), "gelu") is None
+    # where the product is one the kernels take (a covered GPU's, here pretended): the pair,
+    # unless switched off
+    monkeypatch.setattr(layer.calls, "runs_16bit_kernels", lambda t: True)
+    y = torch.randn(2, 32, dtype=torch.bfloat16)
+    assert layer.gated_kernels(y, "swiglu") == (ops.gated_product, ops.gated_product_grad)
+    assert layer.gated_kernels(y, "gelu") is None
+    monkeypatch.setenv("SPARSEGEN_GATED_KERNEL", "0")
+    assert layer.gated_kernels(y, "geglu") is None
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
