@@ -22,3 +22,8 @@ def test_speedup_is_the_median_of_each_rounds_ratio():
     ms, speedups = bench_distributed.medians_and_speedups(rounds, ["dense", "sparse"])
     assert ms == {"dense": 12.0, "sparse": 10.0}
     assert speedups == {"dense": 1.0, "sparse": 2.0}
+
+
+def test_spread_lists_each_rounds_speedup_lowest_first():
+    rounds = [{"dense": [10.0], "a": [8.0], "b": [10.0]}, {"dense": [10.0], "a": [12.5], "b": [5.0]}]
+    assert bench_distributed.spread(rounds, ["dense", "a", "b"]) == "a 0.80 1.25; b 1.00 2.00"

@@ -4,10 +4,11 @@ per decoder layer, bf16 parameters, fp32 gradient reduction) and DDP, eager and 
 variant on one GPU (each rank alone, no communication) for the share of its speedup kept.
 
 GPU: torchrun --nproc_per_node=2 tools/bench_distributed.py [--engines one,fsdp2,ddp]
-     [--modes eager,compile] [--variants dense,b64d0.25,2:4t-mlp] [--steps 10] [--json FILE]
+     [--modes eager,compile] [--variants dense,b64d0.25,2:4t-mlp] [--steps 20] [--json FILE]
 Rank 0 prints and records; the model is the issue's (hidden 2048, MLP 5632, 4 layers, GQA 32/4)
 on 4 x 1024 tokens per rank, fused AdamW."""
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -87,17 +88,42 @@ def interleaved(variants: list[str], engine: str, mode: str, ids, device, steps:
         run.run(3)
     rounds = []
     for r in range(-(-steps // 2)):
-        rounds.append({variant: runs[variant].run(2) for variant in bench_models.in_turn(variants, r)})
+        with collector_paused():
+            rounds.append({variant: runs[variant].run(2) for variant in bench_models.in_turn(variants, r)})
+    if dist.get_rank() == 0:
+        print(f"{engine} {mode} rounds: {spread(rounds, variants)}", flush=True)
     return medians_and_speedups(rounds, variants)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cycle collector off for a round and run in full between rounds, as timeit keeps
+    it out: a collection lands in whichever step crosses its threshold, and one round's ratio
+    rests on 2 steps of each variant."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def medians_and_speedups(rounds: list[dict], variants: list[str]) -> tuple[dict, dict]:
     """Each variant's median ms over every round, and the median over rounds of the round's
     dense median over the variant's ("dense" among the variants)."""
     ms = {v: statistics.median(t for times in rounds for t in times[v]) for v in variants}
-    speedups = {v: statistics.median(statistics.median(times["dense"]) / statistics.median(times[v])
-                                     for times in rounds) for v in variants}
-    return ms, speedups
+    return ms, {v: statistics.median(round_speedups(rounds, v)) for v in variants}
+
+
+def round_speedups(rounds: list[dict], variant: str) -> list[float]:
+    """Each round's dense median over the variant's median, in round order."""
+    return [statistics.median(times["dense"]) / statistics.median(times[variant]) for times in rounds]
+
+
+def spread(rounds: list[dict], variants: list[str]) -> str:
+    """The rounds' speedups of each sparse variant, lowest to highest: how far one cell can move."""
+    return "; ".join(f"{v} " + " ".join(f"{x:.2f}" for x in sorted(round_speedups(rounds, v)))
+                     for v in variants if v != "dense")
 
 
 def profile(engine: str, mode: str, variant: str, ids, device, rank: int, trace: Path | None) -> None:
@@ -134,7 +160,7 @@ def main() -> int:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--variants", default="dense,b64d0.25,2:4t-mlp")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", help="ENGINE:MODE:VARIANT[,...]: after the table, where its step's time goes "
                         "(GPU kernels, host operators, recompiles and graph breaks) on rank 0")
@@ -148,7 +174,7 @@ def main() -> int:
                   [("engine", ""), ("mode", ""), ("dense ms", ".1f")] + [(v, "x") for v in variants if v != "dense"],
                   "tools/bench_distributed.py under torchrun: median of the steps after 3 warm-ups (forward, backward, "
                   "fused AdamW), CUDA events on rank 0, the variants' models timed in turns, 2 steps each, round r starting with "
-                  "variant r; 'one' is each GPU training the same model alone. Speedups are the median over rounds of the dense "
+                  "variant r, Python's cycle collector run between rounds and paused within them; 'one' is each GPU training the same model alone. Speedups are the median over rounds of the dense "
                   "twin's round time over the variant's, under the same engine and mode.")
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
