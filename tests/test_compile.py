@@ -190,7 +190,7 @@ def test_failed_compile_is_not_cached(monkeypatch):
 
 
 @needs_tools
-@pytest.mark.parametrize("op", ["sp24_compress", "sp24_mask", "sp24_expand"])
+@pytest.mark.parametrize("op", ["sp24_compress", "sp24_mask", "sp24_expand", "sp24_transpose"])
 @pytest.mark.parametrize("arch", [80, 90])
 def test_prune_kernels_have_no_spills(arch, op, tmp_path):
     """Their per-group choices index small arrays; unrolled, those stay in registers."""

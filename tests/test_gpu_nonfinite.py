@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 IN, OUT = 320, 192
 BF16 = dict(device="cuda", dtype=torch.bfloat16)
 LAYERS = {"2:4": lambda: sparsegen.Sparse24Linear(IN, OUT, **BF16),
+          "2:4t": lambda: sparsegen.Sparse24Linear(IN, OUT, method="transposable", **BF16),
           "b16": lambda: sparsegen.linear(IN, OUT, block=(16, 16), density=0.5, **BF16),
           "b32": lambda: sparsegen.linear(IN, OUT, block=(32, 32), density=0.5, **BF16),
           "b64": lambda: sparsegen.linear(IN, OUT, block=(64, 64), density=0.5, **BF16),
@@ -103,12 +104,13 @@ def test_fused_epilogues_keep_nan_and_inf(kind, epilogue, tokens):
 
 
 # dX by cuBLAS on the dense W (zeros where nothing is stored): the dense product's rule there.
-# 2:4 runs its kernel on W^T only where W's positions are 2:4 along columns too (transposable);
+# 2:4 runs its kernel on W^T only where W's positions are 2:4 along columns too (2:4t: a
+# transposable mask, W^T storing W's positions - sp24_transpose);
 # the kit's layouts (bell, bdiag) run block-CSR's kernel over W^T's stored blocks in eager calls.
 DENSE_DX = {"2:4"}
 
 
-@pytest.mark.parametrize("kind", ["2:4", "b32", "b64", "bell", "bdiag"])
+@pytest.mark.parametrize("kind", ["2:4", "2:4t", "b32", "b64", "bell", "bdiag"])
 def test_backward_propagates_like_the_product_it_runs(kind):
     """dX = dY W over the stored weights (the dense W where cuBLAS runs it) and dW = dY^T X at
     the stored positions, with NaN and Inf in X, W and dY."""

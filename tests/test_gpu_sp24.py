@@ -82,8 +82,8 @@ def test_layer_gradients_match_float64(dtype, method, out_features, kernel_dx, c
     x = torch.randn(2, 333, 320, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(2, 333, out_features, device="cuda", dtype=dtype)
     transposed = []
-    real = sp24_ops.sp24_compress
-    monkeypatch.setattr(sp24_ops, "sp24_compress", lambda w, *a, **kw: transposed.append(w.shape) or real(w, *a, **kw))
+    real = sp24_ops.sp24_transpose
+    monkeypatch.setattr(sp24_ops, "sp24_transpose", lambda *args: transposed.append(args[2]) or real(*args))
     (torch.compile(layer, fullgraph=True) if compiled else layer)(x).backward(dy)
     assert bool(transposed) == kernel_dx == autograd24.stored_transposable(layer.metadata, out_features, 320)
     weight = layer.to_dense_weight().double().requires_grad_()
@@ -107,6 +107,29 @@ def test_expand_and_gather_kernels_match_the_layout(dtype, n, k):
     poisoned(n, k // 2, dtype)
     assert torch.equal(sp24_ops.sp24_gather(grad, sparse.metadata), semi24.gather_kept(grad, sparse.metadata))
     assert torch.equal(sp24_ops.sp24_gather(dense, sparse.metadata), sparse.values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, k", [(32, 32), (96, 160), (224, 4128), (2048, 5632), (11264, 2048)])
+def test_transpose_kernel_gives_the_transposed_weights_2_4_form(dtype, n, k):
+    """sp24_transpose's W^T decompresses to exactly W's transpose and stores W's positions
+    (outputs poisoned first), W's mask transposable; stored zeros and groups of W^T with one
+    nonzero (first or last of its 4) included; shapes not multiples of a block's 64 x 128
+    piece; its words feed the 2:4 kernel."""
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    w[:, :8] = 0  # W^T's first rows: whole groups of zeros
+    w[torch.arange(n, device="cuda") % 4 != 3, 8:16] = 0  # one nonzero per group of 4, the last
+    w[torch.arange(n, device="cuda") % 4 != 0, 16:24] = 0  # ... and the first
+    sparse = sparsegen.to_sparse24(w, "transposable")
+    poisoned(k, n // 2, dtype)
+    torch.full((k // 16, n // 32, 16), -1, device="cuda", dtype=torch.int32)
+    values_t, metadata_t = sp24_ops.sp24_transpose(sparse.values, sparse.metadata, n)
+    assert values_t.shape == (k, n // 2) and metadata_t.shape == (k // 16, n // 32, 16)
+    assert torch.equal(semi24.decompress(values_t, metadata_t, (k, n)), sparse.to_dense().t())
+    assert torch.equal(sparse24.Sparse24Tensor(values_t, metadata_t, (k, n)).mask, sparse.mask.t())
+    dy = torch.randn(77, n, device="cuda", dtype=dtype)
+    dx = sp24_ops.sp24_dds(dy, values_t, metadata_t, None, k)
+    assert relative_error(dx, dy.double() @ sparse.to_dense().double()) < TOLERANCE[dtype]
 
 
 def test_autocast_and_float32_parameters():

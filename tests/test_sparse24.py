@@ -307,3 +307,15 @@ def test_kernels_are_chosen_for_one_byte_and_16_bit_dtypes(dtype, name, monkeypa
         sp24_dispatch.prune_kernel.cache_clear()
     assert (forward.op, forward.dtype) == ("sp24_dds", name)
     assert (prune.op, prune.dtype) == ("sp24_compress", name)
+
+
+def test_transpose_kernel_refuses_a_weight_whose_transpose_has_no_2_4_form():
+    """W^T [K, N] needs N a multiple of 32 (its rows' groups of 32) and the words of W [N, K]:
+    refused before anything reaches a kernel."""
+    from sparsegen.semi24 import ops as sp24_ops
+
+    values, metadata = torch.zeros(48, 32), torch.zeros(3, 2, 16, dtype=torch.int32)  # W [48, 64]
+    with pytest.raises(sparsegen.InputError, match="N a multiple of 32"):
+        sp24_ops.sp24_transpose(values, metadata, 48)
+    with pytest.raises(sparsegen.InputError, match="its metadata words"):
+        sp24_ops.sp24_transpose(torch.zeros(64, 32), metadata, 64)

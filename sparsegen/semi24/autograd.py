@@ -4,8 +4,8 @@ torch.compile traces (see autograd.py).
 Y = X W^T + b with W 2:4 ([N, K/2] values + metadata). The mask is fixed while the values
 train, so on the GPU (16-bit):
 - dX = dY W: when W's stored positions are 2:4 along columns too (a transposable mask), on
-  the 2:4 kernel over W^T, compressed from the expanded W each step; otherwise cuBLAS on
-  the expanded W (sp24_expand: one pass, no index tensors);
+  the 2:4 kernel over W^T, made from W's values and metadata each step (sp24_transpose: one
+  pass); otherwise cuBLAS on the expanded W (sp24_expand: one pass, no index tensors);
 - dW: dY^T X on cuBLAS, its stored positions gathered by the same kernel (sp24_gather), so
   the values' gradient has their shape.
 Elsewhere PyTorch ops do the same. The backward torch.compile traces calls both through the
@@ -73,13 +73,12 @@ def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) 
     n, k = out_features, 2 * values.shape[1]
     if not (_on_kernels(dy) and dy.dtype == values.dtype):
         return dy @ semi24.decompress(values, metadata, (n, k)).to(dy.dtype)
-    dense = ops.sp24_expand(values, metadata, n)
     m = dy.numel() // n if n else 0
     # (cuBLAS's call first: where it takes the product, W^T's check is not needed at all)
     if not ops.fresh_takes_dense(m, n, k, dy.dtype, dy.device.index or 0) and stored_transposable(metadata, n, k):
-        # W^T has at most 2 nonzeros in every group of 4: its magnitude compression is exact.
-        return ops.sp24_dds_fresh(dy, *ops.sp24_compress(dense.t()), None, k)
-    return dy @ dense
+        # W^T has at most 2 nonzeros in every group of 4: its compression is exact.
+        return ops.sp24_dds_fresh(dy, *ops.sp24_transpose(values, metadata, n), None, k)
+    return dy @ ops.sp24_expand(values, metadata, n)
 
 
 def weight_grad(dy2: Tensor, x2: Tensor, metadata: Tensor) -> Tensor:

@@ -448,6 +448,25 @@ def sp24_gather(dense: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def sp24_transpose(values: torch.Tensor, metadata: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [K, N/2], metadata [K/16, N/32, 16]) of W^T, from a 16-bit CUDA 2:4 W [N, K]
+    whose stored positions are 2:4 along columns as well (the caller knows: a transposable
+    mask, autograd.stored_transposable) and N a multiple of 32, in one pass: W^T stores W's
+    positions, whatever their values. (Elsewhere a group of 4 of W^T keeps its first 2 stored
+    positions and loses the rest.)"""
+    n, k = out_features, 2 * values.shape[1]
+    expect(n % semi24.COL_GRANULE == 0 and metadata.numel() * 32 == n * k,
+           f"W [N, K] with N a multiple of {semi24.COL_GRANULE} and its metadata words for sp24_transpose",
+           f"N = {n}, K = {k}, {metadata.numel()} words")
+    values_t = torch.empty(k, n // 2, dtype=values.dtype, device=values.device)
+    metadata_t = torch.empty(k // 16, n // 32, 16, dtype=torch.int32, device=values.device)
+    if values.numel():
+        kern = dispatch.prune_kernel("sp24_transpose", values.dtype, values.device.index or 0)
+        kern.launch((-(-k // 128), -(-n // 64), 1), (), (calls.aligned(values).data_ptr(),
+                    calls.aligned(metadata).data_ptr(), values_t.data_ptr(), metadata_t.data_ptr()), (n, k))
+    return values_t, metadata_t
+
+
 def _launch_expand(dense: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, mode: int) -> None:
     if values.numel() == 0:
         return

@@ -6,7 +6,9 @@ sp24_dds: Y = X W^T with W 2:4 semi-structured (mma.sp); its "block" is the inst
 and pack values and metadata (one thread per metadata word; tile gives the block size).
 sp24_mask: the transposable 2:4 mask of a dense W (one thread per 4 x 4 tile).
 sp24_expand: a 2:4 W to dense, or a dense gradient's elements at W's stored positions
-(16-bit; one thread per metadata word) - Sparse24Linear's backward.
+(16-bit; one thread per metadata word) - Sparse24Linear's backward. sp24_transpose: W^T's 2:4
+form from W's where the stored positions are 2:4 along columns too (16-bit; blocks of 256
+threads over 64 x 128 pieces of W) - that backward's dX on the 2:4 kernel.
 sp24_quantize: ScaledSparse24Linear's activations, each row quantized to the one-byte dtype by
 its own scale (or a static one) in one pass; `src` is the activations' 16-bit type.
 gated_product: a training step's gated MLP epilogue, act(gate) * up over the interleaved gate/up
@@ -139,7 +141,7 @@ def _validate(spec: KernelSpec) -> None:
 
 
 def _validate_16bit(spec: KernelSpec) -> None:
-    """sp24_expand and gated_product: the training kernels, 16-bit only."""
+    """sp24_expand, sp24_transpose and gated_product: the training kernels, 16-bit only."""
     expect(spec.dtype in ("bf16", "fp16"), f"a 16-bit dtype for {spec.op} (the trained layers')",
            spec.dtype, SpecError)
     _validate(spec)
@@ -249,7 +251,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
               for d in dtypes if d != "fp32" and arch == 90 for out in SCALED_OUTPUTS
               if d in BYTE_DTYPES or out == 1]
     semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d != "fp32" for op in ("sp24_compress", "sp24_mask")]
-    semi += [sp24_compress_spec(d, arch, "sp24_expand") for d in dtypes if d in ("bf16", "fp16")]
+    semi += [sp24_compress_spec(d, arch, op) for d in dtypes if d in ("bf16", "fp16")
+             for op in ("sp24_expand", "sp24_transpose")]
     semi += [gated_product_spec(d, arch, geglu) for d in dtypes if d in ("bf16", "fp16") for geglu in (False, True)]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     return semi + fused
@@ -264,6 +267,7 @@ registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,
                      tensor_cores=False),
     registry.OpRules("sp24_expand", "semi24/sp24_expand.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
+    registry.OpRules("sp24_transpose", "semi24/sp24_transpose.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_quantize", "semi24/sp24_quantize.cu.j2", _validate_quantize, _no_smem,
                      context=_quantize_context, tensor_cores=False, params=(SOURCE,)),
     registry.OpRules("gated_product", "semi24/gated_product.cu.j2", _validate_16bit, _no_smem, tensor_cores=False,

@@ -8,38 +8,13 @@
 // tile covers rows g and g + 8, columns 16h..16h+15, four groups of 4 in each row.
 #include "sg_mma.cuh"
 #include "sg_sp24_word.cuh"
+#include "sg_sp24_rows.cuh"
 
-using Elem = unsigned short;
+using Elem = sg::Bits16;  // unsigned short: bits moved, no arithmetic
+using sg::expand_row;
+using sg::pack8;
+using sg::unpack8;
 enum Mode { EXPAND = 0, GATHER = 1 };
-
-// 16 bytes as 8 elements and back (two per 32-bit word, the lower one first).
-__device__ __forceinline__ void unpack8(const uint4 q, Elem (&v)[8]) {
-  const unsigned words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = static_cast<Elem>(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xFFFF);
-}
-
-__device__ __forceinline__ uint4 pack8(const Elem (&v)[8]) {
-  unsigned words[4];
-#pragma unroll
-  for (int w = 0; w < 4; ++w) words[w] = static_cast<unsigned>(v[2 * w]) | static_cast<unsigned>(v[2 * w + 1]) << 16;
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
-
-// One row's 16 columns: `half` holds their four nibbles (i0 | i1 << 2 for group j at bits 4j).
-// Every index is a compile-time constant after unrolling: nothing goes to local memory.
-__device__ __forceinline__ void expand_row(unsigned half, const Elem* values, Elem* dense) {
-  Elem kept[8], lo[8], hi[8];
-  unpack8(*reinterpret_cast<const uint4*>(values), kept);
-#pragma unroll
-  for (int e = 0; e < 16; ++e) {
-    const int j = e / 4, i0 = half >> (4 * j) & 3, i1 = half >> (4 * j + 2) & 3;
-    const Elem v = e % 4 == i0 ? kept[2 * j] : e % 4 == i1 ? kept[2 * j + 1] : Elem(0);
-    if (e < 8) lo[e] = v; else hi[e - 8] = v;
-  }
-  reinterpret_cast<uint4*>(dense)[0] = pack8(lo);
-  reinterpret_cast<uint4*>(dense)[1] = pack8(hi);
-}
 
 __device__ __forceinline__ void gather_row(unsigned half, const Elem* dense, Elem* values) {
   Elem lo[8], hi[8], kept[8];
