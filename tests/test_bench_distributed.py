@@ -27,3 +27,11 @@ def test_speedup_is_the_median_of_each_rounds_ratio():
 def test_spread_lists_each_rounds_speedup_lowest_first():
     rounds = [{"dense": [10.0], "a": [8.0], "b": [10.0]}, {"dense": [10.0], "a": [12.5], "b": [5.0]}]
     assert bench_distributed.spread(rounds, ["dense", "a", "b"]) == "a 0.80 1.25; b 1.00 2.00"
+
+
+def test_a_row_gives_each_variants_median_and_the_middle_half_of_its_rounds():
+    # sparse's rounds: 0.5, 1, 2, 4 and 8 (dense 10 ms a step throughout)
+    rounds = [{"dense": [10.0, 10.0], "sparse": [10.0 / x, 10.0 / x]} for x in (4.0, 0.5, 8.0, 1.0, 2.0)]
+    row = bench_distributed.table_row("ddp", "eager", rounds, ["dense", "sparse"])
+    assert row[:4] == ["ddp", "eager", 10.0, 2.0]
+    assert row[4] == "0.75-6.00"  # statistics.quantiles' exclusive quartiles of 0.5, 1, 2, 4, 8

@@ -78,11 +78,10 @@ class Steps:
         return times
 
 
-def interleaved(variants: list[str], engine: str, mode: str, ids, device, steps: int) -> tuple[dict, dict]:
-    """({variant: median step ms}, {variant: speedup over dense}), the variants' models held
-    together and timed in turns (rounds of 2 steps each after 3 warm-up steps, round r starting
-    with variant r): a drift of the machine's speed during the run reaches every variant alike,
-    and a speedup is the median over rounds of that round's dense ms over the variant's."""
+def interleaved(variants: list[str], engine: str, mode: str, ids, device, steps: int) -> list[dict]:
+    """Each round's {variant: its steps' ms}, the variants' models held together and timed in
+    turns (rounds of 2 steps each after 3 warm-up steps, round r starting with variant r): a
+    drift of the machine's speed during the run reaches every variant alike."""
     runs = {variant: Steps(model_for(variant, engine, mode, device), ids, engine) for variant in variants}
     for run in runs.values():
         run.run(3)
@@ -92,7 +91,15 @@ def interleaved(variants: list[str], engine: str, mode: str, ids, device, steps:
             rounds.append({variant: runs[variant].run(2) for variant in bench_models.in_turn(variants, r)})
     if dist.get_rank() == 0:
         print(f"{engine} {mode} rounds: {spread(rounds, variants)}", flush=True)
-    return medians_and_speedups(rounds, variants)
+    return rounds
+
+
+def table_row(engine: str, mode: str, rounds: list[dict], variants: list[str]) -> list:
+    """engine, mode, dense ms, then per sparse variant its speedup (the median over rounds of
+    the round's dense ms over the variant's) and the middle half of the rounds' speedups."""
+    ms, speedups = medians_and_speedups(rounds, variants)
+    sparse = [v for v in variants if v != "dense"]
+    return [engine, mode, ms["dense"], *[cell for v in sparse for cell in (speedups[v], middle_half(rounds, v))]]
 
 
 @contextlib.contextmanager
@@ -118,6 +125,13 @@ def medians_and_speedups(rounds: list[dict], variants: list[str]) -> tuple[dict,
 def round_speedups(rounds: list[dict], variant: str) -> list[float]:
     """Each round's dense median over the variant's median, in round order."""
     return [statistics.median(times["dense"]) / statistics.median(times[variant]) for times in rounds]
+
+
+def middle_half(rounds: list[dict], variant: str) -> str:
+    """The rounds' speedups from the lower quartile to the upper ('1.02-1.10'): the median's
+    company, the cell's own noise beside it."""
+    low, _, high = statistics.quantiles(round_speedups(rounds, variant), n=4)
+    return f"{low:.2f}-{high:.2f}"
 
 
 def spread(rounds: list[dict], variants: list[str]) -> str:
@@ -171,19 +185,21 @@ def main() -> int:
     ids = bench_models.token_ids(32000, (4, 1024), "cpu").add(rank).remainder(32000).to(device)  # rank's own batch
     variants = args.variants.split(",")
     table = Table("Training", f"Llama-1B-shaped (4 layers) training step on {world} GPUs, 4 x 1024 tokens per GPU",
-                  [("engine", ""), ("mode", ""), ("dense ms", ".1f")] + [(v, "x") for v in variants if v != "dense"],
+                  [("engine", ""), ("mode", ""), ("dense ms", ".1f")]
+                  + [column for v in variants if v != "dense" for column in ((v, "x"), (f"{v} rounds' middle half", ""))],
                   "tools/bench_distributed.py under torchrun: median of the steps after 3 warm-ups (forward, backward, "
                   "fused AdamW), CUDA events on rank 0, the variants' models timed in turns, 2 steps each, round r starting with "
                   "variant r, Python's cycle collector run between rounds and paused within them; 'one' is each GPU training the same model alone. Speedups are the median over rounds of the dense "
-                  "twin's round time over the variant's, under the same engine and mode.")
+                  "twin's round time over the variant's, under the same engine and mode; beside each, the rounds' speedups "
+                  "from the lower quartile to the upper.")
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            ms, speedups = interleaved(["dense", *[v for v in variants if v != "dense"]], engine, mode, ids, device,
-                                       args.steps)
+            timed = ["dense", *[v for v in variants if v != "dense"]]
+            rounds = interleaved(timed, engine, mode, ids, device, args.steps)
             gc.collect()
             torch.cuda.empty_cache()
             if rank == 0:  # recorded row by row: a run stopped at its time limit keeps what it measured
-                table.add(engine, mode, ms["dense"], *[speedups[v] for v in variants if v != "dense"])
+                table.add(*table_row(engine, mode, rounds, timed))
                 write(args.json, "bench_distributed.py", sys.argv[1:], [table],
                       launcher=f"PYTHONPATH=. torchrun --nproc_per_node={world}")
     for spec in args.profile.split(",") if args.profile else []:
