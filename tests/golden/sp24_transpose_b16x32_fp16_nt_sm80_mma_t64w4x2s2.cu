@@ -48,7 +48,7 @@ __device__ __forceinline__ unsigned compress_column(const Elem (*tile)[kPitch], 
     for (int i = 0; i < 4; ++i) stored |= (flags[row + 4 * j + i][col] ? 1u : 0u) << i;
     const int i0 = stored ? __ffs(stored) - 1 : 0;
     const unsigned rest = (stored & ~(1u << i0)) ? stored & ~(1u << i0) : 0xFu & ~(1u << i0);
-    const int i1 = __ffs(rest) - 1;  // (i0 < i1 unless only the last is stored: then swapped below)
+    const int i1 = __ffs(rest) - 1;  // (a free position before a lone stored one: lo and hi order them)
     const int lo = min(i0, i1), hi = max(i0, i1);
     kept[2 * j] = tile[row + 4 * j + lo][col];
     kept[2 * j + 1] = tile[row + 4 * j + hi][col];
