@@ -35,3 +35,8 @@ def test_a_row_gives_each_variants_median_and_the_middle_half_of_its_rounds():
     row = bench_distributed.table_row("ddp", "eager", rounds, ["dense", "sparse"])
     assert row[:4] == ["ddp", "eager", 10.0, 2.0]
     assert row[4] == "0.75-6.00"  # statistics.quantiles' exclusive quartiles of 0.5, 1, 2, 4, 8
+
+
+def test_one_round_has_no_middle_half():
+    rounds = [{"dense": [10.0, 10.0], "sparse": [5.0, 5.0]}]
+    assert bench_distributed.table_row("one", "eager", rounds, ["dense", "sparse"])[3:] == [2.0, "-"]

@@ -130,7 +130,10 @@ def round_speedups(rounds: list[dict], variant: str) -> list[float]:
 def middle_half(rounds: list[dict], variant: str) -> str:
     """The rounds' speedups from the lower quartile to the upper ('1.02-1.10'): the median's
     company, the cell's own noise beside it."""
-    low, _, high = statistics.quantiles(round_speedups(rounds, variant), n=4)
+    speedups = round_speedups(rounds, variant)
+    if len(speedups) < 2:  # (--steps 2 or fewer: one round, no quartiles)
+        return "-"
+    low, _, high = statistics.quantiles(speedups, n=4)
     return f"{low:.2f}-{high:.2f}"
 
 
