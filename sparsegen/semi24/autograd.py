@@ -76,7 +76,7 @@ def input_grad(dy: Tensor, values: Tensor, metadata: Tensor, out_features: int) 
     m = dy.numel() // n if n else 0
     # (cuBLAS's call first: where it takes the product, W^T's check is not needed at all)
     if not ops.fresh_takes_dense(m, n, k, dy.dtype, dy.device.index or 0) and stored_transposable(metadata, n, k):
-        # W^T has at most 2 nonzeros in every group of 4: its compression is exact.
+        # W^T stores W's positions, 2 in every group of 4 along its rows too: exact.
         return ops.sp24_dds_fresh(dy, *ops.sp24_transpose(values, metadata, n), None, k)
     return dy @ ops.sp24_expand(values, metadata, n)
 
