@@ -1,0 +1,342 @@
+"""model.generate() tokens/s, dense against sparsegen: the figure users quote for decode.
+
+GPU:  PYTHONPATH=. python tools/bench_generate.py --json out/generate.json
+      [--families llama,qwen2,mistral,gemma,phi3] [--variants dense,dense-merged,2:4,...]
+      [--batches 1,8,32] [--prompts 128,2048] [--new 128] [--modes eager,static] [--layers 4]
+      python tools/bench_generate.py --profile gemma:2:4,gemma:dense-merged [--batches 32]
+      python tools/bench_generate.py --cold 2:4,fp8-2:4 [--families gemma]
+CPU smoke run (tiny configs, eager): python tools/bench_generate.py --smoke
+
+Greedy generation of exactly --new tokens (min_new_tokens) from random prompts, each model
+built from its family's config (tools/families.py) and patched with the README's suffix
+patterns. Modes: eager (transformers' dynamic cache), static (cache_implementation="static":
+transformers compiles the decode step with mode="reduce-overhead" itself, as its docs
+recommend; the first call's time, recompiles included, is recorded as warm-up). Every model of
+a family is timed in rounds that take them in turn; a variant's speedup is the median over
+rounds of the best dense model's time (as transformers builds it, or with gate/up merged) over
+its own, and for one-byte variants also over the dense one-byte model's (torch._scaled_mm /
+_int_mm, tools/quantized_dense.py).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sparsegen  # noqa: E402
+from bench_record import meta as run_meta  # noqa: E402
+from families import FAMILIES, PATTERNS, build, merge_gated_mlps  # noqa: E402
+from quantized_dense import quantize_linears  # noqa: E402
+
+# variant -> (which projections, patch settings); None: a dense baseline
+VARIANTS = {
+    "dense": None,
+    "dense-merged": None,
+    "2:4": ("all", {"sparsity": "2:4"}),
+    "b64d0.5": ("mlp", {"block": (64, 64), "density": 0.5}),
+    "b128d0.25": ("mlp", {"block": (128, 128), "density": 0.25}),
+    "fp8-dense": ("all", "e4m3"),
+    "fp8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "e4m3"}),
+    "int8-dense": ("all", "int8"),
+    "int8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "int8"}),
+}
+DENSE = ("dense", "dense-merged")
+BYTE_DENSE = {"fp8-2:4": "fp8-dense", "int8-2:4": "int8-dense"}
+MODES = ("eager", "static")
+
+
+def variant_model(family, variant: str, layers: int, device, smoke: bool) -> nn.Module:
+    model = build(family, layers, device, torch.bfloat16 if device.type == "cuda" else torch.float32, smoke)
+    if variant == "dense-merged":
+        return merge_gated_mlps(model)
+    if VARIANTS[variant] is None:
+        return model
+    which, settings = VARIANTS[variant]
+    if isinstance(settings, str):
+        return quantize_linears(model, r".*" + PATTERNS[which], settings)
+    sparsegen.patch(model, {PATTERNS[which]: settings})
+    return model
+
+
+def prompt_ids(batch: int, tokens: int, device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(batch * 100003 + tokens)
+    return torch.randint(3, 32000, (batch, tokens), generator=generator).to(device)
+
+
+def generate(model: nn.Module, ids: torch.Tensor, new: int, mode: str) -> torch.Tensor:
+    extra = {"cache_implementation": "static"} if mode == "static" else {}
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0, **extra)
+
+
+def timed_s(fn) -> float:
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    begin = time.perf_counter()
+    fn()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return time.perf_counter() - begin
+
+
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def warm_up(models: dict, ids, new: int, mode: str) -> dict:
+    """Per variant: the first call's seconds (compiles, CUDA graph records) and the graphs
+    Dynamo made in it; then a second call, untimed (later calls of a static cache replay)."""
+    first = {}
+    for name, model in models.items():
+        graphs = dynamo_graphs()
+        seconds = timed_s(lambda: generate(model, ids, new, mode))
+        first[name] = dict(warmup_s=round(seconds, 2), graphs=dynamo_graphs() - graphs)
+        generate(model, ids, new, mode)
+    return first
+
+
+def round_times(models: dict, ids, new: int, mode: str, rounds: int) -> dict:
+    """{variant: [(total seconds, first-token seconds) per round]}, the models taken in turn,
+    round r starting with the r-th (none is always first after a switch)."""
+    names, times = list(models), {name: [] for name in models}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            first = timed_s(lambda: generate(models[name], ids, 1, mode))
+            total = timed_s(lambda: generate(models[name], ids, new, mode))
+            times[name].append((total, first))
+    return times
+
+
+def cell_rows(times: dict, first: dict, base: dict) -> list[dict]:
+    rows = []
+    dense_names = [name for name in DENSE if name in times]
+    rounds = len(next(iter(times.values())))
+    best_dense = [min(times[d][r][0] for d in dense_names) for r in range(rounds)] if dense_names else None
+    for name, samples in times.items():
+        totals = [t for t, _ in samples]
+        row = dict(base, variant=name, tokens_per_s=round(base["batch"] * base["new"] / statistics.median(totals), 1),
+                   tpot_ms=round(statistics.median((t - f) / max(base["new"] - 1, 1) for t, f in samples) * 1e3, 3),
+                   ttft_ms=round(statistics.median(f for _, f in samples) * 1e3, 3), **first.get(name, {}))
+        if best_dense:
+            row["speedup"] = round(statistics.median(b / t for b, t in zip(best_dense, totals)), 3)
+            row["round_speedups"] = sorted(round(b / t, 3) for b, t in zip(best_dense, totals))
+        if BYTE_DENSE.get(name) in times:
+            own = [t for t, _ in times[BYTE_DENSE[name]]]
+            row["speedup_vs_byte_dense"] = round(statistics.median(o / t for o, t in zip(own, totals)), 3)
+        rows.append(row)
+    return rows
+
+
+def logits_error(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        out, ref = model(ids).logits.double(), reference(ids).logits.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def errors(family, models: dict, layers: int, device, smoke: bool) -> dict:
+    """Each sparse model's prompt logits against the dense model with its (masked) weights;
+    one-byte 2:4 against the 16-bit 2:4 model they quantize."""
+    ids, found = prompt_ids(2, 32, device), {}
+    for name, model in models.items():
+        if VARIANTS[name] is None or isinstance(VARIANTS[name][1], str):
+            continue
+        if "weight_dtype" in VARIANTS[name][1]:
+            reference = sparsegen.dense_copy(variant_model(family, "2:4", layers, device, smoke))
+        else:
+            reference = sparsegen.dense_copy(model)
+        found[name] = logits_error(model, reference, ids)
+        del reference
+    return found
+
+
+def run_family(family, args, device, save) -> None:
+    models = {v: variant_model(family, v, args.layers, device, args.smoke) for v in args.variants}
+    errs = errors(family, models, args.layers, device, args.smoke)
+    for mode in args.modes:
+        for prompt in args.prompts:
+            for batch in args.batches:
+                ids = prompt_ids(batch, prompt, device)
+                base = dict(family=family.name, model=f"{family.label} ({args.layers} layers)", mode=mode,
+                            prompt=prompt, batch=batch, new=args.new)
+                try:
+                    first = warm_up(models, ids, args.new, mode)
+                    rows = cell_rows(round_times(models, ids, args.new, mode, args.rounds), first, base)
+                except Exception as error:  # a cell that fails is recorded, and the run goes on
+                    rows = [dict(base, error_text=f"{type(error).__name__}: {str(error)[:300]}")]
+                for row in rows:
+                    row["logits_error"] = errs.get(row.get("variant"))
+                    print(json.dumps(row), flush=True)
+                save(rows)
+    models.clear()
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+
+
+# ---- profile: where an eager decode step's time goes -----------------------------------------
+
+def profile(family, variant: str, args, device, steps: int = 16) -> str:
+    """torch.profiler over `steps` eager decode tokens: host and GPU time by op, and launches
+    per token (kernels the GPU ran over the tokens)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    model = variant_model(family, variant, args.layers, device, args.smoke)
+    ids = prompt_ids(args.batches[0], args.prompts[0], device)
+    generate(model, ids, 4, "eager")
+    base = timed_s(lambda: generate(model, ids, 1, "eager"))
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        total = timed_s(lambda: generate(model, ids, steps + 1, "eager"))
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    head = (f"## {family.name} {variant}: batch {ids.shape[0]}, prompt {ids.shape[1]}: "
+            f"{(total - base) / steps * 1e3:.2f} ms a token under the profiler, "
+            f"{kernels / (steps + 1):.1f} GPU kernels a token (prefill included)\n")
+    return head + events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60) + \
+        events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+
+
+# ---- cold: patch + first forward with an empty kernel cache ---------------------------------
+
+COLD_SCRIPT = """
+import sys, time, torch
+sys.path.insert(0, {tools!r})
+import sparsegen, bench_generate as bg
+family, variant, tokens = bg.FAMILIES[{family!r}], {variant!r}, {tokens}
+model = bg.build(family, {layers}, torch.device("cuda"), torch.bfloat16)
+ids = bg.prompt_ids(1, tokens, "cuda") if tokens > 1 else bg.prompt_ids(32, 1, "cuda")
+torch.cuda.synchronize()
+begin = time.perf_counter()
+if variant != "dense":
+    which, settings = bg.VARIANTS[variant]
+    sparsegen.patch(model, {{bg.PATTERNS[which]: settings}})
+with torch.no_grad():
+    model(ids)
+torch.cuda.synchronize()
+print("SECONDS", time.perf_counter() - begin)
+"""
+
+
+def cold_seconds(family: str, variant: str, tokens: int, layers: int) -> float:
+    """Patch + first forward in a fresh process with an empty kernel cache (dense: the first
+    forward alone), the model built and CUDA started before the clock."""
+    with tempfile.TemporaryDirectory() as cache:
+        script = COLD_SCRIPT.format(tools=str(Path(__file__).parent), family=family, variant=variant,
+                                    tokens=tokens, layers=layers)
+        env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
+    if not lines:
+        raise RuntimeError(f"cold run of {variant} failed: {done.stderr[-2000:]}")
+    return float(lines[-1].split()[1])
+
+
+def cold_rows(args) -> list[dict]:
+    rows = []
+    for family in args.families:
+        for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
+            dense = cold_seconds(family.name, "dense", tokens, args.layers)
+            for variant in args.cold:
+                seconds = cold_seconds(family.name, variant, tokens, args.layers)
+                row = dict(family=family.name, model=family.label, call=label, variant=variant,
+                           dense_first_s=round(dense, 3), first_s=round(seconds, 3), x_dense=round(seconds / dense, 2))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def report(rows: list[dict]) -> list[str]:
+    variants = list(dict.fromkeys(r["variant"] for r in rows if "variant" in r))
+    lines = ["| model | mode | prompt | batch | dense tok/s | " + " | ".join(variants) + " |",
+             "|---" * (5 + len(variants)) + "|"]
+    cells = {}
+    for r in rows:
+        if "variant" in r:
+            cells.setdefault((r["model"], r["mode"], r["prompt"], r["batch"]), {})[r["variant"]] = r
+    for (model, mode, prompt, batch), by in cells.items():
+        dense = by.get("dense", {}).get("tokens_per_s", "-")
+        shown = [_cell(by.get(v)) for v in variants]
+        lines.append(f"| {model} | {mode} | {prompt} | {batch} | {dense} | " + " | ".join(shown) + " |")
+    return lines
+
+
+def _cell(row: dict | None) -> str:
+    if not row or "speedup" not in row:
+        return "-"
+    text = f"{row['speedup']:.2f}x"
+    if "speedup_vs_byte_dense" in row:
+        text += f" ({row['speedup_vs_byte_dense']:.2f}x one-byte dense)"
+    return text
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompts", default="128,2048")
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--modes", default="eager,static")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", help="family:variant,... profiled eagerly instead of timed")
+    parser.add_argument("--cold", help="variants whose patch + first forward is timed from an empty cache")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--report", type=Path, nargs="+", help="tabulate these result files instead")
+    args = parser.parse_args(argv)
+    if args.report:
+        print("\n".join(report([r for path in args.report for r in json.loads(path.read_text())["rows"]])))
+        return
+    args.families = [FAMILIES[name] for name in args.families.split(",")]
+    args.variants = args.variants.split(",")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.prompts = [int(p) for p in args.prompts.split(",")]
+    args.modes = args.modes.split(",")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        args.layers, args.new, args.rounds, args.modes = 2, 4, 1, ["eager"]
+        args.batches, args.prompts = [2], [8]
+    run(args, device, argv)
+
+
+def run(args, device, argv) -> None:
+    rows: list[dict] = []
+
+    def save(new_rows: list[dict]) -> None:
+        rows.extend(new_rows)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(dict(meta=run_meta("bench_generate.py", argv if argv is not None else sys.argv[1:]),
+                                                 rows=rows), indent=1))
+    if args.cold:
+        args.cold = args.cold.split(",")
+        save(cold_rows(args))
+        return
+    if args.profile:
+        for item in args.profile.split(","):
+            family, _, variant = item.partition(":")
+            print(profile(FAMILIES[family], variant, args, device), flush=True)
+        return
+    for family in args.families:
+        run_family(family, args, device, save)
+    print("\n".join(report(rows)))
+
+
+if __name__ == "__main__":
+    main()
