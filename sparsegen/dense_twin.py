@@ -10,7 +10,7 @@ from torch import nn
 
 from .jit import epilogues
 from .layer import dense_linear
-from .patching import FUSED_ACTIVATIONS, FusedActivation, GatedMLP, _is_sparse_layer, _replace
+from .patching import FusedActivation, GatedMLP, _is_sparse_layer, _replace
 
 
 def dense_copy(model: nn.Module) -> nn.Module:
@@ -60,7 +60,11 @@ def _unfused_mlp(mlp: GatedMLP) -> nn.Module:
     gates, ups = epilogues.split_rows(fused.weight.detach())
     biases = epilogues.split_rows(fused.bias.detach()) if fused.bias is not None else (None, None)
     rebuilt = copy.deepcopy(mlp.replaced)
-    rebuilt.gate_proj, rebuilt.up_proj = dense_linear(gates, biases[0]), dense_linear(ups, biases[1])
+    if "gate_up_proj" in rebuilt._modules:  # (a fused form: the gate's rows first, then up's)
+        bias = None if biases[0] is None else torch.cat(biases)
+        rebuilt.gate_up_proj = dense_linear(torch.cat([gates, ups]), bias)
+    else:
+        rebuilt.gate_proj, rebuilt.up_proj = dense_linear(gates, biases[0]), dense_linear(ups, biases[1])
     rebuilt.down_proj = mlp.down_proj
     return rebuilt
 
@@ -69,10 +73,9 @@ def _put_back_activation(model: nn.Module, name: str, fused: FusedActivation) ->
     """The activation module where patch left a FusedActivation, and a plain layer before it."""
     parent_name, _, attribute = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    linear_name = next(linear for linear, act in FUSED_ACTIVATIONS.items() if act == attribute)
-    layer = getattr(parent, linear_name)
+    layer = getattr(parent, fused.linear)
     if isinstance(layer, epilogues.DenseEpilogue):  # (a layer of its own otherwise: keep the Identity)
-        setattr(parent, linear_name, layer.linear)
+        setattr(parent, fused.linear, layer.linear)
         setattr(parent, attribute, fused.activation)
 
 

@@ -116,12 +116,16 @@ class SparseLinearForward(WeightLike):
         return self._product(x, values, bias)
 
 
+GATED_PRODUCT_ACTIVATIONS = ("silu", "gelu")  # the gates the gated_product kernel has (other ones: PyTorch's ops)
+
+
 def gated_kernels(y: torch.Tensor, epilogue: str):
     """The gated_product kernels (forward, gradient) for a training step's gated epilogue on
     y, where they take it: a plain 16-bit CUDA tensor on a GPU the templates cover, outside
     torch.compile's tracing (Inductor fuses the PyTorch ops there), SPARSEGEN_GATED_KERNEL
     not 0. Else None: PyTorch's ops."""
-    if not (epilogues.is_gated(epilogue) and type(y) is torch.Tensor and calls.runs_16bit_kernels(y)):
+    gate = epilogues.activation(epilogue) if epilogues.is_gated(epilogue) else None
+    if not (gate in GATED_PRODUCT_ACTIVATIONS and type(y) is torch.Tensor and calls.runs_16bit_kernels(y)):
         return None
     if torch.compiler.is_compiling() or not env.gated_kernel():
         return None

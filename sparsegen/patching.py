@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,13 +61,18 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), child, module)
 
 
-# (linear, activation) attribute pairs of blocks that apply the activation to the linear's
-# output and to nothing else: BERT-style intermediate layers, GPT-2's MLP.
-FUSED_ACTIVATIONS = {"dense": "intermediate_act_fn", "c_fc": "act"}
+# (linear, activation) attribute pairs of blocks whose forward applies the activation to the
+# linear's output and to nothing else: BERT-style intermediate layers (ViT, RoBERTa), GPT-2's
+# and StarCoder2's MLP, CLIP/SigLIP/Phi/OPT/BART/Whisper (fc1, activation_fn), timm's Mlp
+# (fc1, act), DINOv2 (fc1, activation), GPT-J and CodeGen (fc_in, act), GPT-NeoX and Falcon
+# (dense_h_to_4h, act), T5 (wi, act), DistilBERT (lin1, activation).
+FUSED_ACTIVATIONS = (("dense", "intermediate_act_fn"), ("c_fc", "act"), ("fc1", "activation_fn"), ("fc1", "act"),
+                     ("fc1", "activation"), ("fc_in", "act"), ("dense_h_to_4h", "act"), ("wi", "act"),
+                     ("lin1", "activation"))
 # Activation modules by class name (torch's and transformers' ACT2FN classes).
 _ACTIVATION_NAMES = {"ReLU": "relu", "SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",
                      "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
-                     "FastGELUActivation": "gelu_tanh"}
+                     "FastGELUActivation": "gelu_tanh", "GELUPytorchTanh": "gelu_tanh"}
 
 
 def activation_of(module) -> str | None:
@@ -80,25 +86,26 @@ def _fuse_activations(model: nn.Module, built: dict) -> None:
     for name, layer in built.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        act_attr = FUSED_ACTIVATIONS.get(child)
-        act = activation_of(getattr(parent, act_attr, None)) if act_attr else None
-        if act and isinstance(layer, epilogues.Fusable) and layer.epilogue == "none":
-            layer.fuse(act)
-            setattr(parent, act_attr, FusedActivation(getattr(parent, act_attr)))
+        for act_attr in (act for linear, act in FUSED_ACTIVATIONS if linear == child):
+            act = activation_of(getattr(parent, act_attr, None))
+            if act and isinstance(layer, epilogues.Fusable) and layer.epilogue == "none":
+                layer.fuse(act)
+                setattr(parent, act_attr, FusedActivation(getattr(parent, act_attr), child))
 
 
 class FusedActivation(nn.Identity):
-    """Where patch took an activation into the preceding layer's epilogue: nothing to do here.
-    The activation module is kept (not as a submodule: no state, not patched) for dense_copy
-    to put back."""
+    """Where patch took an activation into the preceding layer's epilogue (the parent's
+    attribute `linear`): nothing to do here. The activation module is kept (not as a
+    submodule: no state, not patched) for dense_copy to put back."""
 
-    def __init__(self, activation: nn.Module):
+    def __init__(self, activation: nn.Module, linear: str):
         super().__init__()
         self.__dict__["activation"] = activation
+        self.linear = linear
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up as one sparse layer whose kernel applies
+    """down(act(gate) * up) with gate and up as one sparse layer whose kernel applies
     the gated epilogue: one product and no elementwise pass between the projections."""
 
     def __init__(self, gate_up: nn.Module, down: nn.Module, replaced: nn.Module | None = None):
@@ -112,38 +119,70 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.gate_up(x))
 
 
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+@dataclass(frozen=True)
+class GatedForm:
+    """How a model's gated MLP, down(act(gate(x)) * up(x)), names its parts: gate and up as
+    two linears (Llama, Qwen2, Mistral, Gemma: `gate_proj`, `up_proj`, `act_fn`) or as one
+    whose first half of rows is the gate (Phi-3, GLM: `gate_up_proj`, `activation_fn`, the
+    MLP classes in `classes`, whose forward is known to chunk it so)."""
+    parts: tuple[str, ...]
+    activation: str
+    classes: tuple[str, ...] = ()
+
+    def found_in(self, mlp: nn.Module) -> bool:
+        return (all(isinstance(getattr(mlp, p, None), nn.Module) for p in (*self.parts, "down_proj"))
+                and (not self.classes or type(mlp).__name__ in self.classes))
+
+    def gate_and_up(self, mlp: nn.Module) -> tuple[tuple, tuple]:
+        """((gate weight, up weight), (gate bias, up bias)) of the MLP's dense parts."""
+        if len(self.parts) == 2:
+            gate, up = (getattr(mlp, p) for p in self.parts)
+            return (gate.weight, up.weight), (gate.bias, up.bias)
+        both = getattr(mlp, self.parts[0])
+        bias = (None, None) if both.bias is None else tuple(both.bias.chunk(2))
+        return tuple(both.weight.chunk(2)), bias
+
+
+GATED_FORMS = (GatedForm(("gate_proj", "up_proj"), "act_fn"),
+               GatedForm(("gate_up_proj",), "activation_fn", classes=("Phi3MLP", "GlmMLP", "Glm4MLP")))
+
+
+def gated_form(mlp: nn.Module) -> GatedForm | None:
+    return next((form for form in GATED_FORMS if form.found_in(mlp)), None)
 
 
 def _without_projections(mlp: nn.Module) -> nn.Module | None:
-    """A copy of a gated MLP with its three projections left out (the original keeps them), or
+    """A copy of a gated MLP with its projections left out (the original keeps them), or
     None where anything else in it holds a tensor (a copy would hold it twice)."""
-    kept = {name: mlp._modules[name] for name in _PROJECTIONS}
+    names = (*gated_form(mlp).parts, "down_proj")
+    kept = {name: mlp._modules[name] for name in names}
     try:
-        mlp._modules.update(dict.fromkeys(_PROJECTIONS))
+        mlp._modules.update(dict.fromkeys(names))
         holds_tensors = any(True for _ in (*mlp.parameters(), *mlp.buffers()))
         return None if holds_tensors else copy.deepcopy(mlp)
     finally:
         mlp._modules.update(kept)
 
 
-_GATES = {"silu": "swiglu", "gelu": "geglu"}  # the gate's activation -> the gated epilogue
+# the gate's activation -> the gated epilogue: every activation the kernels have
+_GATES = {act: gated for gated, act in epilogues.GATED.items()}
 
 
 class _GatedPlan:
-    """A Llama-style MLP (gate_proj, up_proj, down_proj, act_fn) whose gate and up share a rule."""
+    """A gated MLP (a GatedForm) whose gate and up share a rule."""
 
-    def __init__(self, name: str, mlp: nn.Module, settings: dict):
-        self.name, self.mlp, self.settings = name, mlp, settings
+    def __init__(self, name: str, mlp: nn.Module, form: GatedForm, settings: dict):
+        self.name, self.mlp, self.form, self.settings = name, mlp, form, settings
         prefix = f"{name}." if name else ""
-        self.projections = (prefix + "gate_proj", prefix + "up_proj")
+        self.projections = tuple(prefix + part for part in form.parts)
 
     def build(self, from_dense: bool) -> GatedMLP:
-        gate, up = self.mlp.gate_proj, self.mlp.up_proj
-        fused = epilogues.interleaved_linear(gate.weight, up.weight, gate.bias, up.bias)
+        (gate, up), (gate_bias, up_bias) = self.form.gate_and_up(self.mlp)
+        fused = epilogues.interleaved_linear(gate, up, gate_bias, up_bias)
         layer = _build(fused, self.settings, from_dense, self.projections[0])
+        act = activation_of(getattr(self.mlp, self.form.activation))
         # (down_proj as the mlp holds it now: replaced where a rule matched it)
-        return GatedMLP(layer.fuse(_GATES[activation_of(self.mlp.act_fn)]), self.mlp.down_proj, self.mlp)
+        return GatedMLP(layer.fuse(_GATES[act]), self.mlp.down_proj, self.mlp)
 
 
 def fuse_loaded_gated_mlps(model: nn.Module) -> list[str]:
@@ -168,8 +207,9 @@ def _loaded_pair(mlp: nn.Module) -> nn.Module | None:
 
 
 def _gated_parts(mlp: nn.Module, kinds: tuple) -> bool:
-    """A gated MLP's shape: gate and up of one of `kinds` (the same) and of one bias presence,
-    whole groups of rows to interleave, an activation with a gated epilogue, a down projection."""
+    """A two-part gated MLP's shape: gate and up of one of `kinds` (the same) and of one bias
+    presence, whole groups of rows to interleave, an activation with a gated epilogue, a down
+    projection."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
     return (type(gate) in kinds and type(up) is type(gate) and (gate.bias is None) == (up.bias is None)
             and gate.out_features % epilogues.GATE_GROUP == 0 and hasattr(mlp, "down_proj")
@@ -180,19 +220,27 @@ def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:
     settings = {name: s for name, _, s in plan}
     found = []
     for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        gate, up = settings.get(prefix + "gate_proj"), settings.get(prefix + "up_proj")
-        if not name or gate is None or gate != up or not _fusable_gate(module, gate):  # (the root stays)
+        form = gated_form(module) if name else None  # (the root stays)
+        if form is None:
             continue
-        found.append(_GatedPlan(name, module, gate))
+        rules = [settings.get(f"{name}.{part}") for part in form.parts]
+        if rules[0] is not None and all(rule == rules[0] for rule in rules) and _fusable_gate(module, form, rules[0]):
+            found.append(_GatedPlan(name, module, form, rules[0]))
     return found
 
 
-def _fusable_gate(mlp: nn.Module, settings: dict) -> bool:
-    """Gate and up as plain linears of one shape and bias, an activation with a gated
-    epilogue, a down projection, and settings under which the layout pairs them (its face
-    says: no fixed block layout, no training recipe, no block-diagonal or block-ELL)."""
-    return (_gated_parts(mlp, (nn.Linear,)) and mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape
+def _fusable_gate(mlp: nn.Module, form: GatedForm, settings: dict) -> bool:
+    """Gate and up as plain linears of one shape and bias (halves of one for a fused form),
+    of whole groups of rows to interleave, an activation with a gated epilogue, and settings
+    under which the layout pairs them (its face says: no fixed block layout, no training
+    recipe, no block-diagonal or block-ELL)."""
+    parts = [getattr(mlp, part) for part in form.parts]
+    if not all(type(part) is nn.Linear for part in parts):
+        return False
+    (gate, up), (gate_bias, up_bias) = form.gate_and_up(mlp)
+    return (gate.shape == up.shape and gate.shape[0] % epilogues.GATE_GROUP == 0
+            and (gate_bias is None) == (up_bias is None)
+            and activation_of(getattr(mlp, form.activation, None)) in _GATES
             and FACES[settings.get("sparsity", "block")].pairs(settings))
 
 

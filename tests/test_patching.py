@@ -218,7 +218,64 @@ ARCHITECTURES = {
     "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=96)),
         {r"intermediate\.dense": {"sparsity": "2:4"}, r"output\.dense": {"sparsity": "block-diagonal", "nblocks": 2}}),
+    # gate and up fused in one checkpoint projection, q/k/v too (GatedForm's fused form)
+    "phi3": (lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        {r"mlp\.\w+_proj": {"sparsity": "2:4"}, r"self_attn\.qkv_proj": {"block": (16, 16), "density": 0.5}}),
+    # a tanh-GELU gate and head_dim apart from hidden / heads
+    "gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, hidden_activation="gelu_pytorch_tanh", vocab_size=96, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)), {r"mlp\.\w+_proj": {"block": (16, 16), "density": 0.5}}),
+    # fc1 / activation_fn in the decoder layer itself
+    "opt": (lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+        word_embed_proj_dim=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        {r"fc1|fc2": {"sparsity": "2:4"}}),
 }
+# What patch fuses in each: (GatedMLPs and their epilogue, activations taken into epilogues)
+FUSED = {"llama": (2, "swiglu", 0), "gpt2": (0, None, 2), "bert": (0, None, 2), "phi3": (2, "swiglu", 0),
+         "gemma": (2, "geglu_tanh", 0), "opt": (0, None, 2)}
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_patch_fuses_every_mlp_form_and_computes_the_unpatched_model(architecture):
+    """Gated MLPs of either form (gate and up apart, or one gate_up projection) and of every
+    gate activation become GatedMLPs; an MLP's activation after its first projection runs in
+    that layer's epilogue. At density 1 (every block kept) the patched model is the unpatched
+    one, so a fusion that swapped gate and up, or dropped an activation, fails here."""
+    make, rules = ARCHITECTURES[architecture]
+    torch.manual_seed(0)
+    model = make().double().eval()
+    unpatched = copy.deepcopy(model)
+    whole = {pattern: {"block": (16, 16), "density": 1.0} for pattern in rules}
+    sparsegen.patch(model, whole)
+    gated = [m for m in model.modules() if isinstance(m, sparsegen.GatedMLP)]
+    taken = [m for m in model.modules() if type(m).__name__ == "FusedActivation"]
+    count, epilogue, activations = FUSED[architecture]
+    assert (len(gated), len(taken)) == (count, activations)
+    assert all(m.gate_up.epilogue == epilogue for m in gated)
+    ids = torch.randint(3, 96, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, unpatched(input_ids=ids).logits)
+
+
+def test_a_timm_style_mlp_takes_its_gelu():
+    """timm's Mlp (fc1, act, fc2; ViT-L's MLP there) fuses nn.GELU into fc1's epilogue."""
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+    net = nn.Sequential(Mlp(), Mlp()).double()
+    sparsegen.patch(net, {r"fc1|fc2": {"block": (16, 16), "density": 0.5}})
+    assert net[0].fc1.epilogue == "gelu" and type(net[0].act).__name__ == "FusedActivation"
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), sparsegen.dense_copy(net)(x))
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))

@@ -1,7 +1,8 @@
 """Fused epilogues: what a forward kernel does to X W^T + b before it writes Y.
 
 An activation applied to every output, or a gated product (swiglu: silu(gate) * up, as
-Llama's MLP; geglu: gelu(gate) * up) over one weight that holds the gate and up projections
+Llama's MLP; geglu: gelu(gate) * up; geglu_tanh: the tanh GELU's, as Gemma's; reglu:
+relu(gate) * up) over one weight that holds the gate and up projections
 interleaved in groups of GATE_GROUP rows - the rows that meet in one thread's registers in
 every kernel's store (templates/sg_epilogue.cuh) - so Y has half the weight's rows.
 `reference` is the PyTorch definition the kernels are tested against.
@@ -15,7 +16,8 @@ from ..errors import expect
 
 ACTIVATIONS = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu,
                "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu}
-GATED = {"swiglu": "silu", "geglu": "gelu"}  # gated epilogue -> the activation of its gate
+# gated epilogue -> the activation of its gate: every activation has one
+GATED = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu": "relu"}
 EPILOGUES = tuple(ACTIVATIONS) + tuple(GATED)
 GATE_GROUP = 8
 _DEVICE_ACTIVATIONS = {"none": "Identity", "relu": "Relu", "gelu": "Gelu", "gelu_tanh": "GeluTanh", "silu": "Silu"}
@@ -83,6 +85,33 @@ def _gate_and_up(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # d act(g) / dg times a gradient: aten's activation backwards (their .grad_input overload
 # writes into a given tensor, here a view of dY's gate columns).
 _BACKWARD = {"silu": torch.ops.aten.silu_backward, "gelu": torch.ops.aten.gelu_backward}
+
+
+class _TanhGeluBackward:
+    """gelu_backward with approximate='tanh', called as the _BACKWARD entries are."""
+
+    @staticmethod
+    def __call__(grad, gate):
+        return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh")
+
+    @staticmethod
+    def grad_input(grad, gate, grad_input):
+        return torch.ops.aten.gelu_backward.grad_input(grad, gate, approximate="tanh", grad_input=grad_input)
+
+
+class _ReluBackward:
+    """relu's gradient (threshold_backward at 0), called as the _BACKWARD entries are."""
+
+    @staticmethod
+    def __call__(grad, gate):
+        return torch.ops.aten.threshold_backward(grad, gate, 0)
+
+    @staticmethod
+    def grad_input(grad, gate, grad_input):
+        return torch.ops.aten.threshold_backward.grad_input(grad, gate, 0, grad_input=grad_input)
+
+
+_BACKWARD.update(gelu_tanh=_TanhGeluBackward(), relu=_ReluBackward())
 
 
 class _GatedProduct(torch.autograd.Function):
