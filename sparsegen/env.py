@@ -81,6 +81,12 @@ def gated_kernel() -> bool:
     return _switch("SPARSEGEN_GATED_KERNEL", True)
 
 
+def warm_kernels() -> bool:
+    """Whether patch() starts building the patched layers' likely kernels on background
+    threads (sparsegen.warm); SPARSEGEN_WARM=0 builds each at first use instead."""
+    return _switch("SPARSEGEN_WARM", True)
+
+
 def dense_fallback() -> bool:
     """Layers take cuBLAS on a dense copy of their weight where the GPU's crossover table
     says their sparse kernel would lose; SPARSEGEN_DENSE_FALLBACK=0 keeps every call sparse."""

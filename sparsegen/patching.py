@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import warm
 from .jit import epilogues, registry
 from .errors import InputError, expect
 
@@ -53,6 +54,7 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
         _replace(model, mlp.name, mlp.build(from_dense))
     if fuse:
         _fuse_activations(model, built)
+    warm.warm([m for m in model.modules() if _is_sparse_layer(m)])
     return [name for name, _, _ in plan]
 
 

@@ -13,7 +13,7 @@ from sparsegen.jit import registry
 
 PACKAGE = Path(sparsegen.__file__).parent
 BASE = {"errors", "env"}                                       # everything may import these
-KIT = {"layer", "gathered", "blocks", "checkpoint"}            # what layers of every layout share
+KIT = {"layer", "gathered", "blocks", "checkpoint", "warm"}          # what layers of every layout share
 TOP = {"__init__", "__main__", "factory", "inductor", "patching", "dense_twin", "tune", "cli", "compressed",
        "checkpoint_files", "parallel"}  # over all layouts
 TIERS = ("base", "jit", "launch", "kit", "layout", "top")

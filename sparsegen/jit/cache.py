@@ -8,7 +8,10 @@ Entries carry a checksum: a damaged one is recompiled with a warning, never load
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import bundle, codegen, compiler
@@ -85,9 +88,60 @@ def alias_key(spec: KernelSpec, generator_texts: list[str]) -> str:
 
 def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else a kernel bundle, else disk, else NVRTC (then
-    stored on disk and in memory)."""
+    stored on disk and in memory). A build of it that build_soon started is waited for (one
+    not started yet is taken over here)."""
     texts = codegen.generator_texts()  # read once: the alias and the bundles' staleness check
     alias = alias_key(spec, texts)
+    pending = _pending.get(alias)
+    if pending is not None and pending.cancel():
+        _pending.pop(alias, None)
+    elif pending is not None:
+        try:
+            pending.result()
+        except Exception:  # (its error is this call's to raise: built again below)
+            pass
+    return _build(spec, texts, alias)
+
+
+# Background builds (build_soon): NVRTC releases the GIL, so threads compile in parallel while
+# the caller goes on. At most this many at once; none where the disk cache is off (each process
+# compiles what it uses then anyway).
+BACKGROUND_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))
+_pending: dict[str, Future] = {}
+_pool_lock = threading.Lock()
+_pool: list[ThreadPoolExecutor] = []
+
+
+def build_soon(specs: list[KernelSpec]) -> int:
+    """Start building `specs` on background threads (those not in memory yet, each once), so
+    that a later build() of one finds it done or waits only for what is left of it. Errors
+    are left for build() to raise. Returns how many were started."""
+    texts = codegen.generator_texts()
+    started = 0
+    for spec in dict.fromkeys(specs):
+        alias = alias_key(spec, texts)
+        if alias in _memory or alias in _pending:
+            continue
+        _pending[alias] = _executor().submit(_build_in_background, spec, texts, alias)
+        started += 1
+    return started
+
+
+def _executor() -> ThreadPoolExecutor:
+    with _pool_lock:
+        if not _pool:
+            _pool.append(ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="sparsegen-build"))
+        return _pool[0]
+
+
+def _build_in_background(spec: KernelSpec, texts, alias: str) -> None:
+    try:
+        _build(spec, texts, alias)
+    finally:
+        _pending.pop(alias, None)
+
+
+def _build(spec: KernelSpec, texts, alias: str) -> Built:
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():

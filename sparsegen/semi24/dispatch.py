@@ -49,6 +49,27 @@ def wanted_splits(splits: int | None, dtype: torch.dtype, scales: int = 0) -> in
     return 1 if dtype == torch.int8 and not scales else splits
 
 
+# Tokens a patched model's calls are likely to have: decode (up to 32), small batches (33-64 and
+# 65-128) and prefill (more): one of each forward kernel sp24_spec tells apart (likely_specs).
+LIKELY_ROWS = (1, 64, 128, 2048)
+
+
+def likely_specs(dtype: torch.dtype, arch: int, sm_count: int, out_features: int, epilogue: str,
+                 activations: torch.dtype | None = None) -> list:
+    """The forward kernels a layer of this weight dtype and epilogue takes at LIKELY_ROWS
+    tokens on a GPU of `arch` and `sm_count` SMs; a one-byte weight's (scaled, its activations
+    `activations`) with its quantizing decode kernel and sp24_quantize."""
+    code = SCALED_CODES[activations] if dtype in BYTE_DTYPE_NAMES else 0
+    name = DTYPE_NAMES[dtype]
+    found = [sp24_spec(name, arch, rows=rows_bucket(m), narrow=_narrow(m, out_features, sm_count), epilogue=epilogue,
+                       scales=code) for m in LIKELY_ROWS]
+    if code and arch == 90:
+        found.append(sp24_spec(name, arch, rows=rows_bucket(1), epilogue=epilogue, scales=code, quantize=1))
+    if code:
+        found.append(sp24_quantize_spec(name, arch, code))
+    return found
+
+
 def narrow_tiles(m: int, n: int, device_index: int) -> bool:
     """33-128 tokens on Hopper: blocks of 64 W rows x 64 tokens, except 65-128 tokens on a
     weight whose 128-row tiles fill half the SMs or more: 128 W rows x 128 tokens. From a
@@ -56,9 +77,13 @@ def narrow_tiles(m: int, n: int, device_index: int) -> bool:
     11008x4096 ran 1.45x dense that way against 1.17x narrow and 1.00x on 128 x 64 tiles,
     14336x4096 1.54x against 1.25x; 8192x8192 (64 tiles) 1.34x narrow against 1.23x; at M 64
     narrow was as fast or faster everywhere (4096x4096 0.95x against 0.80x)."""
+    return _narrow(m, n, runtime.sm_count(device_index))
+
+
+def _narrow(m: int, n: int, sm_count: int) -> bool:
     if rows_bucket(m) != 128:
         return False
-    return m <= 64 or 2 * -(-n // 128) < runtime.sm_count(device_index)
+    return m <= 64 or 2 * -(-n // 128) < sm_count
 
 
 # K splits of wgmma.sp decode launches (the same sweep): one block per SM (a second split per SM

@@ -10,7 +10,7 @@ from ..jit import epilogues
 from ..errors import expect
 from ..layer import SparseLinearForward, dense_linear, finish_part, weight_part
 from . import format as semi24
-from . import ops
+from . import dispatch, ops
 from .autograd import forward_product, sp24_linear
 from .tensor import Sparse24Tensor, prune_and_compress
 from .train import Sparse24TrainingLinear
@@ -95,6 +95,12 @@ class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
 
     def _product(self, x, values, bias) -> torch.Tensor:
         return forward_product(x, values, self.metadata, bias, self.out_features, self.epilogue)
+
+    def likely_specs(self, arch: int, sm_count: int) -> list:
+        """The kernels this layer's forward likely takes (sparsegen.warm builds them ahead)."""
+        if self.values.dtype not in (torch.float16, torch.bfloat16):
+            return []
+        return dispatch.likely_specs(self.values.dtype, arch, sm_count, self.out_features, self.epilogue)
 
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
         calls.check_inputs(x, values, bias, self.in_features)

@@ -21,7 +21,7 @@ from ..jit import epilogues, registry
 from ..launch import lean, library, runtime
 from ..layer import WeightLike, dense_linear, in_units
 from . import format as semi24
-from . import ops
+from . import dispatch, ops
 
 WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -266,6 +266,13 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
         registry.launcher("sp24_scaled_linear")(x2, values, buffers["metadata"], buffers["weight_scale"], bias,
                                                 buffers["input_scale"], self.epilogue, x.dtype, out=y)
         return y.view(*x.shape[:-1], width)
+
+    def likely_specs(self, arch: int, sm_count: int) -> list:
+        """The kernels this layer's forward likely takes (sparsegen.warm builds them ahead), for
+        activations of the bias's dtype (bfloat16 without one, as most one-byte models run)."""
+        activations = self.bias.dtype if self.bias is not None and self.bias.dtype in ops.SCALED_OUTPUT_CODES \
+            else torch.bfloat16
+        return dispatch.likely_specs(self.values.dtype, arch, sm_count, self.out_features, self.epilogue, activations)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""

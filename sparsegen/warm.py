@@ -1,0 +1,38 @@
+"""A patched model's kernels, built before its first forward needs them: patch() asks each new
+layer which kernels its forward likely takes (`likely_specs(arch, sm_count)`: its dtype,
+epilogue and the batch sizes a model sees, from decode to prefill) and starts building them,
+deduplicated across layers of one shape, on background threads (jit.cache.build_soon). A
+forward that needs one waits only for what is left of its build. Needs a GPU to know the
+arch; SPARSEGEN_WARM=0 turns it off (kernels are then built at first use, as before)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import env
+from .jit import cache
+
+
+def warm(layers: list[nn.Module], device_index: int | None = None, arch: int | None = None) -> int:
+    """Start building the kernels `layers` likely need on the current GPU (or the given
+    device's arch); returns how many builds were started (0 without a GPU or when off)."""
+    if not env.warm_kernels():
+        return 0
+    if arch is None:
+        if not torch.cuda.is_available():
+            return 0
+        from .launch import runtime
+
+        device_index = torch.cuda.current_device() if device_index is None else device_index
+        arch, sm_count = runtime.device_arch(torch.device("cuda", device_index)), runtime.sm_count(device_index)
+    else:
+        sm_count = 132  # (an H100's, where only the arch is given: a tool's or a test's estimate)
+    return cache.build_soon(likely_specs(layers, arch, sm_count))
+
+
+def likely_specs(layers: list[nn.Module], arch: int, sm_count: int) -> list:
+    specs = []
+    for layer in layers:
+        ask = getattr(layer, "likely_specs", None)
+        specs += ask(arch, sm_count) if callable(ask) else []
+    return list(dict.fromkeys(specs))

@@ -1,0 +1,92 @@
+"""Kernels built ahead (sparsegen.warm, jit.cache.build_soon): patch() starts the builds a
+patched model's forward will need on background threads; a build() that needs one waits for
+it rather than compiling it again."""
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen import warm
+from sparsegen.jit import cache, compiler
+from sparsegen.semi24 import dispatch, scaled
+from sparsegen.semi24.specs import sp24_spec
+
+
+def test_a_background_build_is_waited_for_not_repeated(nvrtc_calls):
+    spec = sp24_spec("fp16", 80, rows=1)
+    assert cache.build_soon([spec, spec]) == 1  # (each once)
+    built = cache.build(spec)
+    assert nvrtc_calls == [spec.name]
+    assert cache.build_soon([spec]) == 0  # (in memory now)
+    assert built.cubin == cache.build(spec).cubin and not cache.build(spec).compiled
+
+
+def test_a_build_not_started_yet_is_taken_over(monkeypatch):
+    """With every background thread busy, build() compiles a queued spec itself at once
+    instead of waiting behind the queue."""
+    release, real = threading.Event(), compiler.compile_cubin
+    blocked = sp24_spec("fp16", 80, rows=128)
+
+    def slow(source, name, target, headers):
+        if name == blocked.name:
+            release.wait(30)
+        return real(source, name, target, headers)
+    monkeypatch.setattr(compiler, "compile_cubin", slow)
+    monkeypatch.setattr(cache, "BACKGROUND_THREADS", 1)
+    monkeypatch.setattr(cache, "_pool", [])
+    wanted = sp24_spec("fp16", 80, rows=None)
+    cache.build_soon([blocked, wanted])
+    begin = time.perf_counter()
+    assert cache.build(wanted).cubin
+    assert time.perf_counter() - begin < 25  # (not behind the blocked build)
+    release.set()
+    cache.build(blocked)
+
+
+def test_a_failed_background_build_raises_in_the_foreground(monkeypatch):
+    def broken(source, name, target, headers):
+        raise sparsegen.SparsegenError("NVRTC said no")
+    monkeypatch.setattr(compiler, "compile_cubin", broken)
+    spec = sp24_spec("bf16", 80, rows=128, narrow=True)
+    cache.build_soon([spec])
+    with pytest.raises(sparsegen.SparsegenError, match="NVRTC said no"):
+        cache.build(spec)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_a_2_4_layers_likely_kernels_cover_decode_to_prefill(arch):
+    layer = sparsegen.linear(256, 512, sparsity="2:4").to(torch.bfloat16).fuse("swiglu")
+    specs = layer.likely_specs(arch, 132)
+    assert {s.epilogue for s in specs} == {"swiglu"} and {s.arch for s in specs} == {arch}
+    for m in dispatch.LIKELY_ROWS:
+        rows, narrow = dispatch.rows_bucket(m), dispatch._narrow(m, 512, 132)
+        assert sp24_spec("bf16", arch, rows=rows, narrow=narrow, epilogue="swiglu") in specs
+
+
+def test_a_one_byte_layer_warms_its_quantization_too():
+    layer = scaled.ScaledSparse24Linear.from_dense(nn.Linear(256, 128), "e4m3")
+    ops = {s.op for s in layer.likely_specs(90, 132)}
+    assert ops == {"sp24_dds", "sp24_quantize"}
+    assert any(s.param_values.get("quantize") for s in layer.likely_specs(90, 132))
+
+
+def test_warm_dedupes_layers_of_one_shape_and_can_be_turned_off(monkeypatch):
+    layers = [sparsegen.linear(128, 256, sparsity="2:4").to(torch.float16) for _ in range(3)]
+    assert len(warm.likely_specs(layers, 90, 132)) == len(set(layers[0].likely_specs(90, 132)))
+    assert warm.likely_specs([nn.Linear(4, 4)], 90, 132) == []
+    monkeypatch.setenv("SPARSEGEN_WARM", "0")
+    assert warm.warm(layers, arch=90) == 0
+
+
+def test_patch_warms_without_a_gpu_only_when_asked(monkeypatch):
+    """Without a GPU patch starts nothing (no arch to build for); warm with an arch does."""
+    started = []
+    monkeypatch.setattr(cache, "build_soon", lambda specs: started.append(specs) or len(specs))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).half()
+    sparsegen.patch(model, {r"0|2": {"sparsity": "2:4"}})
+    if not torch.cuda.is_available():
+        assert started == []
+    assert warm.warm(list(model.modules()), arch=80) > 0
