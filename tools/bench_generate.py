@@ -203,7 +203,21 @@ def profile(family, variant: str, args, device, steps: int = 16) -> str:
             f"{(total - base) / steps * 1e3:.2f} ms a token under the profiler, "
             f"{kernels / (steps + 1):.1f} GPU kernels a token (prefill included)\n")
     return head + events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60) + \
-        events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+        events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60) + \
+        python_profile(lambda: generate(model, ids, steps + 1, "eager"))
+
+
+def python_profile(fn, top: int = 30) -> str:
+    """cProfile's view of the same tokens: the host's Python time by function (tottime)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in text.getvalue().splitlines() if line.strip())[-6000:]
 
 
 # ---- cold: patch + first forward with an empty kernel cache ---------------------------------

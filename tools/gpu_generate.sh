@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 58's GPU work in one call, spread over the GPUs there are (one process per GPU, each its
+# own share of the families; ratios are taken within a process): the generate() tables, then on
+# the last GPU the GPU tests of the decode work, cold first calls and the static-cache run.
+# Logs and results under $OUT. Usage: tools/gpu_generate.sh (GEN_NEW, GEN_ROUNDS, GEN_PROMPTS)
+set -uo pipefail
+OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$R"
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+gpus=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
+variants=${GEN_VARIANTS:-dense,dense-merged,2:4,b64d0.5,b128d0.25,fp8-dense,fp8-2:4,int8-dense,int8-2:4}
+common=(--modes eager --prompts "${GEN_PROMPTS:-128}" --batches 1,8,32 --new "${GEN_NEW:-128}" --rounds "${GEN_ROUNDS:-5}" --variants "$variants")
+shares=(${GEN_SHARES:-llama,qwen2 mistral,gemma phi3})
+for i in "${!shares[@]}"; do
+  gpu=$((i % gpus))
+  ( CUDA_VISIBLE_DEVICES=$gpu SPARSEGEN_CACHE_DIR=/tmp/sgcache$gpu timeout ${GEN_TIMEOUT:-540} \
+      python3 tools/bench_generate.py --families "${shares[$i]}" "${common[@]}" --json "$R/15_generate_$i.json" \
+      > "$OUT/generate_$i.log" 2>&1 ) &
+done
+last=$((gpus - 1))
+( export CUDA_VISIBLE_DEVICES=$last SPARSEGEN_CACHE_DIR=/tmp/sgcache_t
+  timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu" 2>&1 | tail -15
+  timeout 200 python3 tools/bench_generate.py --cold 2:4,fp8-2:4 --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -6
+  timeout 150 python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 \
+     --variants dense,2:4,b128d0.25,fp8-2:4 --json "$R/17_generate_static.json" 2>&1 | grep "^|"
+) > "$OUT/last_gpu.log" 2>&1 &
+wait
+cat "$OUT/last_gpu.log"; grep -h "^|" "$OUT"/generate_*.log
