@@ -24,6 +24,10 @@ last=$((gpus - 1))
   timeout 200 python3 tools/bench_generate.py --cold 2:4,fp8-2:4 --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -6
   timeout 150 python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 \
      --variants dense,2:4,b128d0.25,fp8-2:4 --json "$R/17_generate_static.json" 2>&1 | grep "^|"
+  timeout 120 python3 tools/bench_generate.py --profile "${PROFILE_ITEMS:-gemma:fp8-2:4,gemma:2:4}" --batches 32 \
+     --prompts 128 > "$OUT/profile.log" 2>&1
 ) > "$OUT/last_gpu.log" 2>&1 &
 wait
 cat "$OUT/last_gpu.log"; grep -h "^|" "$OUT"/generate_*.log
+# (the device tool brings back 8 files: the logs as one)
+cat "$OUT"/generate_*.log > "$OUT/generate.log"; rm -f "$OUT"/generate_*.log "$OUT/gpu.txt"
