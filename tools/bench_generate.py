@@ -112,10 +112,15 @@ def round_times(models: dict, ids, new: int, mode: str, rounds: int) -> dict:
     round r starting with the r-th (none is always first after a switch)."""
     names, times = list(models), {name: [] for name in models}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            first = timed_s(lambda: generate(models[name], ids, 1, mode))
-            total = timed_s(lambda: generate(models[name], ids, new, mode))
-            times[name].append((total, first))
+        gc.collect()
+        gc.disable()  # (a collection inside one model's call would be charged to it alone)
+        try:
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                first = timed_s(lambda: generate(models[name], ids, 1, mode))
+                total = timed_s(lambda: generate(models[name], ids, new, mode))
+                times[name].append((total, first))
+        finally:
+            gc.enable()
     return times
 
 
@@ -137,6 +142,14 @@ def cell_rows(times: dict, first: dict, base: dict) -> list[dict]:
             row["speedup_vs_byte_dense"] = round(statistics.median(o / t for o, t in zip(own, totals)), 3)
         rows.append(row)
     return rows
+
+
+def dense_copies_mb() -> float:
+    """Megabytes of dense weight copies sparsegen's layers keep (the dense path, where a GPU's
+    crossover table sends a call to cuBLAS): 0 where every call runs the sparse kernels."""
+    from sparsegen.launch import dense_path
+
+    return round(dense_path.held_bytes() / 2**20, 1)
 
 
 def logits_error(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> float:
@@ -170,6 +183,7 @@ def run_family(family, args, device, save) -> None:
                 ids = prompt_ids(batch, prompt, device)
                 base = dict(family=family.name, model=f"{family.label} ({args.layers} layers)", mode=mode,
                             prompt=prompt, batch=batch, new=args.new)
+                held_mb = dense_copies_mb()
                 try:
                     first = warm_up(models, ids, args.new, mode)
                     rows = cell_rows(round_times(models, ids, args.new, mode, args.rounds), first, base)
@@ -177,6 +191,7 @@ def run_family(family, args, device, save) -> None:
                     rows = [dict(base, error_text=f"{type(error).__name__}: {str(error)[:300]}")]
                 for row in rows:
                     row["logits_error"] = errs.get(row.get("variant"))
+                    row["dense_copies_mb"] = held_mb
                     print(json.dumps(row), flush=True)
                 save(rows)
     models.clear()
@@ -234,36 +249,41 @@ begin = time.perf_counter()
 if variant != "dense":
     which, settings = bg.VARIANTS[variant]
     sparsegen.patch(model, {{bg.PATTERNS[which]: settings}})
+torch.cuda.synchronize()
+patched = time.perf_counter()
 with torch.no_grad():
     model(ids)
 torch.cuda.synchronize()
-print("SECONDS", time.perf_counter() - begin)
+print("SECONDS", time.perf_counter() - begin, patched - begin)
 """
 
 
-def cold_seconds(family: str, variant: str, tokens: int, layers: int) -> float:
-    """Patch + first forward in a fresh process with an empty kernel cache (dense: the first
-    forward alone), the model built and CUDA started before the clock."""
+def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool = True) -> tuple[float, float]:
+    """(patch + first forward, patch alone) in a fresh process with an empty kernel cache
+    (dense: the first forward alone), the model built and CUDA started before the clock;
+    warm=False: without patch's background builds (SPARSEGEN_WARM=0)."""
     with tempfile.TemporaryDirectory() as cache:
         script = COLD_SCRIPT.format(tools=str(Path(__file__).parent), family=family, variant=variant,
                                     tokens=tokens, layers=layers)
-        env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache)
+        env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache, SPARSEGEN_WARM="1" if warm else "0")
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
     if not lines:
         raise RuntimeError(f"cold run of {variant} failed: {done.stderr[-2000:]}")
-    return float(lines[-1].split()[1])
+    return float(lines[-1].split()[1]), float(lines[-1].split()[2])
 
 
 def cold_rows(args) -> list[dict]:
     rows = []
     for family in args.families:
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
-            dense = cold_seconds(family.name, "dense", tokens, args.layers)
+            dense = cold_seconds(family.name, "dense", tokens, args.layers)[0]
             for variant in args.cold:
-                seconds = cold_seconds(family.name, variant, tokens, args.layers)
+                seconds, patch_s = cold_seconds(family.name, variant, tokens, args.layers)
+                unwarmed = cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0]
                 row = dict(family=family.name, model=family.label, call=label, variant=variant,
-                           dense_first_s=round(dense, 3), first_s=round(seconds, 3), x_dense=round(seconds / dense, 2))
+                           dense_first_s=round(dense, 3), first_s=round(seconds, 3), patch_s=round(patch_s, 3),
+                           x_dense=round(seconds / dense, 2), unwarmed_s=round(unwarmed, 3))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
