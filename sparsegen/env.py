@@ -88,9 +88,11 @@ def warm_kernels() -> bool:
 
 
 def dense_fallback() -> bool:
-    """Layers take cuBLAS on a dense copy of their weight where the GPU's crossover table
-    says their sparse kernel would lose; SPARSEGEN_DENSE_FALLBACK=0 keeps every call sparse."""
-    return _switch("SPARSEGEN_DENSE_FALLBACK", True)
+    """SPARSEGEN_DENSE_FALLBACK=1: layers take cuBLAS on a dense copy of their weight where the
+    GPU's crossover table says their sparse kernel would lose. Off by default: a sparse layer
+    keeps its memory saving (the copies of a Llama-3-8B-shaped model's attention came to 2 GB
+    in 4 layers), and no decode figure in BENCHMARKS.md rests on one."""
+    return _switch("SPARSEGEN_DENSE_FALLBACK", False)
 
 
 def persistent_waves() -> int:

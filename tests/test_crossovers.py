@@ -19,6 +19,7 @@ def point(layout="sp24", n=768, k=768, m=2048, speedup=0.8, **more):
 def user_table(tmp_path, monkeypatch):
     """Write this GPU's user table (as `sparsegen tune` would) into a fresh cache directory."""
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSEGEN_DENSE_FALLBACK", "1")  # (the dense path is asked for)
     crossovers.reload()
 
     def write(points, gpu=H100):
@@ -102,6 +103,8 @@ def test_dense_path_wanted_follows_the_table_the_switch_and_the_variable(user_ta
     with dense_path.disabled():
         assert not dense_path.wanted("sp24", 0, 768, 768, 2048)
     monkeypatch.setenv("SPARSEGEN_DENSE_FALLBACK", "0")
+    assert not env.dense_fallback() and not dense_path.wanted("sp24", 0, 768, 768, 2048)
+    monkeypatch.delenv("SPARSEGEN_DENSE_FALLBACK")  # off unless asked for: no hidden dense copy
     assert not env.dense_fallback() and not dense_path.wanted("sp24", 0, 768, 768, 2048)
 
 

@@ -6,8 +6,8 @@ The copy is built on the first call that wants it and kept while the weight stay
 is (data pointer and version). A weight that keeps changing is being trained: after
 TRAINED_AFTER changes the layer stops keeping a copy and runs its sparse kernels (a copy
 rebuilt every step would cost more than it saves). The copy costs memory: the weight's
-dense size, per layer that takes this path (`held_bytes`); SPARSEGEN_DENSE_FALLBACK=0
-turns the path off.
+dense size, per layer that takes this path (`held_bytes`), so the path is off unless asked
+for (SPARSEGEN_DENSE_FALLBACK=1): a sparse layer keeps its memory saving by default.
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 def _built(build, inputs: tuple, values: torch.Tensor, device: torch.device) -> torch.Tensor:
     what = (f"the dense copy of a sparse weight (stored values {list(values.shape)} {values.dtype}) that cuBLAS "
-            "runs where this GPU's crossover table says the kernel loses; SPARSEGEN_DENSE_FALLBACK=0 turns it off")
+            "runs where this GPU's crossover table says the kernel loses; unset SPARSEGEN_DENSE_FALLBACK turns it off")
     with allocating(what):
         return outside_graphs.run(_without_grad, (build, *inputs), device)
 
