@@ -273,8 +273,8 @@ def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool
     return float(lines[-1].split()[1]), float(lines[-1].split()[2])
 
 
-def cold_rows(args) -> list[dict]:
-    rows = []
+def cold_rows(args, save) -> None:
+    """Each family's cold rows, saved as they come (a run stopped at its time limit keeps them)."""
     for family in args.families:
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
             dense = cold_seconds(family.name, "dense", tokens, args.layers)[0]
@@ -285,8 +285,7 @@ def cold_rows(args) -> list[dict]:
                            dense_first_s=round(dense, 3), first_s=round(seconds, 3), patch_s=round(patch_s, 3),
                            x_dense=round(seconds / dense, 2), unwarmed_s=round(unwarmed, 3))
                 print(json.dumps(row), flush=True)
-                rows.append(row)
-    return rows
+                save([row])
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -360,7 +359,7 @@ def run(args, device, argv) -> None:
                                                  rows=rows), indent=1))
     if args.cold:
         args.cold = args.cold.split(",")
-        save(cold_rows(args))
+        cold_rows(args, save)
         return
     if args.profile:
         for item in args.profile.split(","):

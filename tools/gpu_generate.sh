@@ -21,8 +21,8 @@ done
 last=$((gpus - 1))
 [ "$gpus" = 1 ] && wait  # (one GPU: its timings alone, then the rest)
 ( export CUDA_VISIBLE_DEVICES=$last SPARSEGEN_CACHE_DIR=/tmp/sgcache_t
-  timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu" 2>&1 | tail -15
-  timeout 200 python3 tools/bench_generate.py --cold 2:4,fp8-2:4 --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -6
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${GEN_TESTS:-tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu"} 2>&1 | tail -15
+  [ -n "${SKIP_COLD:-}" ] || timeout 200 python3 tools/bench_generate.py --cold 2:4,fp8-2:4 --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -6
   [ -n "${SKIP_STATIC:-}" ] || timeout 150 python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 \
      --variants dense,2:4,b128d0.25,fp8-2:4 --json "$R/17_generate_static.json" 2>&1 | grep "^|"
   [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 tools/bench_generate.py --profile "${PROFILE_ITEMS:-gemma:fp8-2:4,gemma:2:4}" --batches 32 \
