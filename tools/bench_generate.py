@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
-from bench_record import meta as run_meta  # noqa: E402
+from bench_record import Table, meta as run_meta  # noqa: E402
 from families import FAMILIES, PATTERNS, build, merge_gated_mlps  # noqa: E402
 from quantized_dense import quantize_linears  # noqa: E402
 
@@ -305,6 +305,59 @@ def report(rows: list[dict]) -> list[str]:
     return lines
 
 
+GENERATE_ABOUT = ("model.generate(), greedy, exactly `new` tokens from random prompts (tools/bench_generate.py): "
+                  "each variant's speedup is the median over rounds of the best dense model's time (as transformers "
+                  "builds it, or with gate/up merged into one nn.Linear) over its own, the models timed in turn; "
+                  "one-byte 2:4 also against the same quantization on PyTorch's dense one-byte product. Eager: "
+                  "transformers' dynamic cache; static: cache_implementation='static', which transformers compiles "
+                  "with mode='reduce-overhead' itself.")
+
+
+def tables_of(rows: list[dict]) -> list[Table]:
+    """The run's rows as BENCHMARKS.md's tables: generate() speedups, then cold first calls."""
+    made = [_generate_table(rows)] if any("tokens_per_s" in r for r in rows) else []
+    return made + ([_cold_table(rows)] if any("first_s" in r for r in rows) else [])
+
+
+def _generate_table(rows: list[dict]) -> Table:
+    variants = [v for v in dict.fromkeys(r["variant"] for r in rows if "tokens_per_s" in r)]
+    bytes_ = [v for v in variants if v in BYTE_DENSE]
+    table = Table("Whole models", "model.generate() tokens/s: speedup over the best dense model",
+                  [("model", ""), ("mode", ""), ("prompt", ""), ("batch", ""), ("new", ""), ("dense tok/s", ".1f")]
+                  + [(v, "x") for v in variants] + [(f"{v} / {BYTE_DENSE[v]}", "x") for v in bytes_],
+                  about=GENERATE_ABOUT)
+    cells: dict = {}
+    for r in rows:
+        if "tokens_per_s" in r:
+            cells.setdefault((r["model"], r["mode"], r["prompt"], r["batch"], r["new"]), {})[r["variant"]] = r
+    for key, by in cells.items():
+        table.rows.append([*key, by.get("dense", {}).get("tokens_per_s"), *[by.get(v, {}).get("speedup") for v in variants],
+                           *[by.get(v, {}).get("speedup_vs_byte_dense") for v in bytes_]])
+    held = max((r.get("dense_copies_mb") or 0) for r in rows)
+    table.notes.append(f"Dense weight copies held by sparse layers during the run: {held:g} MB.")
+    for (model, mode, prompt, batch, new), by in cells.items():
+        if mode == "static":  # what a compiled generate() costs before it runs at speed
+            first = ", ".join(f"{v} {r['warmup_s']:g} s ({r['graphs']} graph)" for v, r in by.items() if "warmup_s" in r)
+            table.notes.append(f"{model}, batch {batch}, prompt {prompt}: the first generate() call (Dynamo, "
+                               f"Inductor, CUDA graph records) took {first}; the models compiled in that order, "
+                               "the first paying the process's one-time compile costs.")
+    return table
+
+
+def _cold_table(rows: list[dict]) -> Table:
+    table = Table("Compile and overheads", "Cold first call: patch + first forward from an empty kernel cache",
+                  [("model", ""), ("call", ""), ("variant", ""), ("dense first forward s", ".3f"),
+                   ("patch + first forward s", ".3f"), ("of which patch s", ".3f"), ("times dense's", ".2f"),
+                   ("without background builds s", ".3f")],
+                  about="A fresh process each (tools/bench_generate.py --cold): the model built on the GPU and CUDA "
+                        "started before the clock; dense: its first forward alone.")
+    for r in rows:
+        if "first_s" in r:
+            table.rows.append([r["model"], r["call"], r["variant"], r["dense_first_s"], r["first_s"], r.get("patch_s"),
+                               r["x_dense"], r.get("unwarmed_s")])
+    return table
+
+
 def _cell(row: dict | None) -> str:
     if not row or "speedup" not in row:
         return "-"
@@ -312,6 +365,15 @@ def _cell(row: dict | None) -> str:
     if "speedup_vs_byte_dense" in row:
         text += f" ({row['speedup_vs_byte_dense']:.2f}x one-byte dense)"
     return text
+
+
+def _raw_rows(run: dict) -> list[dict]:
+    return run.get("raw", run.get("rows", []))
+
+
+def recorded(meta: dict, rows: list[dict]) -> dict:
+    """What --json writes: the tables BENCHMARKS.md shows and every raw row (`raw`)."""
+    return dict(meta=meta, tables=[t.as_dict() for t in tables_of(rows)], raw=rows)
 
 
 def main(argv=None) -> None:
@@ -331,7 +393,7 @@ def main(argv=None) -> None:
     parser.add_argument("--report", type=Path, nargs="+", help="tabulate these result files instead")
     args = parser.parse_args(argv)
     if args.report:
-        print("\n".join(report([r for path in args.report for r in json.loads(path.read_text())["rows"]])))
+        print("\n".join(report([r for path in args.report for r in _raw_rows(json.loads(path.read_text()))])))
         return
     args.families = [FAMILIES[name] for name in args.families.split(",")]
     args.variants = args.variants.split(",")
@@ -355,8 +417,8 @@ def run(args, device, argv) -> None:
         rows.extend(new_rows)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(dict(meta=run_meta("bench_generate.py", argv if argv is not None else sys.argv[1:]),
-                                                 rows=rows), indent=1))
+            args.json.write_text(json.dumps(recorded(run_meta("bench_generate.py", argv if argv is not None
+                                                              else sys.argv[1:]), rows), indent=1))
     if args.cold:
         args.cold = args.cold.split(",")
         cold_rows(args, save)

@@ -27,6 +27,11 @@ edit by hand; earlier figures are in git history. Every ratio is a baseline's ti
 method's, both measured side by side in one process (above 1: faster). Each table names its GPU,
 date, commit and command; to refresh one, run its command on the GPU with `--json
 tools/results/NAME.json` (`tools/gpu_run.sh` does, under `$OUT`), then this tool.
+
+Runs at commits before d19a82d had the dense path on by default (cuBLAS on a dense copy where a
+GPU's crossover table says the sparse kernel loses); it is now off unless
+`SPARSEGEN_DENSE_FALLBACK=1`, which reproduces their conditions. The generate() tables below ran
+without it (no dense copies held).
 """
 ABOUT = {
     "Whole models": "transformers models built from configs, patched by `sparsegen.patch`, against the dense "
