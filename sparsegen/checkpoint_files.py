@@ -9,22 +9,25 @@ would depend on the order of a directory listing).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import torch
 
 from .errors import InputError, expect
+from .jit import private_files
 
 INDEX = "model.safetensors.index.json"
+MAX_JSON_BYTES = 64 << 20  # a config or an index of a model with a million tensors is well under this
 
 
 def read_json(path: pathlib.Path) -> dict:
-    """A JSON object from `path` (InputError naming the file for anything else)."""
+    """A JSON object from `path`: a regular file (a FIFO or a device is refused unread) of at
+    most MAX_JSON_BYTES, parsed within private_files.parse_json's bounds (InputError naming
+    the file for anything else)."""
     expect(path.is_file(), f"a file {path.name} in the checkpoint directory", str(path))
     try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        value = private_files.parse_json(private_files.read_regular(path, MAX_JSON_BYTES, follow_links=True))
+    except (OSError, ValueError) as error:
         raise InputError(f"Expected {path} to hold JSON. Got {type(error).__name__}: {error}.") from None
     expect(isinstance(value, dict), f"{path} to hold a JSON object", type(value).__name__)
     return value
@@ -71,7 +74,9 @@ def _difference(named: set, held: set) -> str:
 
 
 def _read_file(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file (a format with no code in it)."""
+    """The tensors of one safetensors file (a format with no code in it): a regular file
+    (a FIFO would block the reader forever, a device never end)."""
+    expect(path.is_file(), f"{path.name} to be a regular file", "a FIFO, a device or a folder")
     try:
         from safetensors.torch import load_file
     except ImportError:

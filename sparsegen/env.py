@@ -101,7 +101,7 @@ def persistent_waves() -> int:
     per block, so a kernel that shares the GPU with others (NCCL's, overlapping a backward)
     waits less for its last blocks."""
     raw = os.environ.get("SPARSEGEN_PERSISTENT_WAVES", "1").strip()
-    expect(raw.isdigit() and 1 <= int(raw) <= 64, "SPARSEGEN_PERSISTENT_WAVES of a whole number in [1, 64]",
+    expect(raw.isascii() and raw.isdigit() and 1 <= int(raw) <= 64, "SPARSEGEN_PERSISTENT_WAVES of a whole number in [1, 64]",
            repr(raw), ConfigError)
     return int(raw)
 

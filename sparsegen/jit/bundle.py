@@ -80,7 +80,7 @@ def _load(folder: str, current_generator: str) -> Manifest | None:
 
 def parse(folder: Path, raw: bytes) -> Manifest:
     """The manifest's fields, each checked (ValueError naming what is off)."""
-    data = json.loads(raw)
+    data = private_files.parse_json(raw)
     expect(isinstance(data, dict) and data.get("format") == FORMAT, f"a manifest of format {FORMAT}",
            repr(data.get("format") if isinstance(data, dict) else type(data).__name__), ValueError)
     kernels = data.get("kernels")

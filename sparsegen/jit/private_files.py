@@ -10,11 +10,17 @@ first: never through a link, never on a name it did not create, modes set on the
   the directory opened with O_NOFOLLOW.
 - read_regular: O_NOFOLLOW | O_NONBLOCK, then fstat: only a regular file (a FIFO would block
   forever, a device would never end) of at most `limit` bytes is read.
+- parse_json: every JSON file sparsegen reads (tables, manifests, a checkpoint's config and
+  index) goes through it: nesting at most MAX_JSON_DEPTH deep (checked before the parser, which
+  would recurse), integers within int64, finite floats, no NaN or Infinity; anything else is a
+  ValueError for the caller to turn into its documented outcome.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -69,10 +75,12 @@ def set_dir_mode(path: Path, mode: int) -> None:
         os.close(fd)
 
 
-def read_regular(path: Path, limit: int, check=None) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes, opened without following a link;
-    check(path, stat) may refuse the opened file before anything is read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+def read_regular(path: Path, limit: int, check=None, follow_links: bool = False) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, opened without following a link
+    (follow_links: through links, for a user's own folders such as a checkpoint in the Hugging
+    Face cache, whose files are links); check(path, stat) may refuse the opened file before
+    anything is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -85,3 +93,39 @@ def read_regular(path: Path, limit: int, check=None) -> bytes:
     if len(data) > limit:  # (it grew while being read)
         raise OSError(errno.EFBIG, f"over the {limit}-byte limit", str(path))
     return data
+
+
+MAX_JSON_DEPTH = 64  # far deeper than any file sparsegen reads; the parser recurses per level
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+_INT64 = 1 << 63
+
+
+def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH):
+    """The value of a JSON text, or ValueError: not UTF-8, not JSON, nested over max_depth,
+    an integer outside int64, a float that is not finite (1e400), NaN or Infinity."""
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw  # (UnicodeDecodeError is a ValueError)
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits) > 20 or not -_INT64 <= int(digits) < _INT64:
+        raise ValueError(f"an integer outside int64 in JSON: {digits[:24]}")
+    return int(digits)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"a number that is not finite in JSON: {text[:24]}")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} in JSON")

@@ -63,6 +63,13 @@ class TileConfig:
     stages: int = 3
     cluster: int = 1
 
+    def __post_init__(self):
+        """Every field a whole number of at least 1 (a 0 from a name like t64w0x1s4 would divide
+        by zero in the rules that size a launch)."""
+        fields = (self.tile_m, self.warps_m, self.warps_n, self.stages, self.cluster)
+        expect(all(type(v) is int and v >= 1 for v in fields),
+               "a tile of whole numbers >= 1 (tile_m, warps_m, warps_n, stages, cluster)", repr(fields), SpecError)
+
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n

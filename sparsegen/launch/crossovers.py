@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import json
 import math
 import re
 import warnings
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from . import plans
 from .. import env
-from ..jit import trust
+from ..jit import private_files, trust
 
 PACKAGED = Path(__file__).parent / "crossover_tables"
 LOSES_BELOW = 1.0  # the sparse kernel's speedup under which the dense path runs
@@ -73,7 +72,7 @@ def load(path: Path, check_trust: bool = False) -> tuple[Point, ...]:
     must never stop a model from running)."""
     try:
         raw = trust.read_file(path) if check_trust else path.read_bytes()
-        return tuple(_point(p) for p in json.loads(raw)["points"])
+        return tuple(_point(p) for p in private_files.parse_json(raw)["points"])
     except (OSError, ValueError, KeyError, TypeError, trust.UntrustedPathError) as error:
         warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "
                       "to measure a new one", RuntimeWarning, stacklevel=3)

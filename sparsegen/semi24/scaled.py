@@ -179,6 +179,11 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
         semi24.check_shape((self.out_features, self.in_features), cols=semi24.BYTE_COL_GRANULE)
         semi24.check_metadata(metadata, (self.out_features, self.in_features))
         _check_vector(weight_scale, self.out_features, "weight_scale")
+        check_positive(weight_scale, "weight_scale")
+        if input_scale is not None:
+            expect(isinstance(input_scale, Tensor) and input_scale.numel() == 1, "input_scale as one float",
+                   type(input_scale).__name__)
+            check_positive(input_scale, "input_scale")
         self.register_buffer("values", values)
         self.register_buffer("metadata", metadata)
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1))
@@ -289,6 +294,9 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
 
     def _check_state(self, state_dict: dict, prefix: str) -> None:
         semi24.check_loaded_metadata(state_dict, prefix, (self.out_features, self.in_features))
+        for name in ("weight_scale", "input_scale"):
+            if isinstance(state_dict.get(prefix + name), Tensor):
+                check_positive(state_dict[prefix + name], prefix + name)
 
     # Tensor parallelism (layer.py's contract, sparsegen.parallel): a part as stored - its bytes,
     # kept positions and channel scales. A column slice of whole 4-groups keeps each row's
@@ -345,6 +353,13 @@ def check_gated_pair(gate, up) -> None:
            and (gate.bias is None) == (up.bias is None) and gate.epilogue == up.epilogue == "none",
            "gate and up of one shape, weight dtype, activation scaling and bias, without epilogues",
            f"{gate!r} and {up!r}")
+
+
+def check_positive(scale: Tensor, what: str) -> None:
+    """Scales are finite and above 0: 0 or below would give NaN or sign-flipped outputs."""
+    ok = scale.is_floating_point() and bool(torch.isfinite(scale).all() and (scale > 0).all())
+    expect(ok, f"{what} of finite scales above 0", f"{scale.dtype}, values from {scale.float().min().item():g} "
+           f"to {scale.float().max().item():g}" if scale.numel() else "no values")
 
 
 def _check_vector(t, n: int, what: str) -> None:
