@@ -156,7 +156,11 @@ def cmd_precompile(args) -> int:
     print(f"precompile sm_{arch}: {len(todo)} kernels, {compiled} compiled, "
           f"{len(todo) - compiled} cached, {time.perf_counter() - start:.1f} s")
     if args.bundle is not None:
-        manifest = bundle.write(args.bundle, {b.spec.name: b.cubin for b in builds})
+        try:
+            manifest = bundle.write(args.bundle, {b.spec.name: b.cubin for b in builds})
+        except OSError as error:  # (changed since the check above: the kernels stay in the cache)
+            raise SparsegenError(f"Expected to write the bundle into {args.bundle}. Got {error}; the kernels are "
+                                 "in the cache: run precompile again with another --bundle.") from None
         print(f"bundle: {len(builds)} kernels in {args.bundle} (manifest {manifest.name}); "
               f"load it with SPARSEGEN_KERNEL_BUNDLE={args.bundle}")
     return 0

@@ -97,8 +97,8 @@ def write_table(path: Path, text: str, in_cache: bool) -> None:
     0600 whatever the umask: the reader trusts it as it trusts an entry)."""
     if in_cache:
         trust.make_dirs(path.parent)  # 0700, like every folder of the cache
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    else:  # (a path of the user's: no folder above it that another user could swap, new ones 0700)
+        trust.make_parents(path)
     private_files.replace_file(path.parent, path.name, text.encode(), trust.PRIVATE_FILE_MODE)
 
 

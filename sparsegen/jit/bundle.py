@@ -112,13 +112,21 @@ def is_free(folder: Path) -> bool:
     one of the user's that no one else can write (nothing can have been planted in it, and
     nothing can be planted while the bundle is written)."""
     folder = Path(folder)
-    if not os.path.lexists(folder):
-        return True
     try:
+        if not os.path.lexists(folder):  # (the folders above it: no one else's, and the nearest one writable)
+            trust.check_ancestors(folder)
+            return os.access(_nearest_existing(folder), os.W_OK | os.X_OK)
         trust.check_path(folder)
     except (OSError, trust.UntrustedPathError):
         return False
     return not os.path.islink(folder) and not any(folder.iterdir())
+
+
+def _nearest_existing(path: Path) -> Path:
+    probe = Path(os.path.abspath(path)).parent
+    while not os.path.lexists(probe):
+        probe = probe.parent
+    return probe
 
 
 def write(folder: Path, cubins: dict[str, bytes]) -> Path:
@@ -128,8 +136,8 @@ def write(folder: Path, cubins: dict[str, bytes]) -> Path:
     folder = Path(folder)
     expect(is_free(folder), "a new directory for the bundle (or an empty one of yours that only you can write)",
            str(folder), SparsegenError)
+    trust.make_parents(folder)  # (its parents: no one else can swap the folder away while it is written)
     if not os.path.lexists(folder):
-        folder.parent.mkdir(parents=True, exist_ok=True)
         private_files.make_dir(folder, 0o700)
     for name, cubin in cubins.items():
         expect(_NAME_RE.fullmatch(name) is not None, "kernel names of [a-z0-9_]", repr(name), SparsegenError)

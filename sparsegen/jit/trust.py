@@ -93,9 +93,60 @@ def _check_team_member(path: Path, info: os.stat_result, kind: str) -> None:
                                  "ask to join the team's group, or unset SPARSEGEN_TEAM_CACHE_DIR")
 
 
+def check_ancestors(path: Path, _links: int = 0) -> None:
+    """Raise UntrustedPathError unless no one but the user (and root) can change what `path`
+    names: walking its absolute form from /, every existing component up to path's parent is
+    the user's or root's; a directory that others can write must be sticky (/tmp), and then
+    the next component must be the user's or root's (a sticky folder's entries can be renamed
+    by their owners only); a link is followed and its target walked the same way. Components
+    inside the team cache are judged by the team's rules (check), not here. A missing
+    component ends the walk: sparsegen creates the rest itself, with exact modes."""
+    if _links > 40:  # (a cycle of links: the kernel stops at 40 too)
+        raise UntrustedPathError(path, "too many levels of symbolic links", _ELSEWHERE)
+    team, current = team_root(), Path(os.path.abspath(path))
+    for ancestor in reversed(current.parents[:-1] if len(current.parents) > 1 else ()):
+        if team is not None and ancestor.is_relative_to(team):
+            return
+        if not _walk_component(ancestor, _links):
+            return
+
+
+def _walk_component(component: Path, links: int) -> bool:
+    """Check one component of an ancestor walk; False where it does not exist (yet)."""
+    try:
+        info = os.lstat(component)
+    except FileNotFoundError:
+        return False
+    if not _own(info):
+        raise UntrustedPathError(component, f"a folder above it belongs to uid {info.st_uid}, not to you "
+                                            f"(uid {os.geteuid()}) or root, who could swap what is below", _ELSEWHERE)
+    if stat.S_ISLNK(info.st_mode):
+        check_ancestors(Path(os.path.realpath(component)) / "_", links + 1)  # (the target's own chain)
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX and not _group_is_mine(info):
+        raise UntrustedPathError(component, "a folder above it is writable by others and not sticky, so anyone "
+                                            "in its group could rename what is below", _ELSEWHERE)
+    return True
+
+
+def _group_is_mine(info: os.stat_result) -> bool:
+    """A folder writable only by its owner's own group (user private groups: group and user of
+    one name) or by nobody else: group write that lets no one else in."""
+    if info.st_mode & stat.S_IWOTH:
+        return False
+    try:
+        import grp
+        import pwd
+
+        group, user = grp.getgrgid(info.st_gid), pwd.getpwuid(os.geteuid())
+    except (ImportError, KeyError):
+        return False
+    return info.st_uid == os.geteuid() and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+
+
 def check_path(path: Path, kind: str = "directory") -> None:
-    """check() on a path; a symbolic link is checked itself (who made it) and then what it
-    points to (what is read and written)."""
+    """check() on a path, after its ancestors (check_ancestors); a symbolic link is checked
+    itself (who made it) and then what it points to (what is read and written)."""
+    check_ancestors(path)
     link = os.lstat(path)
     if stat.S_ISLNK(link.st_mode) and not (_own(link) or in_team_cache(path) and _team_link(link)):
         raise UntrustedPathError(path, f"it is a symbolic link made by uid {link.st_uid}, not by you", _ELSEWHERE)
@@ -127,6 +178,20 @@ def make_dirs(path: Path) -> None:
         except FileExistsError:  # another process made it first: checked below like any other
             continue
     check_path(path)
+
+
+def make_parents(path: Path) -> None:
+    """The folders above `path` that are missing, created 0700 whatever the umask, after and
+    before checking the chain above them (check_ancestors): where sparsegen writes a file or
+    folder of the user's choosing (a bundle, a tune table) outside the cache."""
+    check_ancestors(path)
+    missing, probe = [], Path(os.path.abspath(path)).parent
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        private_files.make_dir(folder, PRIVATE_DIR_MODE)
+    check_ancestors(path)
 
 
 def file_mode(folder: Path) -> int:
