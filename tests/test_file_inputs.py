@@ -139,3 +139,9 @@ def test_persistent_waves_takes_ascii_digits_only(monkeypatch):
     monkeypatch.setenv("SPARSEGEN_PERSISTENT_WAVES", "\u00b2")
     with pytest.raises(ConfigError, match="SPARSEGEN_PERSISTENT_WAVES"):
         env.persistent_waves()
+
+
+def test_a_one_byte_layer_builds_on_the_meta_device_and_checks_scales_on_load():
+    with torch.device("meta"):
+        layer = scaled.ScaledSparse24Linear.from_dense(torch.nn.Linear(64, 32), "e4m3")
+    assert layer.weight_scale.is_meta
