@@ -38,7 +38,7 @@ def read_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
     *.safetensors file where there is no index)."""
     if (folder / INDEX).exists():
         return _indexed_tensors(folder, read_json(folder / INDEX))
-    files = sorted(folder.glob("*.safetensors"))
+    files = [folder / name for name in private_files.list_names(folder) if name.endswith(".safetensors")]
     expect(files, "*.safetensors files in the checkpoint directory", str(folder))
     tensors: dict[str, torch.Tensor] = {}
     holder: dict[str, str] = {}

@@ -127,3 +127,66 @@ def test_every_registered_layout_has_its_package_and_templates():
         assert (PACKAGE / layout.name / "specs.py").is_file()
         for rules in layout.ops:
             assert rules.template.startswith(f"{layout.name}/") and (templates / rules.template).is_file()
+
+
+# ---- the file gate (issue 59): filesystem operations only in jit/private_files.py ----------
+# Calls that touch the filesystem by path: builtins, os / shutil / tempfile functions and
+# pathlib methods. Outside the gate only these, each for its reason.
+FILE_CALLS = {"open", "os.open", "os.replace", "os.rename", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
+              "os.makedirs", "os.chmod", "os.chown", "os.listdir", "os.scandir", "shutil.rmtree", "shutil.copy",
+              "shutil.move", "tempfile.mkdtemp", "tempfile.mkstemp", "tempfile.NamedTemporaryFile"}
+PATH_METHODS = {"write_text", "write_bytes", "read_text", "read_bytes", "mkdir", "rmdir", "unlink", "chmod",
+                "iterdir", "glob", "rglob", "touch", "rename", "replace", "open", "symlink_to"}
+GATE = "jit/private_files.py"
+FILE_CALL_EXCEPTIONS = {
+    ("env.py", "tempfile.mkdtemp"): "the base tier, below the gate: a fresh 0700 folder of a new name, exclusively",
+    ("jit/codegen.py", "read_text"): "the package's own templates and modules, installed with it, not a user path",
+    ("jit/codegen.py", "rglob"): "the package's own template folder",
+    ("jit/compiler.py", "glob"): "the installed NVRTC libraries' names and sizes (the cache key's compiler identity)",
+}
+
+
+def file_calls(path: Path) -> set[str]:
+    """The filesystem calls a module makes: 'os.unlink' for a function, 'read_text' for a
+    method (any object's: a Path's is the case that matters)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in FILE_CALLS:
+            found.add(func.id)
+        elif isinstance(func, ast.Attribute):
+            dotted = f"{func.value.id}.{func.attr}" if isinstance(func.value, ast.Name) else None
+            if dotted in FILE_CALLS:
+                found.add(dotted)
+            elif func.attr in PATH_METHODS and not _not_a_path_call(node, dotted):
+                found.add(func.attr)
+    return found
+
+
+def _not_a_path_call(call: ast.Call, dotted: str | None) -> bool:
+    """dataclasses.replace(obj, ...), and str.replace(old, new) - two arguments, where
+    Path.replace and Path.rename take one: not the filesystem."""
+    if dotted == "dataclasses.replace":
+        return True
+    return call.func.attr in ("replace", "rename") and len(call.args) == 2
+
+
+def test_every_file_operation_goes_through_the_gate():
+    outside = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module == GATE:
+            continue
+        calls = {call for call in file_calls(path) if (module, call) not in FILE_CALL_EXCEPTIONS}
+        if calls:
+            outside[module] = sorted(calls)
+    assert not outside, f"filesystem calls outside {GATE} (make them functions there): {outside}"
+
+
+def test_the_gate_check_sees_file_calls():
+    """The scan above finds each kind of call (it could pass by seeing nothing)."""
+    sample = Path(sparsegen.__file__).parent / GATE
+    assert {"os.open", "os.unlink", "os.rmdir", "os.listdir", "os.mkdir", "tempfile.mkdtemp"} <= file_calls(sample)
+    assert len(FILE_CALL_EXCEPTIONS) <= 5

@@ -119,7 +119,7 @@ def is_free(folder: Path) -> bool:
         trust.check_path(folder)
     except (OSError, trust.UntrustedPathError):
         return False
-    return not os.path.islink(folder) and not any(folder.iterdir())
+    return not os.path.islink(folder) and not private_files.list_names(folder)
 
 
 def _nearest_existing(path: Path) -> Path:

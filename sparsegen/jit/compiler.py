@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import tempfile
 from pathlib import Path
 
 from .. import env
@@ -91,7 +90,7 @@ def dump_source(name: str, source: str, headers: dict[str, str]) -> Path:
     a new private folder (mkdtemp: 0700, a fresh name) inside the dump directory, each file
     created exclusively. A dump directory someone else could write (a shared folder) is
     passed over for the system's temporary directory, and the message says where it went."""
-    folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_dump_root()))
+    folder = private_files.make_temp_dir(f"{name}-", _dump_root())
     for header, text in headers.items():
         private_files.create_file(folder, Path(header).name, text.encode(), trust.PRIVATE_FILE_MODE)
     return private_files.create_file(folder, f"{name}.cu", source.encode(), trust.PRIVATE_FILE_MODE)

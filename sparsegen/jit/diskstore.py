@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import os
 import re
-import stat
 import time
 import warnings
 from pathlib import Path
@@ -72,17 +71,17 @@ class DiskStore:
 
     def delete(self, kind: str, key: str) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(self.root / kind / key)
+            private_files.remove_file(self.root / kind / key)
 
     def keys(self, kind: str) -> list[str]:
         folder = self.root / kind
         if not folder.is_dir():
             return []
         trust.check_path(folder)
-        return [p.name for p in folder.iterdir() if KEY_RE.fullmatch(p.name)]
+        return [name for name in private_files.list_names(folder) if KEY_RE.fullmatch(name)]
 
     def volume(self, kind: str) -> int:
-        return sum(_size(self.root / kind / key) for key in self.keys(kind))
+        return sum(private_files.size_of(self.root / kind / key) for key in self.keys(kind))
 
     def clear(self) -> tuple[int, list[str]]:
         """Remove the entries, aliases, locks and temporaries sparsegen writes - names it
@@ -94,16 +93,15 @@ class DiskStore:
             if not os.path.isdir(folder) or os.path.islink(folder):
                 continue
             trust.check_path(folder)
-            for path in sorted(folder.iterdir()):
-                if pattern.fullmatch(path.name) and _is_plain_file(path):
-                    os.unlink(path)
+            for path in (folder / name for name in private_files.list_names(folder)):
+                if pattern.fullmatch(path.name) and private_files.is_plain_file(path):
+                    private_files.remove_file(path)
                     removed += kind == KERNELS  # (entries counted; their aliases and locks not)
-                elif TEMPORARY_RE.fullmatch(path.name) and _is_plain_file(path):
-                    os.unlink(path)  # (a write that died half-way)
+                elif TEMPORARY_RE.fullmatch(path.name) and private_files.is_plain_file(path):
+                    private_files.remove_file(path)  # (a write that died half-way)
                 else:
                     left.append(str(path))
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # (only if empty)
+            private_files.remove_empty_dir(folder)  # (only if empty)
         left += [str(self.root / name) for name in LEGACY if os.path.lexists(self.root / name)]
         return removed, left
 
@@ -131,10 +129,9 @@ class DiskStore:
         folder = self.root / LOCKS
         try:
             trust.make_dirs(folder)
-            fd = os.open(folder / f"{key[:32]}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            return private_files.open_lock(folder / f"{key[:32]}.lock")
         except OSError:
             return None  # read-only or full: the write that follows warns
-        return os.fdopen(fd, "rb+")
 
 
 def _flock_within(handle, seconds: float) -> bool:
@@ -152,13 +149,3 @@ def _flock_within(handle, seconds: float) -> bool:
 def _replace_atomically(folder: Path, name: str, data: bytes) -> None:
     private_files.replace_file(folder, name, data, trust.file_mode(folder))
 
-
-def _is_plain_file(path: Path) -> bool:
-    return stat.S_ISREG(os.lstat(path).st_mode)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

@@ -1,5 +1,9 @@
-"""How sparsegen creates, replaces and reads files where another local user might have been
-first: never through a link, never on a name it did not create, modes set on the open file.
+"""The gate: every filesystem operation sparsegen performs on a path from a user, the
+environment, a cache, a bundle or a checkpoint is a function here (tests/test_structure.py fails
+on a call of open, mkdir, unlink, listdir... anywhere else, but for the few it lists with their
+reasons); trust.py decides which paths these may touch (check_path, check_ancestors). How each
+works where another local user might have been first: never through a link, never on a name it
+did not create, modes set on the open file.
 
 - create_file: O_CREAT | O_EXCL | O_NOFOLLOW, so a name someone planted (a file, a link to
   the user's ~/.netrc) makes the call fail instead of being written through; fchmod on the
@@ -23,6 +27,7 @@ import os
 import re
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -129,3 +134,46 @@ def _finite_float(text: str) -> float:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} in JSON")
+
+
+def make_temp_dir(prefix: str, parent: Path | None = None) -> Path:
+    """A fresh folder of a new random name, made exclusively, 0700 (mkdtemp)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+def list_names(folder: Path) -> list[str]:
+    """The names in a folder, sorted (what is behind them is for the caller to judge)."""
+    return sorted(os.listdir(folder))
+
+
+def is_plain_file(path: Path) -> bool:
+    """A regular file itself (lstat: a link to one is not)."""
+    return stat.S_ISREG(os.lstat(path).st_mode)
+
+
+def size_of(path: Path) -> int:
+    """A file's size in bytes, 0 where it cannot be read."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def remove_file(path: Path) -> None:
+    """Unlink a name (a link is removed itself, never what it points to)."""
+    os.unlink(path)
+
+
+def remove_empty_dir(path: Path) -> bool:
+    """Remove a folder if it is empty; False where it is not (or is gone)."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
+def open_lock(path: Path):
+    """A lock file opened read-write (created 0600 if missing), never through a link."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "rb+")

@@ -71,7 +71,8 @@ def load(path: Path, check_trust: bool = False) -> tuple[Point, ...]:
     counts as none too, with a warning saying why (a table only steers kernel choice, so it
     must never stop a model from running)."""
     try:
-        raw = trust.read_file(path) if check_trust else path.read_bytes()
+        raw = trust.read_file(path) if check_trust else private_files.read_regular(path, trust.MAX_READ_BYTES,
+                                                                                     follow_links=True)
         return tuple(_point(p) for p in private_files.parse_json(raw)["points"])
     except (OSError, ValueError, KeyError, TypeError, trust.UntrustedPathError) as error:
         warnings.warn(f"sparsegen: ignoring the crossover table {path} ({error}); run `sparsegen tune` "

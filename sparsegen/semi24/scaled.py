@@ -202,6 +202,8 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
         scale = row_scales(pruned, dtype)
         values, metadata = semi24.compress(quantize(pruned, scale, dtype).contiguous(), keep.contiguous())
         static = None if input_scale is None else torch.as_tensor(input_scale, dtype=torch.float32, device=w.device)
+        if static is not None:
+            check_positive(static, "input_scale", finite=True)
         return cls(values, metadata, scale, linear.bias, static)
 
     @classmethod
@@ -355,14 +357,18 @@ def check_gated_pair(gate, up) -> None:
            f"{gate!r} and {up!r}")
 
 
-def check_positive(scale: Tensor, what: str) -> None:
-    """Scales are finite and above 0: 0 or below would give NaN or sign-flipped outputs. (A
-    layer built on the meta device has no values yet: its checkpoint's are checked on load.)"""
+def check_positive(scale: Tensor, what: str, finite: bool = False) -> None:
+    """Scales above 0 (0 or below would give NaN or sign-flipped outputs), and with `finite`
+    finite too (a loader that was told allow_nonfinite=True keeps NaN and Inf, and checks the
+    rest itself). A layer built on the meta device has no values yet: its checkpoint's are
+    checked on load."""
     if scale.is_meta:
         return
-    ok = scale.is_floating_point() and bool(torch.isfinite(scale).all() and (scale > 0).all())
-    expect(ok, f"{what} of finite scales above 0", f"{scale.dtype}, values from {scale.float().min().item():g} "
-           f"to {scale.float().max().item():g}" if scale.numel() else "no values")
+    ok = scale.is_floating_point() and not bool((scale <= 0).any())
+    ok = ok and (not finite or bool(torch.isfinite(scale).all()))
+    expect(ok, f"{what} of {'finite ' if finite else ''}scales above 0",
+           f"{scale.dtype}, values from {scale.float().min().item():g} to {scale.float().max().item():g}"
+           if scale.numel() else "no values")
 
 
 def _check_vector(t, n: int, what: str) -> None:
