@@ -110,3 +110,28 @@ def test_new_parents_are_0700_whatever_the_umask(tmp_path):
         os.umask(before)
     for folder in ("a", "a/b", "c", "c/d"):
         assert stat.S_IMODE(os.stat(tmp_path / folder).st_mode) == 0o700, folder
+
+
+def test_clear_removes_only_files_holding_what_sparsegen_wrote_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path / "cache"))
+    cache.clear_memory()
+    from sparsegen.bsr.specs import forward_spec
+    built = cache.build(forward_spec((16, 16), "bf16", 80))
+    kernels = tmp_path / "cache" / "kernels"
+    (kernels / ("cd" * 32)).write_text("my notes, named like an entry\n")
+    (kernels / ".tmp-0123456789abcdef").write_bytes(b"SGCU")  # (a write cut short: ours)
+    removed, left = cache.clear()
+    assert removed == 1 and not (kernels / built.key).exists() and not (kernels / ".tmp-0123456789abcdef").exists()
+    assert (kernels / ("cd" * 32)).read_text() == "my notes, named like an entry\n"
+    assert left == [f"{kernels / ('cd' * 32)} (its contents are not what sparsegen writes there)"]
+
+
+def test_a_team_caches_build_locks_are_readable_by_the_team(tmp_path, monkeypatch):
+    """Teammates open each other's lock files (0640) and so share the build lock (0600 ones
+    they could not open: each built unlocked)."""
+    monkeypatch.setenv("SPARSEGEN_TEAM_CACHE_DIR", str(tmp_path / "team"))
+    cache.clear_memory()
+    from sparsegen.bsr.specs import forward_spec
+    cache.build(forward_spec((16, 16), "bf16", 80))
+    locks = [tmp_path / "team" / "locks" / name for name in os.listdir(tmp_path / "team" / "locks")]
+    assert locks and all(stat.S_IMODE(os.stat(lock).st_mode) == 0o640 for lock in locks)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from . import bundle, codegen, compiler
 from .. import env
-from .diskstore import ALIASES, KERNELS, KEY_RE, DiskStore
+from .diskstore import ALIASES, ENTRY_MAGIC, KERNELS, KEY_RE, DiskStore
 from .spec import KernelSpec, fields_tuple
 
-_MAGIC = b"SGCUBIN1"
+_MAGIC = ENTRY_MAGIC
 _memory: dict[str, tuple[str, bytes]] = {}
 
 

@@ -27,6 +27,7 @@ KEY_RE = re.compile(r"[0-9a-f]{64}")
 LOCK_RE = re.compile(r"[0-9a-f]{32}\.lock")
 TEMPORARY_RE = re.compile(r"\.tmp-[0-9a-f]{16}")  # private_files.replace_file's names
 _OWN_NAMES = {KERNELS: KEY_RE, ALIASES: KEY_RE, LOCKS: LOCK_RE}
+ENTRY_MAGIC = b"SGCUBIN1"  # what every kernel entry starts with (cache._seal)
 LOCK_WAIT_S = 120.0  # a build lock held longer than this (a hung process) is ignored
 _warned: set[tuple] = set()
 
@@ -85,8 +86,9 @@ class DiskStore:
 
     def clear(self) -> tuple[int, list[str]]:
         """Remove the entries, aliases, locks and temporaries sparsegen writes - names it
-        recognises, nothing else - and the folders they leave empty; keep crossover tables.
-        Returns (entries removed, the paths left because sparsegen did not write them)."""
+        recognises holding what it writes there (_holds_ours), nothing else - and the folders
+        they leave empty; keep crossover tables. Returns (entries removed, "PATH (why)" for
+        each path left)."""
         removed, left = 0, []
         for kind, pattern in _OWN_NAMES.items():
             folder = self.root / kind
@@ -94,15 +96,16 @@ class DiskStore:
                 continue
             trust.check_path(folder)
             for path in (folder / name for name in private_files.list_names(folder)):
-                if pattern.fullmatch(path.name) and private_files.is_plain_file(path):
-                    private_files.remove_file(path)
-                    removed += kind == KERNELS  # (entries counted; their aliases and locks not)
-                elif TEMPORARY_RE.fullmatch(path.name) and private_files.is_plain_file(path):
-                    private_files.remove_file(path)  # (a write that died half-way)
-                else:
-                    left.append(str(path))
+                ours = pattern.fullmatch(path.name) or TEMPORARY_RE.fullmatch(path.name)  # (a write that died half-way)
+                why = "not a name sparsegen writes" if not ours else _holds_ours(kind, path)
+                if why:
+                    left.append(f"{path} ({why})")
+                    continue
+                private_files.remove_file(path)
+                removed += kind == KERNELS and not TEMPORARY_RE.fullmatch(path.name)  # (entries counted)
             private_files.remove_empty_dir(folder)  # (only if empty)
-        left += [str(self.root / name) for name in LEGACY if os.path.lexists(self.root / name)]
+        left += [f"{self.root / name} (an earlier version's, never read)" for name in LEGACY
+                 if os.path.lexists(self.root / name)]
         return removed, left
 
     @contextlib.contextmanager
@@ -129,9 +132,29 @@ class DiskStore:
         folder = self.root / LOCKS
         try:
             trust.make_dirs(folder)
-            return private_files.open_lock(folder / f"{key[:32]}.lock")
+            return private_files.open_lock(folder / f"{key[:32]}.lock", trust.file_mode(folder))
         except OSError:
             return None  # read-only or full: the write that follows warns
+
+
+def _holds_ours(kind: str, path: Path) -> str | None:
+    """Why a file named as sparsegen names its own is not one it wrote, or None where it is:
+    a regular file holding a kernel entry (its magic tag), an alias (64 hex digits) or a lock
+    (empty). A temporary may be cut short: its start is judged."""
+    try:
+        if not private_files.is_plain_file(path):
+            return "not a regular file"
+        head = private_files.read_head(path, 64)
+    except OSError as error:
+        return f"unreadable: {error.strerror or error}"
+    partial = TEMPORARY_RE.fullmatch(path.name) is not None
+    if kind == KERNELS:
+        ok = head.startswith(ENTRY_MAGIC) or partial and ENTRY_MAGIC.startswith(head)
+    elif kind == ALIASES:
+        ok = KEY_RE.fullmatch(head.decode("ascii", "replace")) is not None or partial and re.fullmatch(rb"[0-9a-f]*", head)
+    else:
+        ok = head == b""
+    return None if ok else "its contents are not what sparsegen writes there"
 
 
 def _flock_within(handle, seconds: float) -> bool:

@@ -173,7 +173,23 @@ def remove_empty_dir(path: Path) -> bool:
     return True
 
 
-def open_lock(path: Path):
-    """A lock file opened read-write (created 0600 if missing), never through a link."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    return os.fdopen(fd, "rb+")
+def open_lock(path: Path, mode: int = 0o600):
+    """A lock file, opened for reading (all flock needs), never through a link; one this
+    call creates gets `mode` (a team cache's 0640: teammates open it and share the lock)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of a regular file, opened without following a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return handle.read(size)
