@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch._inductor.select_algorithm import extern_kernels
 
+import sparsegen
 import bench_models  # tools/ is on sys.path when run as a script
 
 KINDS = {"cuBLAS (extern mm, addmm)": lambda name: name in ("mm", "addmm"),
@@ -110,10 +111,23 @@ def census(steps: dict, count: int, everything: bool = False) -> dict:
     return {name: _rows(profiler, count, everything) for name, profiler in profilers.items()}
 
 
+PACKAGE = Path(sparsegen.__file__).resolve().parent
+
+
+def in_package(file: str) -> bool:
+    """Whether a profiled function's file is sparsegen's own module, by where the imported
+    package lies (not by a folder's name: a checkout is itself called sparsegen after
+    `git clone`, and its tests and tools would count)."""
+    try:
+        return Path(file).resolve().is_relative_to(PACKAGE)
+    except (OSError, ValueError):
+        return False
+
+
 def _rows(profiler: cProfile.Profile, count: int, everything: bool) -> list[tuple[float, float, str]]:
     counted = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, own s, ...)}
     rows = [(calls / count, own / count * 1e6, f"{Path(file).parent.name}/{Path(file).name}:{line}({function})")
-            for (file, line, function), (_, calls, own, *_) in counted.items() if everything or "/sparsegen/" in file]
+            for (file, line, function), (_, calls, own, *_) in counted.items() if everything or in_package(file)]
     return sorted(rows, key=lambda row: (row[1], row[0]) if everything else row, reverse=True)
 
 
