@@ -90,3 +90,21 @@ def test_patch_warms_without_a_gpu_only_when_asked(monkeypatch):
     if not torch.cuda.is_available():
         assert started == []
     assert warm.warm(list(model.modules()), arch=80) > 0
+
+
+def test_a_process_that_exits_does_not_wait_for_queued_builds(tmp_path):
+    """The background threads are daemons: a script that patches and ends is not held until
+    every queued kernel is built (40 here, about half a minute of NVRTC on one thread)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import time, sparsegen\nfrom sparsegen.jit import cache\nfrom sparsegen.bsr.specs import forward_spec\n"
+              "specs = [forward_spec((b, b), d, 80, epilogue=e) for b in (16, 32, 64, 128) for d in ('fp16', 'bf16')\n"
+              "         for e in ('none', 'relu', 'gelu', 'silu', 'gelu_tanh')]\n"
+              "cache.BACKGROUND_THREADS = 1\nassert cache.build_soon(specs) == 40\nprint('queued', flush=True)\n")
+    begin = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, SPARSEGEN_CACHE_DIR=str(tmp_path)))
+    assert done.returncode == 0 and "queued" in done.stdout, done.stderr[-2000:]
+    assert time.perf_counter() - begin < 20

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from . import bundle, codegen, compiler
@@ -104,12 +105,14 @@ def build(spec: KernelSpec) -> Built:
 
 
 # Background builds (build_soon): NVRTC releases the GIL, so threads compile in parallel while
-# the caller goes on. At most this many at once; none where the disk cache is off (each process
-# compiles what it uses then anyway).
+# the caller goes on. At most this many at once. Daemon threads of our own, not a
+# ThreadPoolExecutor, whose exit hook would run every queued build before the process may end:
+# a script that patches and exits should not wait for kernels it will never use (a build cut
+# short leaves at most a temporary file, which `cache clear` removes).
 BACKGROUND_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))
 _pending: dict[str, Future] = {}
 _pool_lock = threading.Lock()
-_pool: list[ThreadPoolExecutor] = []
+_pool: list = []  # [the queue, its threads]
 
 
 def build_soon(specs: list[KernelSpec]) -> int:
@@ -122,16 +125,33 @@ def build_soon(specs: list[KernelSpec]) -> int:
         alias = alias_key(spec, texts)
         if alias in _memory or alias in _pending:
             continue
-        _pending[alias] = _executor().submit(_build_in_background, spec, texts, alias)
+        _pending[alias] = _submit(_build_in_background, spec, texts, alias)
         started += 1
     return started
 
 
-def _executor() -> ThreadPoolExecutor:
+def _submit(fn, *args) -> Future:
+    future: Future = Future()
     with _pool_lock:
         if not _pool:
-            _pool.append(ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="sparsegen-build"))
-        return _pool[0]
+            _pool.extend([queue.SimpleQueue(), []])
+        work, threads = _pool
+        work.put((future, fn, args))
+        if len(threads) < BACKGROUND_THREADS:
+            threads.append(threading.Thread(target=_serve, args=(work,), name="sparsegen-build", daemon=True))
+            threads[-1].start()
+    return future
+
+
+def _serve(work: queue.SimpleQueue) -> None:
+    while True:
+        future, fn, args = work.get()
+        if not future.set_running_or_notify_cancel():
+            continue  # (cancelled: build() took it over)
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # (kept for build() to raise again)
+            future.set_exception(error)
 
 
 def _build_in_background(spec: KernelSpec, texts, alias: str) -> None:
