@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, env
-from .jit import bundle, cache, codegen
+from .jit import bundle, cache, codegen, trust
 from .jit import spec as specs
-from .errors import SparsegenError, SpecError, expect
+from .errors import ConfigError, InputError, SparsegenError, SpecError, expect
 
 USAGE_ERROR = 2  # what argparse itself returns for a bad command line
 _ARCH_RE = re.compile(r"(?:sm_?)?(\d+)a?", re.IGNORECASE)  # sm_90a: same specs as sm_90
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args) or 0
-    except SpecError as error:
+    except (SpecError, InputError, ConfigError, trust.UntrustedPathError) as error:  # (the user's to fix)
         return _fail(error, USAGE_ERROR)
     except SparsegenError as error:  # e.g. NVRTC rejected a template: not the user's input
         return _fail(error, 1)

@@ -206,8 +206,9 @@ def _bias(name: str, tensors: dict, linear: nn.Linear, used: set, allow_nonfinit
     if linear.bias is None or f"{name}.bias" not in tensors:
         return linear.bias
     bias = tensors[f"{name}.bias"]
-    expect(bias.is_floating_point() and tuple(bias.shape) == (linear.out_features,),
-           f"a floating bias of shape {(linear.out_features,)}", f"{bias.dtype} {tuple(bias.shape)}")
+    # (16 or 32 bits: a one-byte bias would be cast silently, where a one-byte norm weight is refused)
+    expect(bias.is_floating_point() and bias.element_size() > 1 and tuple(bias.shape) == (linear.out_features,),
+           f"a floating bias of 16 or 32 bits and shape {(linear.out_features,)}", f"{bias.dtype} {tuple(bias.shape)}")
     _check_finite("bias", bias, allow_nonfinite)
     used.add(f"{name}.bias")
     return bias

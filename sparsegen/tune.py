@@ -9,6 +9,7 @@ only (`--layout`) replaces their points and keeps the other layouts' from the ta
 from __future__ import annotations
 
 import datetime
+import os
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .launch import crossovers, dense_path, runtime
-from .errors import expect
+from .errors import SpecError, expect
 from .jit import private_files, registry, trust
 
 # (out_features, in_features): attention and MLP projections of BERT-base, Llama-7B-like and
@@ -102,6 +103,18 @@ def write_table(path: Path, text: str, in_cache: bool) -> None:
     private_files.replace_file(path.parent, path.name, text.encode(), trust.PRIVATE_FILE_MODE)
 
 
+def check_out(path: Path) -> None:
+    """--out names a file sparsegen may write: no folder above it another user could swap
+    (trust.check_ancestors), not a folder itself, and the nearest existing folder writable."""
+    trust.check_ancestors(path)
+    expect(not path.is_dir(), "--out naming a file, not a folder", str(path), SpecError)
+    probe = Path(os.path.abspath(path)).parent
+    while not os.path.lexists(probe):
+        probe = probe.parent
+    expect(os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK), "--out in a folder you can write",
+           f"{path} (nearest existing folder {probe})", SpecError)
+
+
 def table_text(gpu_name: str, points: list[dict]) -> str:
     """The table file: its header, then one point per line (diffs stay readable)."""
     header = dict(gpu=gpu_name, torch=torch.__version__, date=datetime.date.today().isoformat())
@@ -123,6 +136,8 @@ def summary(points) -> str:
 def main(quick: bool = False, out: Path | None = None, only: list[str] | None = None) -> int:
     """`only`: the layouts to measure (NAMES), the others' points kept."""
     expect(not only or set(only) <= set(NAMES), f"layouts among {NAMES}", repr(only))
+    if out is not None:  # (before minutes of measuring, not after)
+        check_out(Path(out))
     if not torch.cuda.is_available():
         print("sparsegen tune: needs a CUDA GPU (the packaged H100/H200 tables apply elsewhere)", file=sys.stderr)
         return 2

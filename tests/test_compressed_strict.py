@@ -115,12 +115,14 @@ def test_dtypes_and_shapes_are_checked_against_the_model(bf16, key, value, match
     refused(bf16, match)
 
 
-@pytest.mark.parametrize("shape", [(1,), (7,)])
-def test_a_bias_of_another_shape_is_refused(tmp_path, shape):
+@pytest.mark.parametrize("shape, dtype", [((1,), torch.bfloat16), ((7,), torch.bfloat16),
+                                          ((128,), torch.float8_e4m3fn)])
+def test_a_bias_of_another_shape_or_a_one_byte_bias_is_refused(tmp_path, shape, dtype):
     folder = checkpoint(tmp_path, "bf16", attention_bias=True)
     name = "model.layers.0.self_attn.o_proj"
-    edit(folder, lambda stored: stored.update({f"{name}.bias": torch.ones(shape, dtype=torch.bfloat16)}))
-    refused(folder, f"{name}: Expected a floating bias of shape \\(128,\\)", config=dict(attention_bias=True))
+    edit(folder, lambda stored: stored.update({f"{name}.bias": torch.ones(shape).to(dtype)}))
+    refused(folder, f"{name}: Expected a floating bias of 16 or 32 bits and shape \\(128,\\)",
+            config=dict(attention_bias=True))
 
 
 @pytest.mark.parametrize("kind, key", [("bf16", f"{LAYER}.compressed"), ("fp8", f"{LAYER}.weight_scale"),

@@ -135,3 +135,23 @@ def test_a_team_caches_build_locks_are_readable_by_the_team(tmp_path, monkeypatc
     cache.build(forward_spec((16, 16), "bf16", 80))
     locks = [tmp_path / "team" / "locks" / name for name in os.listdir(tmp_path / "team" / "locks")]
     assert locks and all(stat.S_IMODE(os.stat(lock).st_mode) == 0o640 for lock in locks)
+
+
+def test_tune_out_is_judged_before_anything_is_measured(tmp_path, capsys):
+    """`sparsegen tune --out` below another user's folder, at a folder, or under a file: one
+    line and exit status 2, before the GPU check (no measuring starts)."""
+    from sparsegen.cli import main as cli_main
+
+    (tmp_path / "a_file").write_text("")
+    for out in (theirs(shared(tmp_path) / "x") / "t.json", tmp_path, tmp_path / "a_file" / "t.json"):
+        assert cli_main(["tune", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("sparsegen: error: Expected") and err.count("\n") == 1, err
+
+
+def test_precompile_bundle_below_another_users_folder_is_refused_before_compiling(tmp_path, capsys, nvrtc_calls):
+    from sparsegen.cli import main as cli_main
+
+    parent = theirs(shared(tmp_path) / "x")
+    assert cli_main(["precompile", "--arch", "sm_80", "--bundle", str(parent / "b")]) == 2
+    assert nvrtc_calls == [] and "--bundle" in capsys.readouterr().err

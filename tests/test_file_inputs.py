@@ -146,3 +146,36 @@ def test_a_one_byte_layer_builds_on_the_meta_device_and_checks_scales_on_load():
     with torch.device("meta"):
         layer = scaled.ScaledSparse24Linear.from_dense(torch.nn.Linear(64, 32), "e4m3")
     assert layer.weight_scale.is_meta
+
+
+FILE_BYTES = (st.binary(max_size=400) | JSON_VALUES.map(lambda v: json.dumps({"points": [v], "weight_map": v,
+                                                                                "format": v}).encode()))
+
+
+@given(raw=FILE_BYTES)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+def test_every_reader_gives_only_its_documented_outcome(raw, tmp_path_factory):
+    """Random and structured-but-wrong contents for each file sparsegen reads: a crossover
+    table gives its points or none (with a warning), a bundle manifest a Manifest or
+    ValueError, a checkpoint's JSON a dict or InputError, a safetensors shard tensors or
+    InputError. Nothing else escapes."""
+    import warnings
+
+    folder = tmp_path_factory.mktemp("inputs")
+    (folder / "t.json").write_bytes(raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert isinstance(crossovers.load(folder / "t.json"), tuple)
+    try:
+        bundle.parse(folder, raw)
+    except ValueError:
+        pass
+    (folder / "config.json").write_bytes(raw)
+    (folder / "model.safetensors").write_bytes(raw)
+    for read in (lambda: checkpoint_files.read_json(folder / "config.json"),
+                 lambda: checkpoint_files.read_tensors(folder)):
+        try:
+            read()
+        except InputError:
+            pass
