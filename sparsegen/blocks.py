@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .errors import expect, positive_int
+from .jit.spec import BLOCK_SIDES
 
 
 def check_divisible(count: int, divisor: int, what: str, divisor_name: str) -> None:
@@ -18,10 +19,13 @@ def check_divisible(count: int, divisor: int, what: str, divisor_name: str) -> N
 
 
 def check_block(block) -> tuple[int, int]:
-    """(rows, cols) of positive ints; the kernels' own limits are checked by their specs."""
+    """(rows, cols), each a side the kernels take (BLOCK_SIDES): the one check the layers,
+    `precompile` and `tune` share (KernelSpec's), so the CPU path refuses what the GPU would."""
     sides = tuple(block) if isinstance(block, (tuple, list)) else None
     expect(sides is not None and len(sides) == 2, "block as (rows, cols)", repr(block))
-    return tuple(positive_int(side, "a block side") for side in sides)
+    sides = tuple(positive_int(side, "a block side") for side in sides)
+    expect(all(side in BLOCK_SIDES for side in sides), f"block sides each one of {BLOCK_SIDES}", repr(block))
+    return sides
 
 
 def grid_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import re
 import sys
 import time
@@ -69,7 +70,8 @@ def _selection_options() -> argparse.ArgumentParser:
 def _add_precompile(commands) -> None:
     sub = commands.add_parser("precompile", parents=[_selection_options()],
                               help="compile the default kernels into the disk cache")
-    sub.add_argument("--jobs", "-j", type=int, default=1, help="parallel compiles (default 1)")
+    sub.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1,
+                     help="parallel compiles (default: one per core)")
     sub.add_argument("--bundle", type=Path, metavar="DIR",
                      help="also write the kernels into DIR (new, or empty and private) as a read-only bundle that "
                           "SPARSEGEN_KERNEL_BUNDLE=DIR loads on machines without NVRTC")
@@ -97,7 +99,7 @@ def _add_show(commands) -> None:
 # --- parsing the selection -------------------------------------------------------------------
 
 def _add_tune(commands) -> None:
-    sub = commands.add_parser("tune", help="measure where this GPU's sparse kernels beat cuBLAS (about a minute)")
+    sub = commands.add_parser("tune", help="measure where this GPU's sparse kernels beat cuBLAS (times every layout's kernels at many shapes)")
     sub.add_argument("--quick", action="store_true", help="a smaller grid (a few seconds)")
     sub.add_argument("--out", type=Path, help="table file (default: this GPU's, in the cache directory)")
     sub.add_argument("--layout", action="append",

@@ -9,6 +9,7 @@ import torch
 
 from .errors import expect
 from .jit import registry
+from .layer import layer_dtype
 
 # Every layout's faces (registry.Face, declared in its package): what `sparsity` names, and
 # what each takes beyond in/out features, bias, device and dtype.
@@ -38,7 +39,7 @@ def linear(in_features: int, out_features: int, block=None, density: float | Non
     expect(not unused, f"only arguments that sparsity={sparsity!r} takes: {', '.join(TAKES[sparsity])}",
            f"also {', '.join(unused)}")
     _check_device(device)
-    layer = FACES[sparsity].build(in_features, out_features, bias, device, dtype, given)
+    layer = FACES[sparsity].build(in_features, out_features, bias, device, layer_dtype(dtype), given)
     _warn_if_density_differs(given.get("density"), layer)
     return layer
 

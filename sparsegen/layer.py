@@ -12,6 +12,24 @@ from .launch import calls, lean
 from .jit import epilogues, registry
 
 
+# The dtypes a layer's weights may have, by torch.dtype or by these names (sparsegen.linear's
+# dtype=; one-byte weights are weight_dtype="e4m3" / "int8" of 2:4 layers).
+DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+               "float": torch.float32, "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+
+
+def layer_dtype(dtype) -> torch.dtype | None:
+    """dtype as a torch.dtype a layer's weights may have (None: torch's default), a name of
+    DTYPE_NAMES taken for its dtype; an InputError listing both otherwise."""
+    if dtype is None or dtype in DTYPE_NAMES.values():
+        return dtype
+    expect(isinstance(dtype, str) and dtype in DTYPE_NAMES,
+           f"dtype one of {sorted(set(DTYPE_NAMES.values()), key=str)} or a name of one ({', '.join(DTYPE_NAMES)})",
+           repr(dtype))
+    return DTYPE_NAMES[dtype]
+
+
 def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:
     """An nn.Linear holding copies of a dense weight [out, in] and bias (for to_linear)."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,

@@ -81,9 +81,10 @@ def test_bad_layout(layout, match):
         sparsegen.linear(IN, OUT, block=BLOCK, layout=layout)
 
 
-@pytest.mark.parametrize("density", [-0.1, 1.01, 2.0, float("nan")])
+@pytest.mark.parametrize("density", [0, 0.0, -0.1, 1.01, 2.0, float("nan")])
 def test_density_out_of_range(density):
-    with raises_input_error(r"Expected density in \[0, 1\]\. Got "):
+    """Density in (0, 1]: a layer of no blocks would return only its bias."""
+    with raises_input_error(r"Expected density in \(0, 1\]\. Got "):
         sparsegen.linear(IN, OUT, block=BLOCK, density=density)
 
 
@@ -119,3 +120,25 @@ def test_noncontiguous_input_gives_right_numerics(make, dense_reference):
     assert not x.is_contiguous()
     layer = sparsegen.linear(IN, OUT, block=BLOCK, density=0.5)
     torch.testing.assert_close(layer(x).double(), dense_reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [(24, 24), (8, 8), (256, 256), (32, 48)])
+def test_block_sides_the_kernels_do_not_take_are_refused_on_every_device(block):
+    """One check of block sides (KernelSpec's BLOCK_SIDES) for the layers, precompile and tune:
+    the CPU path refuses what the GPU would."""
+    with raises_input_error(r"Expected block sides each one of \(16, 32, 64, 128\)"):
+        sparsegen.linear(768, 768, block=block, density=0.5)
+
+
+@pytest.mark.parametrize("dtype, expected", [("bf16", torch.bfloat16), ("float16", torch.float16), ("fp32", torch.float32),
+                                             (torch.float64, torch.float64)])
+def test_dtypes_by_name_or_torch_dtype(dtype, expected):
+    for sparsity in ("block", "2:4"):
+        layer = sparsegen.linear(64, 64, sparsity=sparsity, dtype=dtype)
+        assert next(layer.parameters()).dtype == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, "bf", "int8", 3])
+def test_a_dtype_no_layer_takes_lists_the_valid_ones(dtype):
+    with raises_input_error(r"Expected dtype one of \[torch.bfloat16, .*\] or a name of one \(float16, fp16"):
+        sparsegen.linear(64, 64, dtype=dtype)

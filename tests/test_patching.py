@@ -68,8 +68,10 @@ def test_patch_errors_change_nothing():
     net = model()
     with pytest.raises(sparsegen.InputError, match="no match for"):
         sparsegen.patch(net, {r"\d+\.up": {"block": (32, 32)}, "missing": {}})
-    with pytest.raises(sparsegen.InputError, match=r"0\.up: Expected out_features \(256\)"):
+    with pytest.raises(sparsegen.InputError, match=r"0\.up: Expected block sides each one of \(16, 32, 64, 128\)"):
         sparsegen.patch(net, {r"\d+\.up": {"block": (96, 32)}})
+    with pytest.raises(sparsegen.InputError, match=r"0\.up: Expected in_features \(64\)"):
+        sparsegen.patch(net, {r"\d+\.up": {"block": (32, 128)}})
     with pytest.raises(sparsegen.InputError, match="keys from"):
         sparsegen.patch(net, {r"\d+\.up": {"blocksize": 32}})
     assert all(type(m) is not sparsegen.BlockSparseLinear for m in net.modules())

@@ -10,7 +10,7 @@ from ..launch import calls, lean
 from .. import checkpoint
 from ..jit import epilogues
 from ..errors import expect, fraction, positive_int
-from ..layer import SparseLinearForward, dense_linear, finish_part, in_units, weight_part
+from ..layer import SparseLinearForward, dense_linear, finish_part, in_units, layer_dtype, weight_part
 from . import format as bsr
 from . import ops
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
@@ -34,8 +34,9 @@ class BlockSparseLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, 
         self.out_features = positive_int(out_features, "out_features")
         self.block = bsr.check_block(block)
         grid = bsr.grid_shape(self.out_features, self.in_features, self.block)
-        mask = bsr.random_mask(grid, fraction(density, "density")) if layout is None else bsr.check_mask(layout, grid)
-        factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
+        mask = (bsr.random_mask(grid, fraction(density, "density", zero=False)) if layout is None
+                else bsr.check_mask(layout, grid))
+        factory = dict(device=device, dtype=layer_dtype(dtype) or torch.get_default_dtype())
         self.register_buffer("layout", mask.to(device))
         self._register_index(mask, device)
         self.values = nn.Parameter(torch.empty(int(mask.sum()), *self.block, **factory))
