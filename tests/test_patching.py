@@ -333,3 +333,26 @@ def test_a_model_built_on_the_meta_device_patches_and_loads_a_checkpoint(setting
     model.load_state_dict(source.state_dict())
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, source(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "bert", "gemma"])
+def test_the_saving_recipe_round_trips_tied_models(architecture, tmp_path):
+    """docs/recipes.md's save_model / load_model on models whose head shares the embedding's
+    tensor: from the file and from a save_pretrained folder, the same logits, the head tied."""
+    from safetensors.torch import load_model, save_model
+
+    make, rules = ARCHITECTURES[architecture]
+    torch.manual_seed(0)
+    model = make().eval()
+    sparsegen.patch(model, rules)
+    save_model(model, str(tmp_path / "sparse.safetensors"))
+    model.save_pretrained(tmp_path / "folder")
+    ids = torch.randint(3, 96, (2, 9))
+    for path in (tmp_path / "sparse.safetensors", tmp_path / "folder" / "model.safetensors"):
+        again = make().eval()
+        sparsegen.patch(again, rules, from_dense=False)
+        load_model(again, str(path))
+        head, embedding = again.get_output_embeddings().weight, again.get_input_embeddings().weight
+        assert head.data_ptr() == embedding.data_ptr()
+        with torch.no_grad():
+            assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
