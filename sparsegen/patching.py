@@ -41,7 +41,9 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     down(act(gate(x)) * up(x)), gate and up under one rule) becomes a GatedMLP whose
     gate and up projections are one sparse layer with a gated epilogue (their rows
     interleaved, epilogues.interleave_rows; block layouts are then chosen over the pair).
-    Returns the replaced names. Every rule is checked before anything changes.
+    Returns the sparse layers' names as the model has them afterwards (a fused pair's as its
+    GatedMLP's `gate_up`), a list whose `.fused` maps each such name to the projections it
+    took. Every rule is checked before anything changes.
     """
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
     plan = _plan(model, rules)
@@ -55,7 +57,18 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     if fuse:
         _fuse_activations(model, built)
     warm.warm([m for m in model.modules() if _is_sparse_layer(m)])
-    return [name for name, _, _ in plan]
+    return Patched(plan, gated)
+
+
+class Patched(list):
+    """What patch returns: the new layers' names as the model has them now, in the model's
+    order, and `fused`: {a GatedMLP's gate_up: [the projections it took]}."""
+
+    def __init__(self, plan: list, gated: list):
+        fused = {f"{mlp.name}.gate_up": list(mlp.projections) for mlp in gated}
+        taken = {name: new for new, names in fused.items() for name in names}
+        super().__init__(dict.fromkeys(taken.get(name, name) for name, _, _ in plan))
+        self.fused = fused
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -161,8 +161,13 @@ def test_fused_layer_trains_through_the_unfused_math(kind):
 
 
 def test_gated_fuse_needs_whole_row_groups():
+    """Every shipped layer has out_features in 16s (blocks of 16 or more, mma.sp tiles), so the
+    rule is shown on a layer of 8 rows as a new layout could make one."""
+    class EightRows(epilogues.Fusable):
+        out_features = 8
     with pytest.raises(InputError, match="out_features a multiple of 16"):
-        sparsegen.linear(32, 8, block=(8, 8)).fuse("swiglu")
+        EightRows().fuse("swiglu")
+    assert EightRows().fuse("relu").epilogue == "relu"
 
 
 def tiny_llama():
@@ -186,7 +191,9 @@ def test_patch_fuses_a_llama_mlp_into_one_gated_layer_with_the_same_2_4_result()
     sparsegen.patch(plain, rules, fuse=False)
     mlp = fused.model.layers[1].mlp
     assert isinstance(mlp, sparsegen.GatedMLP) and mlp.gate_up.epilogue == "swiglu"
-    assert mlp.gate_up.out_features == 2 * 96 and "model.layers.1.mlp.gate_proj" in names
+    assert mlp.gate_up.out_features == 2 * 96 and "model.layers.1.mlp.gate_up" in names
+    assert names.fused["model.layers.1.mlp.gate_up"] == ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    assert all(isinstance(fused.get_submodule(name), torch.nn.Module) for name in names)  # (the names as they are now)
     ids = torch.randint(0, 50, (2, 9))
     torch.testing.assert_close(logits(fused, ids), logits(plain, ids))  # 2:4 masks are per row: the same
 
