@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ RULE_SETTINGS = {sparsity: face.rule for sparsity, face in FACES.items()}
 _SETTINGS = ("sparsity", *dict.fromkeys(key for keys in RULE_SETTINGS.values() for key in keys))
 
 
-def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = True) -> list[str]:
+def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = True, strict: bool = False) -> list[str]:
     r"""Replace, in place, every linear layer whose qualified name (as in named_modules())
     matches a pattern of `rules` - the whole name or a whole dotted suffix of it, so
     r"mlp\.(gate|up|down)_proj" finds model.layers.0.mlp.gate_proj - by a BlockSparseLinear built with that pattern's
@@ -44,9 +45,14 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     Returns the sparse layers' names as the model has them afterwards (a fused pair's as its
     GatedMLP's `gate_up`), a list whose `.fused` maps each such name to the projections it
     took. Every rule is checked before anything changes.
+
+    A suffix pattern that matches one suffix in places of different roles (BERT's
+    r"output\.dense" also finds attention.output.dense) warns, naming them and how to anchor
+    it; with `strict=True` that is an InputError before anything changes.
     """
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
     plan = _plan(model, rules)
+    _check_roles(plan, rules, strict)
     gated = _gated_mlps(model, plan) if fuse else []
     paired = {name for mlp in gated for name in mlp.projections}
     built = {name: _build(module, settings, from_dense, name) for name, module, settings in plan if name not in paired}
@@ -274,6 +280,33 @@ def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
            r"whole dotted suffix of it: 'mlp\.up_proj' matches 'model.layers.0.mlp.up_proj')",
            f"no match for {unused}; {_unmatched_hint(model, unused, [name for name, _ in linears])}")
     return plan
+
+
+def _check_roles(plan: list, rules: dict, strict: bool) -> None:
+    """Warn (strict: refuse) where one pattern matched the same suffix under parents of
+    different roles (their names with layer numbers as #): a pattern widened past its intent."""
+    for pattern in rules:
+        regex, roles = _regex(pattern), {}
+        for name, _, _ in plan:
+            parts = name.split(".")
+            start = next((i for i in range(len(parts)) if regex.fullmatch(".".join(parts[i:]))), None)
+            if start is not None:
+                suffix, parent = ".".join(parts[start:]), re.sub(r"\d+", "#", ".".join(parts[:start]))
+                roles.setdefault(suffix, set()).add(parent)
+        wide = {suffix: sorted(parents) for suffix, parents in roles.items() if len(parents) > 1}
+        if wide:
+            suffix, parents = next(iter(wide.items()))
+            message = (f"pattern {pattern!r} matches {suffix!r} in {len(parents)} roles: "
+                       + ", ".join(f"{p}.{suffix}" for p in parents)
+                       + f"; anchor it to the one meant with a longer suffix, e.g. {_anchored(parents[0], suffix)!r}")
+            expect(not strict, "each pattern to match its suffix in one role (strict=True)", message)
+            warnings.warn(f"sparsegen.patch: {message}", UserWarning, stacklevel=3)
+
+
+def _anchored(parent: str, suffix: str) -> str:
+    """A pattern for `suffix` under the last two parts of `parent` (layer numbers as \\d+)."""
+    parts = [p for p in parent.split(".") if p][-2:] + suffix.split(".")
+    return r"\.".join(r"\d+" if p == "#" else re.escape(p) for p in parts)
 
 
 def _unmatched_hint(model: nn.Module, patterns: list[str], names: list[str]) -> str:

@@ -356,3 +356,22 @@ def test_the_saving_recipe_round_trips_tied_models(architecture, tmp_path):
         assert head.data_ptr() == embedding.data_ptr()
         with torch.no_grad():
             assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_pattern_widened_past_its_role_warns_and_strict_refuses():
+    """BERT's r"(intermediate|output)\\.dense" also finds attention.output.dense: a warning
+    names both roles and an anchored pattern; strict=True refuses before anything changes."""
+    make, _ = ARCHITECTURES["bert"]
+    model = make()
+    with pytest.warns(UserWarning, match=r"matches 'output.dense' in 2 roles: .*attention\.output\.dense.*"
+                                         r"layer\\\\.\\\\d\+\\\\.output\\\\.dense"):
+        sparsegen.patch(model, {r"(intermediate|output)\.dense": {"sparsity": "2:4"}})
+    model = make()
+    with pytest.raises(sparsegen.InputError, match="one role"):
+        sparsegen.patch(model, {r"(intermediate|output)\.dense": {"sparsity": "2:4"}}, strict=True)
+    assert not any(type(m).__module__.startswith("sparsegen.") for m in model.modules())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (patterns of one role each: no warning)
+        sparsegen.patch(model, {r"layer\.\d+\.(intermediate|output)\.dense": {"sparsity": "2:4"}}, strict=True)
+        sparsegen.patch(ARCHITECTURES["llama"][0](), {r"(self_attn|mlp)\.\w+_proj": {"sparsity": "2:4"}}, strict=True)
