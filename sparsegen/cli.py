@@ -184,7 +184,8 @@ def _builds(todo: list, jobs: int):
         yield from map(cache.build, todo)
         return
     with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=_pool_context()) as pool:
-        futures = [pool.submit(_build_in_worker, spec) for spec in todo]
+        settings = {name: value for name, value in os.environ.items() if name.startswith("SPARSEGEN_")}
+        futures = [pool.submit(_build_in_worker, spec, settings) for spec in todo]
         try:
             yield from (future.result() for future in as_completed(futures))
         finally:
@@ -202,7 +203,13 @@ def _pool_context():
     return context
 
 
-def _build_in_worker(spec: specs.KernelSpec) -> cache.Built:
+def _build_in_worker(spec: specs.KernelSpec, settings: dict | None = None) -> cache.Built:
+    """cache.build in a pool's worker, under the caller's SPARSEGEN_* `settings` (a forkserver
+    started earlier in the process keeps the environment it had then: the cache folder too)."""
+    if settings is not None:
+        for name in [name for name in os.environ if name.startswith("SPARSEGEN_")]:
+            del os.environ[name]
+        os.environ.update(settings)
     try:
         return cache.build(spec)
     except SparsegenError as error:

@@ -25,8 +25,9 @@ def layer_dtype(dtype) -> torch.dtype | None:
     if dtype is None or dtype in DTYPE_NAMES.values():
         return dtype
     expect(isinstance(dtype, str) and dtype in DTYPE_NAMES,
-           f"dtype one of {sorted(set(DTYPE_NAMES.values()), key=str)} or a name of one ({', '.join(DTYPE_NAMES)})",
-           repr(dtype))
+           f"dtype one of {sorted(set(DTYPE_NAMES.values()), key=str)} or a name of one ({', '.join(DTYPE_NAMES)}); "
+           "one-byte weights: sparsity='2:4' with weight_dtype='e4m3' or 'int8' (int8 and float8_e4m3fn: "
+           "sparsegen.to_sparse24 for inference)", repr(dtype))
     return DTYPE_NAMES[dtype]
 
 
