@@ -139,6 +139,18 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up(x))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A state_dict of the MLP unfused (gate and up apart: saved from a model patched with
+        fuse=False, other rules, or none) is refused naming that, not by torch's key lists."""
+        apart = sorted({key[len(prefix):].split(".")[0] for key in state_dict if key.startswith(prefix)}
+                       - {"gate_up", "down_proj"})
+        expect(not apart or any(key.startswith(prefix + "gate_up.") for key in state_dict),
+               f"{prefix}gate_up's tensors (patch fused this MLP's gate and up into one layer)",
+               f"{', '.join(prefix + part for part in apart)}: a state_dict of the MLP unfused. Patch the model "
+               "this is loaded into as the saved one was (sparsegen.patch(..., fuse=False) keeps gate and up "
+               "apart), or load the saved model's dense_copy into an unpatched one")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
 @dataclass(frozen=True)
 class GatedForm:

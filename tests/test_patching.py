@@ -375,3 +375,19 @@ def test_a_pattern_widened_past_its_role_warns_and_strict_refuses():
         warnings.simplefilter("error")  # (patterns of one role each: no warning)
         sparsegen.patch(model, {r"layer\.\d+\.(intermediate|output)\.dense": {"sparsity": "2:4"}}, strict=True)
         sparsegen.patch(ARCHITECTURES["llama"][0](), {r"(self_attn|mlp)\.\w+_proj": {"sparsity": "2:4"}}, strict=True)
+
+
+def test_a_state_dict_of_the_mlp_unfused_names_the_fusion():
+    """A checkpoint saved with gate and up apart (fuse=False) loaded into a fused model: an
+    InputError that says so and how to match, not torch's list of keys."""
+    make, rules = ARCHITECTURES["llama"]
+    torch.manual_seed(0)
+    apart = make()
+    sparsegen.patch(apart, rules, fuse=False)
+    fused = make()
+    sparsegen.patch(fused, rules, from_dense=False)
+    with pytest.raises(sparsegen.InputError, match=r"mlp\.gate_up's tensors .*fuse=False"):
+        fused.load_state_dict(apart.state_dict())
+    again = make()
+    sparsegen.patch(again, rules, from_dense=False, fuse=False)
+    again.load_state_dict(apart.state_dict())
