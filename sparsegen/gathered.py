@@ -407,6 +407,12 @@ class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, ch
         epilogue where one is fused."""
         return self._dense_twin(dense_linear(self.to_dense_weight().detach(), self.bias))
 
+    def extra_repr(self) -> str:
+        """What a new layout's layer prints without writing its own: shapes, blocks kept per
+        block row, bias, epilogue (a layout may override it to name its own parameters)."""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, block={tuple(self.block)}, "
+                f"per_row={self.values.shape[1]}, bias={self.bias is not None}{self._epilogue_repr()}")
+
 
 def face_patch(build: Callable) -> Callable:
     """A registry.Face's `patch` for a kit layout: the layer `build` makes for a linear's shape
