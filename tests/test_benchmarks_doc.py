@@ -84,3 +84,19 @@ def test_a_pivoted_table_puts_each_points_rows_side_by_side_and_keeps_steady_col
     lines = bench_record.table_lines(table.as_dict())
     assert lines[0] == "| dtype | block | dense ms | density 1 | x 1 | density 2 | x 2 | density 3 | x 3 |"
     assert lines[2:] == expected
+
+
+def test_a_cell_shows_only_its_latest_commits_runs():
+    """A (case, variant, mode) measured again at a later commit replaces the older figure; two
+    runs of one commit stay side by side; a run whose every cell was measured again is gone."""
+    def run(commit, date, *cells):
+        rows = [dict(case=case, variant=variant, mode="compile", speedup=s) for case, variant, s in cells]
+        return dict(meta=dict(commit=commit, date=date), rows=rows)
+    old = run("aaa", "2026-11-26", ("llama", "2:4", 0.9), ("bert", "2:4", 1.1))
+    repeat = run("aaa", "2026-11-26", ("bert", "2:4", 1.2))
+    new = run("bbb", "2026-11-27", ("llama", "2:4", 1.3))
+    newest = run("ccc", "2026-11-28", ("gpt2", "2:4", 1.0))
+    gone = run("ddd", "2026-11-25", ("gpt2", "2:4", 0.5))
+    kept = benchmarks_md.current_rows([gone, old, repeat, new, newest])
+    assert [(r["meta"]["commit"], [row["speedup"] for row in r["rows"]]) for r in kept] == [
+        ("aaa", [1.1]), ("aaa", [1.2]), ("bbb", [1.3]), ("ccc", [1.0])]

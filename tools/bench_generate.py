@@ -322,7 +322,8 @@ def tables_of(rows: list[dict]) -> list[Table]:
 def _generate_table(rows: list[dict]) -> Table:
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows if "tokens_per_s" in r)]
     bytes_ = [v for v in variants if v in BYTE_DENSE]
-    table = Table("Whole models", "model.generate() tokens/s: speedup over the best dense model",
+    modes = " and ".join(dict.fromkeys(r["mode"] for r in rows if "tokens_per_s" in r))
+    table = Table("Whole models", f"model.generate() tokens/s, {modes}: speedup over the best dense model",
                   [("model", ""), ("mode", ""), ("prompt", ""), ("batch", ""), ("new", ""), ("dense tok/s", ".1f")]
                   + [(v, "x") for v in variants] + [(f"{v} / {BYTE_DENSE[v]}", "x") for v in bytes_],
                   about=GENERATE_ABOUT)

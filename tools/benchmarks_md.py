@@ -55,10 +55,29 @@ def provenance(meta: dict) -> str:
             f"`{meta['command']}`")
 
 
+def current_rows(runs: list[dict]) -> list[dict]:
+    """The runs, each with only the rows no later run measured again: a (case, variant, mode)
+    cell shows its latest commit's runs (repeats of that commit side by side), never older
+    ones; a run left with no rows is dropped. Runs are in file order, later files later."""
+    latest = {_cell_key(row): run["meta"]["commit"] for run in runs for row in run.get("rows", [])}
+    kept = []
+    for run in runs:
+        rows = [r for r in run.get("rows", []) if latest[_cell_key(r)] == run["meta"]["commit"]]
+        if rows or run.get("host"):
+            kept.append(dict(run, rows=rows))
+    return kept
+
+
+def _cell_key(row: dict) -> tuple:
+    return row.get("case"), row.get("variant"), row.get("mode")
+
+
 def model_lines(runs: list[dict]) -> list[str]:
-    """bench_models.py's runs (raw rows per case, variant and mode), merged into its tables."""
+    """bench_models.py's runs (raw rows per case, variant and mode), merged into its tables,
+    each cell from its latest commit's runs only (current_rows)."""
     import bench_models  # late: it imports torch and transformers
 
+    runs = current_rows(runs)
     rows = [r for run in runs for r in run.get("rows", [])]
     host = [r for run in runs for r in run.get("host", [])]
     lines = ["Runs:", ""] + [f"- {provenance(run['meta'])}" for run in runs] + [""]
