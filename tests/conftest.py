@@ -68,6 +68,7 @@ def read_only_cache():
 
 
 from skip_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
+from ownership import owners  # noqa: F401,E402 (a fixture: files of another user, real or simulated)
 
 
 # Tests that start processes of their own and take 10-60 s on the 2-core CI machine: run

@@ -2,7 +2,7 @@
 every component from /, so a folder another user owns, or can write without the sticky bit, or a
 link they made anywhere in the middle, is refused before anything is written - for the cache
 (check_path), a bundle (precompile --bundle) and a tune table (tune --out) alike. The other
-user is real: folders chowned to another uid (the suite runs as root)."""
+user is real where the suite runs as root (chown: CI), simulated otherwise (ownership.py)."""
 import os
 import stat
 from pathlib import Path
@@ -14,8 +14,6 @@ from sparsegen.errors import SparsegenError
 from sparsegen.jit import bundle, cache, trust
 
 OTHER = 2000
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
-pytestmark = needs_root
 
 
 def shared(tmp_path: Path) -> Path:
@@ -26,15 +24,15 @@ def shared(tmp_path: Path) -> Path:
     return folder
 
 
-def theirs(path: Path, mode: int = 0o755) -> Path:
+def theirs(owners, path: Path, mode: int = 0o755) -> Path:
     path.mkdir()
     os.chmod(path, mode)
-    os.chown(path, OTHER, OTHER)
+    owners.give(path, OTHER, OTHER)
     return path
 
 
-def test_a_bundle_below_another_users_folder_is_refused_before_compiling(tmp_path):
-    parent = theirs(shared(tmp_path) / "x")
+def test_a_bundle_below_another_users_folder_is_refused_before_compiling(tmp_path, owners):
+    parent = theirs(owners, shared(tmp_path) / "x")
     assert not bundle.is_free(parent / "b")
     with pytest.raises(SparsegenError, match="a new directory for the bundle"):
         bundle.write(parent / "b", {"k": b"cubin"})
@@ -43,13 +41,13 @@ def test_a_bundle_below_another_users_folder_is_refused_before_compiling(tmp_pat
     assert not (parent / "b").exists()
 
 
-def test_a_tune_table_through_another_users_link_is_refused_and_the_target_kept(tmp_path):
+def test_a_tune_table_through_another_users_link_is_refused_and_the_target_kept(tmp_path, owners):
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "authorized_keys").write_text("mine\n")
     link = shared(tmp_path) / "out"
     link.symlink_to(victim)
-    os.lchown(link, OTHER, OTHER)
+    owners.give(link, OTHER, OTHER)
     with pytest.raises(trust.UntrustedPathError, match="belongs to uid 2000"):
         tune.write_table(link / "authorized_keys", "{}", in_cache=False)
     assert (victim / "authorized_keys").read_text() == "mine\n"
@@ -64,11 +62,11 @@ def test_ones_own_link_in_the_middle_is_followed(tmp_path):
 
 
 @pytest.mark.parametrize("mode, refused", [(0o777, True), (0o775, True), (0o1777, False), (0o755, False)])
-def test_a_folder_above_others_can_write_must_be_sticky(tmp_path, mode, refused):
+def test_a_folder_above_others_can_write_must_be_sticky(tmp_path, mode, refused, owners):
     above = tmp_path / "above"
     above.mkdir()
     os.chmod(above, mode)
-    os.chown(above, -1, OTHER)  # (a group with others in it, not the owner's own)
+    owners.give(above, os.geteuid(), OTHER)  # (a group with others in it, not the owner's own)
     if refused:
         with pytest.raises(trust.UntrustedPathError, match="writable by others and not sticky"):
             trust.check_ancestors(above / "below" / "file")
@@ -76,20 +74,20 @@ def test_a_folder_above_others_can_write_must_be_sticky(tmp_path, mode, refused)
         trust.check_ancestors(above / "below" / "file")
 
 
-def test_in_a_sticky_folder_the_next_component_must_be_ones_own(tmp_path):
-    theirs(shared(tmp_path) / "planted", 0o700)
+def test_in_a_sticky_folder_the_next_component_must_be_ones_own(tmp_path, owners):
+    theirs(owners, shared(tmp_path) / "planted", 0o700)
     with pytest.raises(trust.UntrustedPathError, match="belongs to uid 2000"):
         trust.check_ancestors(tmp_path / "shared" / "planted" / "cache")
 
 
-def test_a_cache_below_another_users_link_builds_nothing(tmp_path, monkeypatch, nvrtc_calls):
+def test_a_cache_below_another_users_link_builds_nothing(tmp_path, monkeypatch, nvrtc_calls, owners):
     mine = tmp_path / "mine"
     (mine / "cache" / "kernels").mkdir(parents=True)
     entry = mine / "cache" / "kernels" / ("ab" * 32)  # (the victim's file, named like an entry)
     entry.write_text("the victim's")
     link = shared(tmp_path) / "sgcache"
     link.symlink_to(mine)
-    os.lchown(link, OTHER, OTHER)
+    owners.give(link, OTHER, OTHER)
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(link / "cache"))
     cache.clear_memory()
     from sparsegen.bsr.specs import forward_spec
@@ -137,21 +135,21 @@ def test_a_team_caches_build_locks_are_readable_by_the_team(tmp_path, monkeypatc
     assert locks and all(stat.S_IMODE(os.stat(lock).st_mode) == 0o640 for lock in locks)
 
 
-def test_tune_out_is_judged_before_anything_is_measured(tmp_path, capsys):
+def test_tune_out_is_judged_before_anything_is_measured(tmp_path, capsys, owners):
     """`sparsegen tune --out` below another user's folder, at a folder, or under a file: one
     line and exit status 2, before the GPU check (no measuring starts)."""
     from sparsegen.cli import main as cli_main
 
     (tmp_path / "a_file").write_text("")
-    for out in (theirs(shared(tmp_path) / "x") / "t.json", tmp_path, tmp_path / "a_file" / "t.json"):
+    for out in (theirs(owners, shared(tmp_path) / "x") / "t.json", tmp_path, tmp_path / "a_file" / "t.json"):
         assert cli_main(["tune", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("sparsegen: error: Expected") and err.count("\n") == 1, err
 
 
-def test_precompile_bundle_below_another_users_folder_is_refused_before_compiling(tmp_path, capsys, nvrtc_calls):
+def test_precompile_bundle_below_another_users_folder_is_refused_before_compiling(tmp_path, capsys, nvrtc_calls, owners):
     from sparsegen.cli import main as cli_main
 
-    parent = theirs(shared(tmp_path) / "x")
+    parent = theirs(owners, shared(tmp_path) / "x")
     assert cli_main(["precompile", "--arch", "sm_80", "--bundle", str(parent / "b")]) == 2
     assert nvrtc_calls == [] and "--bundle" in capsys.readouterr().err
