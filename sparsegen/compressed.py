@@ -46,9 +46,9 @@ def load_compressed(model: nn.Module, path, fuse: bool = True, strict: bool = Tr
     """Load the compressed-tensors checkpoint at `path` (a directory) into `model`, a model
     built from the same config: each 2:4 layer becomes a Sparse24Linear (16-bit weights) or
     a ScaledSparse24Linear (FP8 / int8 weights, per-channel scales), every other tensor is
-    loaded as it is. With `fuse`, gated MLPs then run gate and up as one layer with the gated
-    epilogue, as sparsegen.patch builds them (patching.fuse_loaded_gated_mlps: their names
-    become <mlp>.gate_up).
+    loaded as it is. With `fuse`, the model is fused as sparsegen.patch fuses (patching.fuse_loaded):
+    gated MLPs, gate and up apart or in one projection, run as one layer with the gated
+    epilogue (their names become <mlp>.gate_up), and an fc1-style layer takes its activation.
 
     All or nothing: every tensor is checked (shape, dtype, finite unless `allow_nonfinite`)
     and, with `strict` (the default, as in load_state_dict), every entry of the model's
@@ -74,7 +74,7 @@ def load_compressed(model: nn.Module, path, fuse: bool = True, strict: bool = Tr
     _load_rest(model, plan.rest, device)
     names = sorted(plan.layers)
     if fuse:
-        names = _fused_names(names, patching.fuse_loaded_gated_mlps(model))
+        names = _fused_names(names, patching.fuse_loaded(model, plan.layers))
     return LoadResult(names, plan.missing, plan.unexpected)
 
 
@@ -138,9 +138,9 @@ def _missing(model: nn.Module, own: dict, covered: set) -> list[str]:
     return sorted(key for key in own if not covered.intersection(tied.get(key, [key])))
 
 
-def _fused_names(names: list[str], fused_mlps: list[str]) -> list[str]:
+def _fused_names(names: list[str], fused: dict[str, list[str]]) -> list[str]:
     """The layer names after fusion: a fused MLP's gate and up are its gate_up."""
-    renamed = {f"{mlp}.{part}": f"{mlp}.gate_up" for mlp in fused_mlps for part in ("gate_proj", "up_proj")}
+    renamed = {part: gate_up for gate_up, parts in fused.items() for part in parts}
     return sorted({renamed.get(name, name) for name in names})
 
 

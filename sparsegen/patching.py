@@ -218,35 +218,48 @@ class _GatedPlan:
         return GatedMLP(layer.fuse(_GATES[act]), self.mlp.down_proj, self.mlp)
 
 
-def fuse_loaded_gated_mlps(model: nn.Module) -> list[str]:
-    """What patch does to gated MLPs, for ones whose gate and up are already sparsegen layers
-    of one kind (a loaded checkpoint's, sparsegen.load_compressed) whose class fuses such a
-    pair (its `gated_pair`): each becomes a GatedMLP of one layer with the gated epilogue, each
-    projection's stored values, kept positions (and scales) unchanged. Returns the MLPs' names."""
-    found = [(name, mlp, layer) for name, mlp in model.named_modules() if name
-             for layer in [_loaded_pair(mlp)] if layer is not None]
-    for name, mlp, layer in found:
+def fuse_loaded(model: nn.Module, layers: dict) -> dict[str, list[str]]:
+    """What patch fuses, for a model whose linears are already sparsegen layers (`layers`,
+    {name: layer}: a loaded checkpoint's, sparsegen.load_compressed): every gated MLP of either
+    GatedForm whose gate and up are of one class that fuses such a pair (its `gated_pair`;
+    a fused checkpoint projection split in its halves first, by the layer's tp_part) becomes a
+    GatedMLP, each projection's stored values, kept positions (and scales) unchanged; an
+    activation after an fc1-style layer goes into its epilogue. Returns {a GatedMLP's
+    gate_up: [the projections it took]}."""
+    found = [(name, mlp, form, layer) for name, mlp in model.named_modules() if name
+             for form in [gated_form(mlp)] if form is not None
+             for layer in [_loaded_pair(mlp, form)] if layer is not None]
+    for name, mlp, _, layer in found:
         _replace(model, name, GatedMLP(layer, mlp.down_proj, mlp))
-    return [name for name, _, _ in found]
+    fused = {f"{name}.gate_up": [f"{name}.{part}" for part in form.parts] for name, _, form, _ in found}
+    taken = {part for parts in fused.values() for part in parts}
+    _fuse_activations(model, {name: layer for name, layer in layers.items() if name not in taken})
+    return fused
 
 
-def _loaded_pair(mlp: nn.Module) -> nn.Module | None:
+def _loaded_pair(mlp: nn.Module, form: GatedForm) -> nn.Module | None:
     """A gated MLP's gate and up as one layer, where they are of one layer class that fuses
-    them (gated_pair: None for a pair it cannot take as one); else None."""
-    kind = type(getattr(mlp, "gate_proj", None))
-    if not (hasattr(kind, "gated_pair") and _gated_parts(mlp, (kind,))):
+    them (gated_pair: None for a pair it cannot take as one), with a gated activation; else None."""
+    parts = [getattr(mlp, part) for part in form.parts]
+    if len(parts) == 1:  # one checkpoint projection, the gate's rows first: its halves
+        parts = _halves(parts[0])
+    kind = type(parts[0]) if parts else None
+    act = activation_of(getattr(mlp, form.activation, None))
+    if not (hasattr(kind, "gated_pair") and type(parts[1]) is kind and act in _GATES
+            and (parts[0].bias is None) == (parts[1].bias is None)
+            and parts[0].out_features % epilogues.GATE_GROUP == 0):
         return None
-    return kind.gated_pair(mlp.gate_proj, mlp.up_proj, _GATES[activation_of(mlp.act_fn)])
+    return kind.gated_pair(parts[0], parts[1], _GATES[act])
 
 
-def _gated_parts(mlp: nn.Module, kinds: tuple) -> bool:
-    """A two-part gated MLP's shape: gate and up of one of `kinds` (the same) and of one bias
-    presence, whole groups of rows to interleave, an activation with a gated epilogue, a down
-    projection."""
-    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    return (type(gate) in kinds and type(up) is type(gate) and (gate.bias is None) == (up.bias is None)
-            and gate.out_features % epilogues.GATE_GROUP == 0 and hasattr(mlp, "down_proj")
-            and activation_of(getattr(mlp, "act_fn", None)) in _GATES)
+def _halves(layer: nn.Module) -> list[nn.Module]:
+    """A sparse layer's first and second half of rows as layers of its kind (tp_part), or []
+    where it cannot be split so (no tp_part, rows not in its granules)."""
+    half = getattr(layer, "out_features", 0) // 2
+    if not (callable(getattr(layer, "tp_part", None)) and half and half % layer.tp_granules()[0] == 0):
+        return []
+    columns = slice(0, layer.in_features)
+    return [layer.tp_part(slice(0, half), columns, True), layer.tp_part(slice(half, 2 * half), columns, True)]
 
 
 def _gated_mlps(model: nn.Module, plan) -> list[_GatedPlan]:

@@ -1,5 +1,6 @@
 """sparsegen.patch and BlockSparseLinear.to_linear on CPU models."""
 import copy
+import re
 
 import pytest
 import torch
@@ -391,3 +392,29 @@ def test_a_state_dict_of_the_mlp_unfused_names_the_fusion():
     again = make()
     sparsegen.patch(again, rules, from_dense=False, fuse=False)
     again.load_state_dict(apart.state_dict())
+
+
+@pytest.mark.parametrize("architecture", ["llama", "phi3", "opt"])
+def test_a_loaded_models_sparse_layers_fuse_as_patch_fuses(architecture):
+    """patching.fuse_loaded (load_compressed's fusion) on a model whose linears are already
+    2:4 layers: gated MLPs of either form (Phi-3's one gate_up_proj split in its halves)
+    become GatedMLPs and fc1's activation goes into its epilogue, computing what it did."""
+    from sparsegen import patching
+
+    make, _ = ARCHITECTURES[architecture]
+    torch.manual_seed(0)
+    model = make().double().eval()
+    loaded = {name: sparsegen.Sparse24Linear.from_dense(m) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and re.search(r"mlp\.\w+_proj$|fc[12]$", name)}
+    for name, layer in loaded.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    ids = torch.randint(3, 96, (2, 9))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    fused = patching.fuse_loaded(model, loaded)
+    gated = [m for m in model.modules() if isinstance(m, sparsegen.GatedMLP)]
+    taken = [m for m in model.modules() if type(m).__name__ == "FusedActivation"]
+    assert (len(gated), len(taken), len(fused)) == {"llama": (2, 0, 2), "phi3": (2, 0, 2), "opt": (0, 2, 0)}[architecture]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, before)
