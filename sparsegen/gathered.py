@@ -30,7 +30,7 @@ from .launch import calls, dense_path, lean, library, outside_graphs, plans, run
 from . import checkpoint
 from .errors import SpecError, expect
 from .jit import epilogues, gathered_specs, registry
-from .layer import SparseLinearForward, dense_linear
+from .layer import SparseLinearForward, dense_linear, layer_dtype
 
 # The plans of a layout that computes its columns depend on the call alone: one owner for all.
 _NO_INDEX = torch.empty(0)
@@ -356,7 +356,9 @@ class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, ch
     PRODUCT: FixedRowsProduct
 
     def _make_parameters(self, block_rows: int, rowblocks: int, bias: bool, factory: dict) -> None:
-        """values [block_rows, rowblocks, bm, bk] and bias, initialised as nn.Linear's."""
+        """values [block_rows, rowblocks, bm, bk] and bias, initialised as nn.Linear's; factory's
+        dtype as every layer takes it (layer_dtype: a torch.dtype or its name; None: torch's default)."""
+        factory = dict(factory, dtype=layer_dtype(factory.get("dtype")) or torch.get_default_dtype())
         self.values = nn.Parameter(torch.empty(block_rows, rowblocks, *self.block, **factory))
         self.bias = nn.Parameter(torch.empty(self.out_features, **factory)) if bias else None
         self.reset_parameters()

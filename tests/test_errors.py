@@ -133,9 +133,13 @@ def test_block_sides_the_kernels_do_not_take_are_refused_on_every_device(block):
 @pytest.mark.parametrize("dtype, expected", [("bf16", torch.bfloat16), ("float16", torch.float16), ("fp32", torch.float32),
                                              (torch.float64, torch.float64)])
 def test_dtypes_by_name_or_torch_dtype(dtype, expected):
-    for sparsity in ("block", "2:4"):
-        layer = sparsegen.linear(64, 64, sparsity=sparsity, dtype=dtype)
-        assert next(layer.parameters()).dtype == expected
+    """Every layer takes them (the factory and each class), the kit's layouts through its
+    shared _make_parameters."""
+    layers = [sparsegen.linear(64, 64, sparsity=sparsity, dtype=dtype, **more)
+              for sparsity, more in (("block", {}), ("2:4", {}), ("block-diagonal", dict(nblocks=2)),
+                                     ("block-ell", dict(block=(16, 16), per_row=2)), ("2:4", dict(mask_interval=5)))]
+    layers += [sparsegen.Sparse24Linear(64, 64, dtype=dtype), sparsegen.BlockSparseLinear(64, 64, (16, 16), dtype=dtype)]
+    assert all(next(layer.parameters()).dtype == expected for layer in layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int8, "bf", "int8", 3])

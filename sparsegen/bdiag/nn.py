@@ -26,7 +26,7 @@ class BlockDiagonalLinear(gathered.FixedRowsLinear):
         shape = diag.plan_shape(out_features, in_features, nblocks, block)
         self.nblocks, self.block, self.diagrows = shape.nblocks, shape.block, shape.diagrows
         self._make_parameters(out_features // self.block[0], shape.rowblocks, bias,
-                              dict(device=device, dtype=dtype or torch.get_default_dtype()))
+                              dict(device=device, dtype=dtype))
 
     @property
     def density(self) -> float:

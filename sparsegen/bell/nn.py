@@ -32,7 +32,7 @@ class BlockEllLinear(gathered.FixedRowsLinear):
         self.per_row = ell.check_per_row(per_row, grid, density)
         cols = ell.random_cols(grid, self.per_row) if cols is None else ell.check_cols(cols, grid, self.per_row)
         self.register_buffer("cols", cols.to(device))
-        self._make_parameters(grid[0], self.per_row, bias, dict(device=device, dtype=dtype or torch.get_default_dtype()))
+        self._make_parameters(grid[0], self.per_row, bias, dict(device=device, dtype=dtype))
 
     @property
     def density(self) -> float:

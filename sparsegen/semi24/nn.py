@@ -8,7 +8,7 @@ from ..launch import calls, lean
 from .. import checkpoint
 from ..jit import epilogues
 from ..errors import expect
-from ..layer import SparseLinearForward, dense_linear, finish_part, weight_part
+from ..layer import SparseLinearForward, dense_linear, finish_part, layer_dtype, weight_part
 from . import format as semi24
 from . import dispatch, ops
 from .autograd import forward_product, sp24_linear
@@ -31,6 +31,7 @@ class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         super().__init__()
         semi24.check_shape((out_features, in_features))
         self.in_features, self.out_features = int(in_features), int(out_features)
+        dtype = layer_dtype(dtype)
         if dtype is not None:
             semi24.check_dtype(dtype)
         dense = nn.Linear(self.in_features, self.out_features, bias=bias, device=device, dtype=dtype)

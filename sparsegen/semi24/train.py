@@ -31,7 +31,7 @@ from torch import nn
 from ..launch import calls, library
 from .. import checkpoint
 from ..errors import expect, positive_int
-from ..layer import autocast_inputs, dense_linear
+from ..layer import autocast_inputs, dense_linear, layer_dtype
 from . import format as semi24
 from . import ops
 from .tensor import compress_masked, on_kernels, prune_and_compress, prune_mask
@@ -152,7 +152,7 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         semi24.check_shape((out_features, in_features))
         expect(method in MASK_METHODS, f"method in {MASK_METHODS}", repr(method))
         mask_interval = positive_int(mask_interval, "mask_interval")
-        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=layer_dtype(dtype))
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.weight, self.bias = dense.weight, dense.bias
         self.mask_interval, self.method = int(mask_interval), method
