@@ -90,8 +90,9 @@ def warm_kernels() -> bool:
 def dense_fallback() -> bool:
     """SPARSEGEN_DENSE_FALLBACK=1: layers take cuBLAS on a dense copy of their weight where the
     GPU's crossover table says their sparse kernel would lose. Off by default: a sparse layer
-    keeps its memory saving (the copies of a Llama-3-8B-shaped model's attention came to 2 GB
-    in 4 layers), and no decode figure in BENCHMARKS.md rests on one."""
+    keeps its memory saving (in one bench_generate run on an H200, the sparse layers of three
+    4-layer Llama-3-8B-shaped models - 2:4, block 128, FP8 2:4 - held 2112 MB of copies between
+    them). BENCHMARKS.md's generate() figures hold none; its tables before d19a82d ran with it on."""
     return _switch("SPARSEGEN_DENSE_FALLBACK", False)
 
 

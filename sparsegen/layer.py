@@ -14,21 +14,21 @@ from .jit import epilogues, registry
 
 # The dtypes a layer's weights may have, by torch.dtype or by these names (sparsegen.linear's
 # dtype=; one-byte weights are weight_dtype="e4m3" / "int8" of 2:4 layers).
-DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+DTYPES_BY_NAME = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
                "float": torch.float32, "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
 
 
 def layer_dtype(dtype) -> torch.dtype | None:
     """dtype as a torch.dtype a layer's weights may have (None: torch's default), a name of
-    DTYPE_NAMES taken for its dtype; an InputError listing both otherwise."""
-    if dtype is None or dtype in DTYPE_NAMES.values():
+    DTYPES_BY_NAME taken for its dtype; an InputError listing both otherwise."""
+    if dtype is None or dtype in DTYPES_BY_NAME.values():
         return dtype
-    expect(isinstance(dtype, str) and dtype in DTYPE_NAMES,
-           f"dtype one of {sorted(set(DTYPE_NAMES.values()), key=str)} or a name of one ({', '.join(DTYPE_NAMES)}); "
+    expect(isinstance(dtype, str) and dtype in DTYPES_BY_NAME,
+           f"dtype one of {sorted(set(DTYPES_BY_NAME.values()), key=str)} or a name of one ({', '.join(DTYPES_BY_NAME)}); "
            "one-byte weights: sparsity='2:4' with weight_dtype='e4m3' or 'int8' (int8 and float8_e4m3fn: "
            "sparsegen.to_sparse24 for inference)", repr(dtype))
-    return DTYPE_NAMES[dtype]
+    return DTYPES_BY_NAME[dtype]
 
 
 def dense_linear(weight: torch.Tensor, bias) -> nn.Linear:

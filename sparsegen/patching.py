@@ -313,8 +313,7 @@ def _check_roles(plan: list, rules: dict, strict: bool) -> None:
     for pattern in rules:
         regex, roles = _regex(pattern), {}
         for name, _, _ in plan:
-            parts = name.split(".")
-            start = next((i for i in range(len(parts)) if regex.fullmatch(".".join(parts[i:]))), None)
+            parts, start = name.split("."), matched_at(regex, name)
             if start is not None:
                 suffix, parent = ".".join(parts[start:]), re.sub(r"\d+", "#", ".".join(parts[:start]))
                 roles.setdefault(suffix, set()).add(parent)
@@ -352,8 +351,13 @@ def matches(regex: re.Pattern, name: str) -> bool:
     """Whether a rule's pattern matches a module's qualified name: the whole name, or the whole
     of a dotted suffix of it, as PEFT's target_modules match (a transformers model's names
     start with its base model's attribute: model.layers.0..., transformer.h.0...)."""
+    return matched_at(regex, name) is not None
+
+
+def matched_at(regex: re.Pattern, name: str) -> int | None:
+    """Where in the dotted name the matched suffix starts (a part's index), or None."""
     parts = name.split(".")
-    return any(regex.fullmatch(".".join(parts[i:])) for i in range(len(parts)))
+    return next((i for i in range(len(parts)) if regex.fullmatch(".".join(parts[i:]))), None)
 
 
 def _closest(patterns: list[str], names: list[str]) -> str:

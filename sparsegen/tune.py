@@ -108,9 +108,7 @@ def check_out(path: Path) -> None:
     (trust.check_ancestors), not a folder itself, and the nearest existing folder writable."""
     trust.check_ancestors(path)
     expect(not path.is_dir(), "--out naming a file, not a folder", str(path), SpecError)
-    probe = Path(os.path.abspath(path)).parent
-    while not os.path.lexists(probe):
-        probe = probe.parent
+    probe = trust.nearest_existing(path)
     expect(os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK), "--out in a folder you can write",
            f"{path} (nearest existing folder {probe})", SpecError)
 

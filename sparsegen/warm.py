@@ -13,21 +13,19 @@ from . import env
 from .jit import cache
 
 
-def warm(layers: list[nn.Module], device_index: int | None = None, arch: int | None = None) -> int:
-    """Start building the kernels `layers` likely need on the current GPU (or the given
-    device's arch); returns how many builds were started (0 without a GPU or when off)."""
+def warm(layers: list[nn.Module], gpu: tuple[int, int] | None = None) -> int:
+    """Start building the kernels `layers` likely need on `gpu` ((arch, SM count); default the
+    current GPU's); returns how many builds were started (0 without a GPU or when off)."""
     if not env.warm_kernels():
         return 0
-    if arch is None:
+    if gpu is None:
         if not torch.cuda.is_available():
             return 0
         from .launch import runtime
 
-        device_index = torch.cuda.current_device() if device_index is None else device_index
-        arch, sm_count = runtime.device_arch(torch.device("cuda", device_index)), runtime.sm_count(device_index)
-    else:
-        sm_count = 132  # (an H100's, where only the arch is given: a tool's or a test's estimate)
-    return cache.build_soon(likely_specs(layers, arch, sm_count))
+        index = torch.cuda.current_device()
+        gpu = runtime.device_arch(torch.device("cuda", index)), runtime.sm_count(index)
+    return cache.build_soon(likely_specs(layers, *gpu))
 
 
 def likely_specs(layers: list[nn.Module], arch: int, sm_count: int) -> list:

@@ -78,7 +78,7 @@ def test_warm_dedupes_layers_of_one_shape_and_can_be_turned_off(monkeypatch):
     assert len(warm.likely_specs(layers, 90, 132)) == len(set(layers[0].likely_specs(90, 132)))
     assert warm.likely_specs([nn.Linear(4, 4)], 90, 132) == []
     monkeypatch.setenv("SPARSEGEN_WARM", "0")
-    assert warm.warm(layers, arch=90) == 0
+    assert warm.warm(layers, gpu=(90, 132)) == 0
 
 
 def test_patch_warms_without_a_gpu_only_when_asked(monkeypatch):
@@ -89,7 +89,7 @@ def test_patch_warms_without_a_gpu_only_when_asked(monkeypatch):
     sparsegen.patch(model, {r"0|2": {"sparsity": "2:4"}})
     if not torch.cuda.is_available():
         assert started == []
-    assert warm.warm(list(model.modules()), arch=80) > 0
+    assert warm.warm(list(model.modules()), gpu=(80, 108)) > 0
 
 
 def test_a_process_that_exits_does_not_wait_for_queued_builds(tmp_path):

@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
-from bench_record import Table, meta as run_meta  # noqa: E402
+from bench_record import Table, meta as run_meta, table_lines  # noqa: E402
 from families import FAMILIES, PATTERNS, build, merge_gated_mlps  # noqa: E402
 from quantized_dense import quantize_linears  # noqa: E402
 
@@ -291,18 +291,8 @@ def cold_rows(args, save) -> None:
 # ---- report ---------------------------------------------------------------------------------
 
 def report(rows: list[dict]) -> list[str]:
-    variants = list(dict.fromkeys(r["variant"] for r in rows if "variant" in r))
-    lines = ["| model | mode | prompt | batch | dense tok/s | " + " | ".join(variants) + " |",
-             "|---" * (5 + len(variants)) + "|"]
-    cells = {}
-    for r in rows:
-        if "variant" in r:
-            cells.setdefault((r["model"], r["mode"], r["prompt"], r["batch"]), {})[r["variant"]] = r
-    for (model, mode, prompt, batch), by in cells.items():
-        dense = by.get("dense", {}).get("tokens_per_s", "-")
-        shown = [_cell(by.get(v)) for v in variants]
-        lines.append(f"| {model} | {mode} | {prompt} | {batch} | {dense} | " + " | ".join(shown) + " |")
-    return lines
+    """The run's tables as BENCHMARKS.md shows them (bench_record.table_lines of tables_of)."""
+    return [line for table in tables_of(rows) for line in ["", f"### {table.title}", ""] + table_lines(table.as_dict())]
 
 
 GENERATE_ABOUT = ("model.generate(), greedy, exactly `new` tokens from random prompts (tools/bench_generate.py): "
@@ -357,15 +347,6 @@ def _cold_table(rows: list[dict]) -> Table:
             table.rows.append([r["model"], r["call"], r["variant"], r["dense_first_s"], r["first_s"], r.get("patch_s"),
                                r["x_dense"], r.get("unwarmed_s")])
     return table
-
-
-def _cell(row: dict | None) -> str:
-    if not row or "speedup" not in row:
-        return "-"
-    text = f"{row['speedup']:.2f}x"
-    if "speedup_vs_byte_dense" in row:
-        text += f" ({row['speedup_vs_byte_dense']:.2f}x one-byte dense)"
-    return text
 
 
 def _raw_rows(run: dict) -> list[dict]:

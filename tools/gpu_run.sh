@@ -137,15 +137,6 @@ for step in "${steps[@]}"; do
          mkdir -p /tmp/ro_cache && chattr +i /tmp/ro_cache  # a cache nobody can write (root included)
          SPARSEGEN_CACHE_DIR=/tmp/ro_cache SPARSEGEN_KERNEL_BUNDLE=/tmp/bundle python3 tools/bundle_check.py 2>&1 | tee "$OUT/bundle.log"
          chattr -i /tmp/ro_cache ;;
-    generate) # model.generate() tokens/s, dense against every variant (issue 58): GEN_ARGS picks the cells
-         timeout ${GEN_TIMEOUT:-560} python3 tools/bench_generate.py ${GEN_ARGS:-} --json "$R/${GEN_NAME:-15_generate}.json" \
-           2>&1 | tee "$OUT/${GEN_NAME:-15_generate}.log" | grep -v '^{' ;;
-    generate_profile) # torch.profiler over eager decode tokens: host and GPU time by op, launches a token
-         timeout ${GEN_TIMEOUT:-300} python3 tools/bench_generate.py --profile "$PROFILE_ITEMS" ${GEN_ARGS:-} \
-           > "$OUT/generate_profile.log" 2>&1; grep -E "^## " "$OUT/generate_profile.log" ;;
-    generate_cold) # patch + first forward from an empty kernel cache against the dense model's first forward
-         timeout ${GEN_TIMEOUT:-400} python3 tools/bench_generate.py --cold "${COLD_VARIANTS:-2:4,fp8-2:4}" \
-           ${GEN_ARGS:-} --json "$R/16_generate_cold.json" 2>&1 | tee "$OUT/generate_cold.log" | tail -12 ;;
     probe) python3 tools/probe_host.py 2>&1 | tee "$OUT/probe.log" ;;
     launch_probe) # host us per launch of each launcher a compiled graph calls, against torch.mm(out=):
          # in bursts of one call (probe_launch), then in place in a compiled decode step (probe_in_situ)

@@ -115,18 +115,12 @@ def is_free(folder: Path) -> bool:
     try:
         if not os.path.lexists(folder):  # (the folders above it: no one else's, and the nearest one writable)
             trust.check_ancestors(folder)
-            return os.access(_nearest_existing(folder), os.W_OK | os.X_OK)
+            return os.access(trust.nearest_existing(folder), os.W_OK | os.X_OK)
         trust.check_path(folder)
     except (OSError, trust.UntrustedPathError):
         return False
     return not os.path.islink(folder) and not private_files.list_names(folder)
 
-
-def _nearest_existing(path: Path) -> Path:
-    probe = Path(os.path.abspath(path)).parent
-    while not os.path.lexists(probe):
-        probe = probe.parent
-    return probe
 
 
 def write(folder: Path, cubins: dict[str, bytes]) -> Path:

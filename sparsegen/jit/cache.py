@@ -20,7 +20,6 @@ from .. import env
 from .diskstore import ALIASES, ENTRY_MAGIC, KERNELS, KEY_RE, DiskStore
 from .spec import KernelSpec, fields_tuple
 
-_MAGIC = ENTRY_MAGIC
 _memory: dict[str, tuple[str, bytes]] = {}
 
 
@@ -49,12 +48,12 @@ def _store() -> DiskStore:
 
 
 def _seal(cubin: bytes) -> bytes:
-    return _MAGIC + hashlib.sha256(cubin).digest() + cubin
+    return ENTRY_MAGIC + hashlib.sha256(cubin).digest() + cubin
 
 
 def _unseal(blob: bytes) -> bytes | None:
     """The CUBIN inside a disk entry, or None if the entry is damaged."""
-    if not blob.startswith(_MAGIC) or len(blob) < 40 + 8:
+    if not blob.startswith(ENTRY_MAGIC) or len(blob) < 40 + 8:
         return None
     digest, cubin = blob[8:40], blob[40:]
     return cubin if hashlib.sha256(cubin).digest() == digest else None

@@ -185,13 +185,22 @@ def make_parents(path: Path) -> None:
     before checking the chain above them (check_ancestors): where sparsegen writes a file or
     folder of the user's choosing (a bundle, a tune table) outside the cache."""
     check_ancestors(path)
-    missing, probe = [], Path(os.path.abspath(path)).parent
-    while not os.path.lexists(probe):
+    nearest, missing = nearest_existing(path), []
+    for probe in Path(os.path.abspath(path)).parents:
+        if probe == nearest:
+            break
         missing.append(probe)
-        probe = probe.parent
     for folder in reversed(missing):
         private_files.make_dir(folder, PRIVATE_DIR_MODE)
     check_ancestors(path)
+
+
+def nearest_existing(path: Path) -> Path:
+    """The nearest folder above `path` that exists (what a new path below it is made in)."""
+    probe = Path(os.path.abspath(path)).parent
+    while not os.path.lexists(probe):
+        probe = probe.parent
+    return probe
 
 
 def file_mode(folder: Path) -> int:

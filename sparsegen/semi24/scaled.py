@@ -365,10 +365,10 @@ def check_positive(scale: Tensor, what: str, finite: bool = False) -> None:
     if scale.is_meta:
         return
     ok = scale.is_floating_point() and not bool((scale <= 0).any())
-    ok = ok and (not finite or bool(torch.isfinite(scale).all()))
-    expect(ok, f"{what} of {'finite ' if finite else ''}scales above 0",
-           f"{scale.dtype}, values from {scale.float().min().item():g} to {scale.float().max().item():g}"
-           if scale.numel() else "no values")
+    if ok and (not finite or bool(torch.isfinite(scale).all())):
+        return
+    values = f"values from {scale.float().min().item():g} to {scale.float().max().item():g}" if scale.numel() else "none"
+    expect(False, f"{what} of {'finite ' if finite else ''}scales above 0", f"{scale.dtype}, {values}")
 
 
 def _check_vector(t, n: int, what: str) -> None:
