@@ -244,12 +244,17 @@ def _loaded_pair(mlp: nn.Module, form: GatedForm) -> nn.Module | None:
     if len(parts) == 1:  # one checkpoint projection, the gate's rows first: its halves
         parts = _halves(parts[0])
     kind = type(parts[0]) if parts else None
-    act = activation_of(getattr(mlp, form.activation, None))
-    if not (hasattr(kind, "gated_pair") and type(parts[1]) is kind and act in _GATES
-            and (parts[0].bias is None) == (parts[1].bias is None)
-            and parts[0].out_features % epilogues.GATE_GROUP == 0):
+    if not (hasattr(kind, "gated_pair") and type(parts[1]) is kind
+            and _pair_fits(mlp, form, parts[0].out_features, (parts[0].bias, parts[1].bias))):
         return None
-    return kind.gated_pair(parts[0], parts[1], _GATES[act])
+    return kind.gated_pair(parts[0], parts[1], _GATES[activation_of(getattr(mlp, form.activation))])
+
+
+def _pair_fits(mlp: nn.Module, form: GatedForm, gate_rows: int, biases: tuple) -> bool:
+    """What every fused pair needs: whole groups of rows to interleave, one bias presence, an
+    activation with a gated epilogue."""
+    return (gate_rows % epilogues.GATE_GROUP == 0 and (biases[0] is None) == (biases[1] is None)
+            and activation_of(getattr(mlp, form.activation, None)) in _GATES)
 
 
 def _halves(layer: nn.Module) -> list[nn.Module]:
@@ -283,10 +288,8 @@ def _fusable_gate(mlp: nn.Module, form: GatedForm, settings: dict) -> bool:
     parts = [getattr(mlp, part) for part in form.parts]
     if not all(type(part) is nn.Linear for part in parts):
         return False
-    (gate, up), (gate_bias, up_bias) = form.gate_and_up(mlp)
-    return (gate.shape == up.shape and gate.shape[0] % epilogues.GATE_GROUP == 0
-            and (gate_bias is None) == (up_bias is None)
-            and activation_of(getattr(mlp, form.activation, None)) in _GATES
+    (gate, up), biases = form.gate_and_up(mlp)
+    return (gate.shape == up.shape and _pair_fits(mlp, form, gate.shape[0], biases)
             and FACES[settings.get("sparsity", "block")].pairs(settings))
 
 
