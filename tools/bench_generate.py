@@ -222,7 +222,7 @@ def profile(family, variant: str, args, device, steps: int = 16) -> str:
         python_profile(lambda: generate(model, ids, steps + 1, "eager"))
 
 
-def python_profile(fn, top: int = 30) -> str:
+def python_profile(fn, top: int = 30, order: str = "tottime") -> str:
     """cProfile's view of the same tokens: the host's Python time by function (tottime)."""
     import cProfile
     import io
@@ -231,7 +231,7 @@ def python_profile(fn, top: int = 30) -> str:
     profiler = cProfile.Profile()
     profiler.runcall(fn)
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
     return "\n".join(line for line in text.getvalue().splitlines() if line.strip())[-6000:]
 
 
@@ -245,29 +245,47 @@ family, variant, tokens = bg.FAMILIES[{family!r}], {variant!r}, {tokens}
 model = bg.build(family, {layers}, torch.device("cuda"), torch.bfloat16)
 ids = bg.prompt_ids(1, tokens, "cuda") if tokens > 1 else bg.prompt_ids(32, 1, "cuda")
 torch.cuda.synchronize()
+
+
+def patch():
+    if variant != "dense":
+        which, settings = bg.VARIANTS[variant]
+        sparsegen.patch(model, {{bg.PATTERNS[which]: settings}})
+    torch.cuda.synchronize()
+
+
+def forward():
+    with torch.no_grad():
+        model(ids)
+    torch.cuda.synchronize()
+
+
 begin = time.perf_counter()
-if variant != "dense":
-    which, settings = bg.VARIANTS[variant]
-    sparsegen.patch(model, {{bg.PATTERNS[which]: settings}})
-torch.cuda.synchronize()
+if {profile}:  # where the cold call's time goes, by function (the clock then runs slower)
+    print(bg.python_profile(patch, 25, "cumulative"))
+    print(bg.python_profile(forward, 40, "cumulative"))
+else:
+    patch()
 patched = time.perf_counter()
-with torch.no_grad():
-    model(ids)
-torch.cuda.synchronize()
+forward()
 print("SECONDS", time.perf_counter() - begin, patched - begin)
 """
 
 
-def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool = True) -> tuple[float, float]:
+def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool = True,
+                 profile: bool = False) -> tuple[float, float]:
     """(patch + first forward, patch alone) in a fresh process with an empty kernel cache
     (dense: the first forward alone), the model built and CUDA started before the clock;
-    warm=False: without patch's background builds (SPARSEGEN_WARM=0)."""
+    warm=False: without patch's background builds (SPARSEGEN_WARM=0); profile: cProfile's
+    view of patch and of the first forward printed too (the seconds then include its cost)."""
     with tempfile.TemporaryDirectory() as cache:
         script = COLD_SCRIPT.format(tools=str(Path(__file__).parent), family=family, variant=variant,
-                                    tokens=tokens, layers=layers)
+                                    tokens=tokens, layers=layers, profile=profile)
         env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache, SPARSEGEN_WARM="1" if warm else "0")
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
+    if profile:
+        print(f"## cold {family} {variant} {tokens} tokens\n{done.stdout}", flush=True)
     if not lines:
         raise RuntimeError(f"cold run of {variant} failed: {done.stderr[-2000:]}")
     return float(lines[-1].split()[1]), float(lines[-1].split()[2])
@@ -370,6 +388,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", help="family:variant,... profiled eagerly instead of timed")
     parser.add_argument("--cold", help="variants whose patch + first forward is timed from an empty cache")
+    parser.add_argument("--cold-profile", action="store_true",
+                        help="with --cold: cProfile's view of each cold prefill instead of timings")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--report", type=Path, nargs="+", help="tabulate these result files instead")
@@ -403,6 +423,11 @@ def run(args, device, argv) -> None:
                                                               else sys.argv[1:]), rows), indent=1))
     if args.cold:
         args.cold = args.cold.split(",")
+        if args.cold_profile:
+            for family in args.families:
+                for variant in ["dense"] + args.cold:
+                    cold_seconds(family.name, variant, 2048, args.layers, profile=True)
+            return
         cold_rows(args, save)
         return
     if args.profile:

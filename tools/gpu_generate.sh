@@ -2,7 +2,8 @@
 # Issue 58's GPU work in one call, spread over the GPUs there are (one process per GPU, each its
 # own share of the families; ratios are taken within a process): the generate() tables, then on
 # the last GPU the GPU tests of the decode work, cold first calls and the static-cache run.
-# Logs and results under $OUT. Usage: tools/gpu_generate.sh (GEN_NEW, GEN_ROUNDS, GEN_PROMPTS)
+# Logs and results under $OUT. Usage: tools/gpu_generate.sh (GEN_NEW, GEN_ROUNDS, GEN_PROMPTS, GEN_BATCHES; SKIP_TESTS,
+# SKIP_COLD, SKIP_STATIC, SKIP_PROFILE; COLD_PROFILE=variants for cProfile's view of a cold call)
 set -uo pipefail
 OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
@@ -10,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 variants=${GEN_VARIANTS:-dense,dense-merged,2:4,b64d0.5,b128d0.25,fp8-dense,fp8-2:4,int8-dense,int8-2:4}
-common=(--modes eager --prompts "${GEN_PROMPTS:-128}" --batches 1,8,32 --new "${GEN_NEW:-128}" --rounds "${GEN_ROUNDS:-5}" --variants "$variants")
+common=(--modes eager --prompts "${GEN_PROMPTS:-128}" --batches "${GEN_BATCHES:-1,8,32}" --new "${GEN_NEW:-128}" --rounds "${GEN_ROUNDS:-5}" --variants "$variants")
 shares=(${GEN_SHARES:-llama,qwen2 mistral,gemma phi3})
 for i in "${!shares[@]}"; do
   gpu=$((i % gpus))
@@ -21,11 +22,13 @@ done
 last=$((gpus - 1))
 [ "$gpus" = 1 ] && wait  # (one GPU: its timings alone, then the rest)
 ( export CUDA_VISIBLE_DEVICES=$last SPARSEGEN_CACHE_DIR=/tmp/sgcache_t
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${GEN_TESTS:-tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu"} 2>&1 | tail -15
+  [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${GEN_TESTS:-tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu"} 2>&1 | tail -15
+  [ -z "${COLD_PROFILE:-}" ] || timeout 200 python3 tools/bench_generate.py --cold "$COLD_PROFILE" --cold-profile \
+     --families ${COLD_FAMILIES:-gemma} > "$OUT/cold_profile.log" 2>&1
   [ -n "${SKIP_COLD:-}" ] || timeout 200 python3 tools/bench_generate.py --cold 2:4,fp8-2:4 --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -6
   [ -n "${SKIP_STATIC:-}" ] || timeout 150 python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 \
      --variants dense,2:4,b128d0.25,fp8-2:4 --json "$R/17_generate_static.json" 2>&1 | grep "^|"
-  [ -n "${SKIP_PROFILE:-}" ] || timeout 120 python3 tools/bench_generate.py --profile "${PROFILE_ITEMS:-gemma:fp8-2:4,gemma:2:4}" --batches 32 \
+  [ -n "${SKIP_PROFILE:-}" ] || timeout ${PROFILE_TIMEOUT:-120} python3 tools/bench_generate.py --profile "${PROFILE_ITEMS:-gemma:fp8-2:4,gemma:2:4}" --batches ${PROFILE_BATCH:-32} \
      --prompts 128 > "$OUT/profile.log" 2>&1
 ) > "$OUT/last_gpu.log" 2>&1 &
 wait
