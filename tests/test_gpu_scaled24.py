@@ -228,30 +228,70 @@ def test_compiled_decode_layer_is_one_launch(weight_dtype):
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("epilogue, static", [("none", None), ("swiglu", None), ("none", 0.03)])
-def test_eager_calls_on_the_launcher_give_the_checked_paths_bytes(weight_dtype, dtype, epilogue, static):
-    """An eager call takes the compiled graphs' launcher (ScaledSparse24Linear._launched): at
-    token counts on both sides of QUANTIZING_ROWS (one launch, then quantize and product),
-    repeated with inputs at new addresses, a strided input and one 2 bytes off alignment, Y
-    has the bytes the checked path (scaled_product) gives and is near the float64 product.
-    A float32 input, refused by the launcher's gate, still runs (the checked path)."""
+def test_eager_calls_give_the_checked_paths_bytes(weight_dtype, dtype, epilogue, static):
+    """An eager call takes the lean path (scaled_lean.py: its signature planned once; one launch
+    up to QUANTIZING_ROWS tokens, then quantize and product) where its input allows, the compiled
+    graphs' launcher (ScaledSparse24Linear._launched) for a strided input or one 2 bytes off
+    alignment: at token counts on both sides of QUANTIZING_ROWS, repeated with inputs at new
+    addresses, Y has the bytes the checked path (scaled_product) gives and is near the float64
+    product. A float32 input, refused by both, still runs (the checked path)."""
     layer = gpu_layer(640, 336, weight_dtype, dtype, input_scale=static)
     if epilogue != "none":
         layer.fuse(epilogue)
-    taken = []
-    launched = layer._launched
-    layer._launched = lambda x: taken.append(launched(x)) or taken[-1]
+    paths = traced_paths(layer)
     base = torch.randn(80 * 641 + 1, device="cuda", dtype=dtype)
     inputs = [torch.randn(m, 640, device="cuda", dtype=dtype) * 2 for m in (1, 16, 17, 33, 64, 16, 1)]
-    inputs += [torch.randn(640, 24, device="cuda", dtype=dtype).t(),  # strided
-               base[1:1 + 24 * 640].view(24, 640)]                    # 2 bytes past an aligned start
-    for x in inputs:
+    inputs += [torch.randn(3, 11, 640, device="cuda", dtype=dtype)]
+    odd = [torch.randn(640, 24, device="cuda", dtype=dtype).t(),  # strided
+           base[1:1 + 24 * 640].view(24, 640)]                    # 2 bytes past an aligned start
+    for x in inputs + odd:
         with torch.no_grad():
             y = layer(x)
-        want = scaled.scaled_product(x, layer.values, layer.metadata, layer.weight_scale, layer.bias,
-                                     layer.input_scale, layer.epilogue)
-        assert taken[-1] is y and torch.equal(y, want), (tuple(x.shape), x.stride())
+        assert torch.equal(y, checked(layer, x)), (tuple(x.shape), x.stride())
         assert relative_error(y, reference(layer, x)) < 2e-2
-    taken.clear()
+    assert paths == ["lean"] * len(inputs) + ["launcher"] * len(odd)
+    paths.clear()
     with torch.no_grad():
         y = layer(inputs[0].float())
-    assert taken == [None] and y.dtype == torch.float32
+    assert paths == [] and y.dtype == torch.float32
+
+
+def traced_paths(layer) -> list:
+    """The paths the layer's calls take from now ("lean", "launcher"), in order."""
+    paths = []
+
+    def traced(name, fn):
+        def call(x):
+            y = fn(x)
+            if y is not None:
+                paths.append(name)
+            return y
+        return call
+    layer._lean_forward = traced("lean", layer._lean_forward)
+    layer._launched = traced("launcher", layer._launched)
+    return paths
+
+
+def checked(layer, x):
+    return scaled.scaled_product(x, layer.values, layer.metadata, layer.weight_scale, layer.bias,
+                                 layer.input_scale, layer.epilogue)
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("m", [4, 40])
+@torch.no_grad()
+def test_lean_calls_read_the_scales_the_layer_holds_now(weight_dtype, m):
+    """A planned signature's calls use the scales as they are at the call: changed in place,
+    reassigned, or loaded from a state_dict; and the values a load brings."""
+    layer = gpu_layer(640, 336, weight_dtype, input_scale=0.03)
+    paths = traced_paths(layer)
+    x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    layer.input_scale.fill_(0.05)
+    assert torch.equal(layer(x), checked(layer, x))
+    layer.weight_scale = layer.weight_scale * 2
+    assert torch.equal(layer(x), checked(layer, x))
+    other = gpu_layer(640, 336, weight_dtype, input_scale=0.02)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x), checked(other, x))
+    assert paths == ["lean"] * 4

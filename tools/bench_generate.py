@@ -294,6 +294,9 @@ def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool
 def cold_rows(args, save) -> None:
     """Each family's cold rows, saved as they come (a run stopped at its time limit keeps them)."""
     for family in args.families:
+        # A first process reads torch's libraries into the page cache: the machine's first CUDA
+        # program paid ~1 s more (sdpa's kernels loaded from disk), whichever variant it ran.
+        cold_seconds(family.name, "dense", 1, args.layers)
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
             dense = cold_seconds(family.name, "dense", tokens, args.layers)[0]
             for variant in args.cold:

@@ -26,7 +26,7 @@ last=$((gpus - 1))
   [ -z "${COLD_PROFILE:-}" ] || timeout 200 python3 tools/bench_generate.py --cold "$COLD_PROFILE" --cold-profile \
      --families ${COLD_FAMILIES:-gemma} > "$OUT/cold_profile.log" 2>&1
   [ -n "${SKIP_COLD:-}" ] || timeout 200 python3 tools/bench_generate.py --cold 2:4,fp8-2:4 --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -6
-  [ -n "${SKIP_STATIC:-}" ] || timeout 150 python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 \
+  [ -n "${SKIP_STATIC:-}" ] || timeout ${STATIC_TIMEOUT:-150} python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 --layers ${STATIC_LAYERS:-4} \
      --variants dense,2:4,b128d0.25,fp8-2:4 --json "$R/17_generate_static.json" 2>&1 | grep "^|"
   [ -n "${SKIP_PROFILE:-}" ] || timeout ${PROFILE_TIMEOUT:-120} python3 tools/bench_generate.py --profile "${PROFILE_ITEMS:-gemma:fp8-2:4,gemma:2:4}" --batches ${PROFILE_BATCH:-32} \
      --prompts 128 > "$OUT/profile.log" 2>&1

@@ -9,7 +9,7 @@ import torch
 from ..launch import calls, kept_index, lean, plans, runtime
 from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
-from . import dispatch, grouped, ops, specs
+from . import grouped, ops, scaled_lean, specs
 from . import scaled  # (defines torch.ops.sparsegen.sp24_scaled_dds and sp24_scaled_linear)
 
 # The launcher's plans, per weight and call signature (the graph's checks ran when it was traced).
@@ -148,40 +148,11 @@ def sp24_scaled_linear_into(x, values, metadata, w_scale, bias, input_scale, epi
             and not runtime.capturing()):  # (graphs: the two kernels, ops.quantizes_in_product)
         plan.run_at(x_address, bias.data_ptr() if bias is not None else 0, y_address, (input_scale, w_scale, None))
         return
-    if _empty_strided_cuda is not None and ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x):
-        xq, x_scale = _quantized_by_plan(x, values.dtype, input_scale)
+    if ops.runs_byte_kernels(values) and ops.quantizes_on_kernel(x):
+        xq, x_scale = scaled_lean.quantize_packed(x, *x.shape, values.dtype, input_scale)
     else:
         xq, x_scale = scaled.quantized_activations(x, values, input_scale)
     sp24_scaled_dds_into(xq, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype, out=out)
-
-
-# Inductor's own allocator for its buffers (a C++ call; torch.empty costs a few us more per
-# tensor on a slow host): on the current device, which a compiled graph has set.
-try:
-    from torch._C._dynamo.guards import _empty_strided_cuda
-except ImportError:  # a torch without it: quantized_activations' allocations
-    _empty_strided_cuda = None
-_QUANTIZE_LAUNCHES: dict = {}
-
-
-def _quantized_by_plan(x, dtype, input_scale):
-    """ops.sp24_quantize as a compiled decode step calls it: packed once per shape."""
-    m, k = x.shape
-    xq, scales = _empty_strided_cuda((m, k), (k, 1), dtype), _empty_strided_cuda((m,), (1,), torch.float32)
-    if m:
-        key = (dtype, x.dtype, x.get_device(), m, k)
-        launch = _QUANTIZE_LAUNCHES.get(key) or _QUANTIZE_LAUNCHES.setdefault(key, _quantize_launch(*key))
-        pointers = launch.pointers
-        with launch.lock:
-            pointers[0], pointers[1] = x.data_ptr(), 0 if input_scale is None else input_scale.data_ptr()
-            pointers[2], pointers[3] = xq.data_ptr(), scales.data_ptr()
-            launch.run()
-    return xq, scales
-
-
-def _quantize_launch(dtype, source, device_index: int, m: int, k: int) -> runtime.PackedLaunch:
-    kern = dispatch.quantize_kernel(dtype, source, device_index)
-    return runtime.PackedLaunch(kern, (m, 1, 1), (), (0, 0, 0, 0), (k,))
 
 
 def _quantized_by_inductor(args: tuple, lower: dict, graph):

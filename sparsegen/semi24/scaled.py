@@ -21,7 +21,7 @@ from ..jit import epilogues, registry
 from ..launch import lean, library, runtime
 from ..layer import WeightLike, dense_linear, in_units
 from . import format as semi24
-from . import dispatch, ops
+from . import dispatch, ops, scaled_lean
 
 WEIGHT_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -163,7 +163,7 @@ class _InputGradient(torch.autograd.Function):
         return (d_product.to(x.dtype) @ weight,) + (None,) * 6
 
 
-class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+class ScaledSparse24Linear(lean.LeanLayer, WeightLike, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """Inference layer: `values` [out, in/2] one-byte (the kept 2:4 weights quantized with
     `weight_scale` [out], float32, one per output channel), `metadata` as mma.sp reads it,
     `bias` in the activations' dtype, and optionally `input_scale` (a static per-tensor
@@ -244,10 +244,14 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
                 setattr(self, name, before.to(after.device))
         return self
 
+    _values_in = "_buffers"  # (lean.LeanLayer: the values are a buffer here, not a parameter)
+
     def forward(self, x: Tensor) -> Tensor:
         if "_awaits_load" in self.__dict__:
             checkpoint.refuse_unloaded(self)
-        y = self._launched(x)  # (None where the call takes the checked path below)
+        y = self._lean_forward(x)  # a repeated signature: its planned launches (scaled_lean.py)
+        if y is None:
+            y = self._launched(x)  # (None where the call takes the checked path below)
         if y is not None:
             return y
         _check_input(x, self.values, self.in_features)
@@ -273,6 +277,16 @@ class ScaledSparse24Linear(WeightLike, epilogues.Fusable, checkpoint.CheckedLoad
         registry.launcher("sp24_scaled_linear")(x2, values, buffers["metadata"], buffers["weight_scale"], bias,
                                                 buffers["input_scale"], self.epilogue, x.dtype, out=y)
         return y.view(*x.shape[:-1], width)
+
+    def _lean_call(self, x: Tensor, values: Tensor, bias) -> lean.LeanCall | None:
+        """lean.LeanLayer's plan of this signature, or None (the launcher or the checked path)."""
+        if not _launches_as_compiled(x, values, bias, self.in_features):
+            return None
+        plan = scaled_lean.plan(x, values, self._buffers["metadata"], self._buffers, self.epilogue)
+        return None if plan is None else lean.LeanCall(plan, x, values, bias)
+
+    def _after_load(self) -> None:
+        self._forget_lean_calls()
 
     def likely_specs(self, arch: int, sm_count: int) -> list:
         """The kernels this layer's forward likely takes (sparsegen.warm builds them ahead), for
