@@ -18,6 +18,16 @@ from sparsegen.bsr.specs import forward_spec
 CACHE_SPEC = forward_spec((16, 16), "bf16", 80)  # the quickest default kernel to compile
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-kernels", action="store_true",
+                     help="compile every default kernel in tests/test_compile.py (CI does), not one per code path")
+
+
+def pytest_configure(config):
+    if config.getoption("--all-kernels"):  # (read as test_compile.py is collected, in each xdist worker too)
+        os.environ["SPARSEGEN_TEST_ALL_KERNELS"] = "1"
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     """A fresh SPARSEGEN_CACHE_DIR and an empty in-memory cache for each test."""

@@ -38,6 +38,19 @@ def test_smoke_run_measures_checks_and_reports(tmp_path):
     assert "| BERT-base, batch 16 x 16 | eager |" in table
 
 
+def test_family_decode_cases_patch_fused_projections_and_gelu_gates(tmp_path):
+    """The generation benchmark's families as decode cases: Phi-3's fused qkv_proj and
+    gate_up_proj and Gemma's tanh-GELU gates are patched and compute the masked dense model."""
+    tool = load_tool()
+    out = tmp_path / "families.json"
+    tool.main(["--smoke", "--cases", "phi3_decode1,gemma_decode8", "--variants", "2:4,b64d0.5", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["case"].split(" decode")[0], r["variant"]) for r in rows} == {
+        (family, variant) for family in ("Phi-3-medium-shaped (4 layers)", "Gemma-7B-shaped (4 layers)")
+        for variant in ("2:4", "b64d0.5")}
+    assert all("failed" not in row and row["error"] < 1e-4 for row in rows)
+
+
 def test_training_case_checks_the_loss_after_steps_against_the_masked_dense_twin(tmp_path, monkeypatch):
     tool = load_tool()
     out = tmp_path / "train.json"

@@ -1,4 +1,5 @@
 """NVRTC: every default kernel compiles to a CUBIN; its SASS uses tensor cores without spills."""
+import os
 import re
 import shutil
 import subprocess
@@ -14,6 +15,30 @@ from sparsegen.bsr.specs import forward_spec
 from sparsegen.bell.specs import forward_spec as ell_forward_spec
 
 DEFAULT_SPECS = default_specs(80) + default_specs(90) + default_specs(89, ["e4m3"])  # sm_89: native fp8 mma.sp
+
+
+def code_path(spec: KernelSpec) -> tuple:
+    """What selects a template's code: all but the block and tile shapes."""
+    return spec.op, spec.dtype, spec.arch, spec.instr, spec.epilogue, spec.trans, spec.params, spec.acc
+
+
+def one_per_code_path(specs: list) -> list:
+    """A kernel of each code path, the paths' kernels taken in turn so that the block and tile
+    shapes vary across them: the default run's sample (a third of the kernels, 1.5 minutes less
+    on two cores). `--all-kernels` (CI runs it) compiles every one."""
+    paths: dict[tuple, list] = {}
+    for spec in specs:
+        paths.setdefault(code_path(spec), []).append(spec)
+    sample = [kernels[i % len(kernels)] for i, kernels in enumerate(paths.values())]
+    shapes = {(s.block, s.tile) for s in sample}
+    for spec in specs:  # and a kernel of each block or tile shape no path's pick has
+        if not any(spec.block == block for block, _ in shapes) or not any(spec.tile == tile for _, tile in shapes):
+            sample.append(spec)
+            shapes.add((spec.block, spec.tile))
+    return sample
+
+
+COMPILED_SPECS = DEFAULT_SPECS if os.environ.get("SPARSEGEN_TEST_ALL_KERNELS") == "1" else one_per_code_path(DEFAULT_SPECS)
 # Non-default tiles exercise other warp grids and pipeline depths of the same template.
 EXTRA_SPECS = [
     KernelSpec(block=(64, 16), dtype="fp16", arch=89, tile=TileConfig(64, 2, 2, 2)),
@@ -27,6 +52,13 @@ EXTRA_SPECS = [
 # fp16 accumulators (spec.ACCS): both layouts' mma.sync kernels, plain and gated stores.
 ACC_SPECS = [forward_spec(b, "fp16", arch, acc="f16", epilogue=e) for arch in (80, 90) for b in ((64, 64), (128, 128))
              for e in ("none", "swiglu")] + [ell_forward_spec((32, 32), "fp16", 90, acc="f16")]
+
+
+def test_the_sample_takes_every_code_path_and_every_block_and_tile():
+    sample = one_per_code_path(DEFAULT_SPECS)
+    assert {code_path(s) for s in sample} == {code_path(s) for s in DEFAULT_SPECS}
+    assert {s.block for s in sample} == {s.block for s in DEFAULT_SPECS}
+    assert {s.tile for s in sample} == {s.tile for s in DEFAULT_SPECS}
 
 
 def find_tool(name: str) -> str | None:
@@ -53,7 +85,7 @@ def sass_tools():
 needs_tools = pytest.mark.usefixtures("sass_tools")
 
 
-@pytest.mark.parametrize("spec", DEFAULT_SPECS + EXTRA_SPECS + ACC_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", COMPILED_SPECS + EXTRA_SPECS + ACC_SPECS, ids=lambda s: s.name)
 def test_compiles_to_cubin(spec):
     built = cache.build(spec)
     assert built.compiled

@@ -1,4 +1,5 @@
-"""The wheel works on its own: built offline, installed into a fresh venv, run outside the repo.
+"""The wheel works on its own: built offline, installed into a fresh venv, run outside the repo
+(the README's quickstart included).
 
 It catches what tests of the checkout cannot: templates missing from the wheel, or
 templates_dir() finding the checkout's instead of the installed ones.
@@ -118,6 +119,9 @@ def test_wheel_ships_templates_and_compiles_outside_the_repo(tmp_path):
     # -I: neither the cwd nor PYTHONPATH nor user site-packages go on sys.path.
     report = json.loads(run(python, "-I", "-c", CHECK, cwd=elsewhere, env=env))
     assert not Path(report["templates"]).is_relative_to(REPO)
+    # A new user's first step: the README's quickstart, verbatim, on the installed wheel.
+    quickstart = re.search(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M).group(1)
+    assert "relative difference" in run(python, "-I", "-c", quickstart, cwd=elsewhere, env=env)
     out = run(tmp_path / "venv" / "bin" / "sparsegen", "precompile", "--arch", "sm_80",
               "--dtype", "bf16", "--block", "32", cwd=elsewhere, env=env)
     # The console script works and finds, among others, the kernel the snippet compiled.

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sparsegen  # noqa: E402
 from bench_record import meta as run_meta  # noqa: E402
 from quantized_dense import quantize_linears  # noqa: E402
+from families import FAMILIES, config as family_config  # noqa: E402
 
 # Which linears a variant replaces, per model family: every projection, or the MLP's.
 PATTERNS = {
@@ -70,6 +71,7 @@ VARIANTS = {
 VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25", "2:4t-mlp", "b64d0.25")})
 INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
 BYTE_VARIANTS = ["dense", "2:4", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4"]
+FAMILY_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4"]
 OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
 TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]
 TRAINING_STEPS = 4  # warm-up steps of a training case; the last one's loss is checked (after 3 updates)
@@ -176,14 +178,16 @@ def llama_prefill_case(device, dtype, smoke: bool, config=None, label="Llama-sha
 
 
 def llama_decode_case(batch: int, device, dtype, smoke: bool, config=None, label="Llama-shaped",
-                      variants=INFERENCE_VARIANTS) -> Case:
-    from transformers import LlamaForCausalLM
+                      variants=INFERENCE_VARIANTS, model_class: str = "LlamaForCausalLM") -> Case:
+    """One decode step of a decoder (a Llama, or any family of tools/families.py: their layers
+    are named as Llama's, so the "llama" patterns find them)."""
+    import transformers
 
     config = config or llama_config(smoke)
     context = 16 if smoke else 512
     prompt = torch.randint(0, config.vocab_size, (batch, context + 1), device=device)
     return Case(f"{label} decode {batch} seq, {context}-token KV cache", "llama",
-                lambda: built(LlamaForCausalLM, config, device, dtype),
+                lambda: built(getattr(transformers, model_class), config, device, dtype),
                 lambda model: decode_step(model, config, prompt), variants=tuple(variants))
 
 
@@ -280,6 +284,11 @@ def cases(names: list[str], device, smoke: bool) -> list[Case]:
     makers["llama8b_prefill"] = lambda: llama_prefill_case(device, bf16, smoke, **eight_b)
     for batch in (1, 8, 32, 64):
         makers[f"llama8b_decode{batch}"] = lambda b=batch: llama_decode_case(b, device, bf16, smoke, **eight_b)
+    for family in FAMILIES.values():  # the generation benchmark's families (Llama-3-8B: llama8b_decode*)
+        shaped = dict(config=family_config(family, 4, smoke), label=f"{family.label} (4 layers)",
+                      variants=FAMILY_VARIANTS, model_class=family.model_class)
+        for batch in (1, 8, 32):
+            makers[f"{family.name}_decode{batch}"] = lambda b=batch, f=shaped: llama_decode_case(b, device, bf16, smoke, **f)
     for kilotokens in (8, 32):
         for ckpt in ("", "_ckpt"):
             makers[f"llama_train{kilotokens}k{ckpt}"] = (

@@ -3,9 +3,11 @@
 # own share of the families; ratios are taken within a process): the generate() tables, then on
 # the last GPU the GPU tests of the decode work, cold first calls and the static-cache run.
 # Logs and results under $OUT. Usage: tools/gpu_generate.sh (GEN_NEW, GEN_ROUNDS, GEN_PROMPTS, GEN_BATCHES; SKIP_TESTS,
-# SKIP_COLD, SKIP_STATIC, SKIP_PROFILE; COLD_PROFILE=variants for cProfile's view of a cold call)
+# SKIP_COLD, SKIP_STATIC, SKIP_PROFILE, AFTER_TIMINGS, MODELS_CASES; COLD_PROFILE=variants for cProfile's view
+# of a cold call)
 set -uo pipefail
 OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$R"
+source tools/device_env.sh
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
@@ -20,7 +22,14 @@ for i in "${!shares[@]}"; do
       > "$OUT/generate_$i.log" 2>&1 ) &
 done
 last=$((gpus - 1))
-[ "$gpus" = 1 ] && wait  # (one GPU: its timings alone, then the rest)
+# One GPU, or AFTER_TIMINGS set: the timings alone first (tests and compiles load the host), then the rest.
+{ [ "$gpus" = 1 ] || [ -n "${AFTER_TIMINGS:-}" ]; } && wait
+# MODELS_CASES: bench_models.py's decode cases of the families (eager and plain compile), on the
+# first GPU beside the last one's work.
+[ -z "${MODELS_CASES:-}" ] || ( export CUDA_VISIBLE_DEVICES=0 SPARSEGEN_CACHE_DIR=/tmp/sgcache_m
+  timeout ${MODELS_TIMEOUT:-400} python3 tools/bench_models.py --cases "$MODELS_CASES" --modes ${MODELS_MODES:-eager,compile} \
+    --variants ${MODELS_VARIANTS:-dense,2:4,b64d0.5,b128d0.25,fp8-dense,fp8-2:4} --json "$R/18_models_families.json" \
+    > "$OUT/models.log" 2>&1 ) &
 ( export CUDA_VISIBLE_DEVICES=$last SPARSEGEN_CACHE_DIR=/tmp/sgcache_t
   [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${GEN_TESTS:-tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu"} 2>&1 | tail -15
   [ -z "${COLD_PROFILE:-}" ] || timeout 200 python3 tools/bench_generate.py --cold "$COLD_PROFILE" --cold-profile \

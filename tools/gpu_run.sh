@@ -5,10 +5,7 @@
 # (the device's copy has no .git). Usage: tools/gpu_run.sh STEP... (steps: the case labels below)
 set -uo pipefail
 OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$OUT" "$R"
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks, if carried (tools/device_wheels.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
+source tools/device_env.sh
 # A writable bytecode cache: the image's site-packages hold no .pyc files, and recompiling
 # jinja2 at every import would dominate the new-process timing (a pip install has them).
 export PYTHONPYCACHEPREFIX=/tmp/pycache
