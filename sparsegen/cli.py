@@ -14,13 +14,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 from . import __version__, env
-from .jit import bundle, cache, codegen, trust
-from .jit import spec as specs
+from .jit import names, trust
 from .errors import ConfigError, InputError, SparsegenError, SpecError, expect
+
+# torch, the kernel specs and the cache are imported by the commands that use them: --help,
+# --version and a bad command line answer without torch's seconds of import.
 
 USAGE_ERROR = 2  # what argparse itself returns for a bad command line
 _ARCH_RE = re.compile(r"(?:sm_?)?(\d+)a?", re.IGNORECASE)  # sm_90a: same specs as sm_90
@@ -60,7 +59,7 @@ def _selection_options() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--arch", help="sm_80, 80, sm_90, ... (default: this machine's GPU)")
     options.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                         help=f"any of {' '.join(specs.DTYPES)} (default: all the arch supports; "
+                         help=f"any of {' '.join(names.DTYPES)} (default: all the arch supports; "
                               "one-byte types get 2:4 kernels only)")
     options.add_argument("--block", nargs="+", metavar="BLOCK",
                          help="block shapes: 32 (square) or 32x64 (default: the standard set)")
@@ -116,8 +115,8 @@ def parse_arch(text: str) -> int:
     """'sm_80', 'sm80' or '80' -> 80, if some template supports that arch."""
     match = _ARCH_RE.fullmatch(text.strip())
     arch = int(match.group(1)) if match else None
-    supported = ", ".join(f"sm_{a}" for a in specs.ARCHS)
-    expect(arch in specs.ARCHS, f"--arch one of {supported}", repr(text), SpecError)
+    supported = ", ".join(f"sm_{a}" for a in names.ARCHS)
+    expect(arch in names.ARCHS, f"--arch one of {supported}", repr(text), SpecError)
     return arch
 
 
@@ -131,13 +130,25 @@ def parse_block(text: str) -> tuple[int, int]:
 
 def local_arch() -> int:
     """The arch of this machine's GPU (the only step that needs one)."""
+    import torch
+
     if not torch.cuda.is_available():
         raise SpecError("no CUDA GPU here to detect the arch from; pass --arch, e.g. --arch sm_80")
     major, minor = torch.cuda.get_device_capability()
     return parse_arch(f"{major}{minor}")
 
 
-def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
+def check_selection(args) -> None:
+    """--arch and --block as parse_arch and parse_block take them, before anything imports torch."""
+    if args.arch:
+        parse_arch(args.arch)
+    for block in args.block or []:
+        parse_block(block)
+
+
+def selected_specs(args) -> tuple[int, list]:
+    from .jit import spec as specs
+
     arch = parse_arch(args.arch) if args.arch else local_arch()
     dtypes = list(dict.fromkeys(args.dtype)) if args.dtype else None
     blocks = list(dict.fromkeys(map(parse_block, args.block))) if args.block else None
@@ -148,6 +159,9 @@ def selected_specs(args) -> tuple[int, list[specs.KernelSpec]]:
 
 def cmd_precompile(args) -> int:
     expect(args.jobs >= 1, "--jobs at least 1", args.jobs, SpecError)
+    check_selection(args)
+    from .jit import bundle
+
     if args.bundle is not None:  # before minutes of compiling, not after
         expect(bundle.is_free(args.bundle), "--bundle naming a new directory (or an empty one of yours that only you "
                "can write)", str(args.bundle), SpecError)
@@ -168,8 +182,10 @@ def cmd_precompile(args) -> int:
     return 0
 
 
-def _build_all(todo: list, jobs: int, label: str) -> list[cache.Built]:
-    """Build every spec under a progress bar."""
+def _build_all(todo: list, jobs: int, label: str) -> list:
+    """Build every spec (cache.Built each) under a progress bar."""
+    from tqdm import tqdm
+
     builds = []
     with tqdm(total=len(todo), desc=label, unit="kernel", file=sys.stderr) as bar:
         for built in _builds(todo, jobs):
@@ -180,6 +196,8 @@ def _build_all(todo: list, jobs: int, label: str) -> list[cache.Built]:
 
 def _builds(todo: list, jobs: int):
     """Yield builds as they finish, here or in a pool (the cache locks per key)."""
+    from .jit import cache
+
     if jobs == 1 or len(todo) <= 1:
         yield from map(cache.build, todo)
         return
@@ -194,22 +212,24 @@ def _builds(todo: list, jobs: int):
 
 
 def _pool_context():
-    """forkserver: workers fork from a clean process that imported sparsegen (and so torch)
+    """forkserver: workers fork from a clean process that imported the cache (and so torch)
     once; plain fork could copy a CUDA context (local_arch) or tqdm's thread into them."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["sparsegen.cli"])
+    context.set_forkserver_preload(["sparsegen.jit.cache"])
     return context
 
 
-def _build_in_worker(spec: specs.KernelSpec, settings: dict | None = None) -> cache.Built:
+def _build_in_worker(spec, settings: dict | None = None):
     """cache.build in a pool's worker, under the caller's SPARSEGEN_* `settings` (a forkserver
     started earlier in the process keeps the environment it had then: the cache folder too)."""
     if settings is not None:
         for name in [name for name in os.environ if name.startswith("SPARSEGEN_")]:
             del os.environ[name]
         os.environ.update(settings)
+    from .jit import cache
+
     try:
         return cache.build(spec)
     except SparsegenError as error:
@@ -219,12 +239,16 @@ def _build_in_worker(spec: specs.KernelSpec, settings: dict | None = None) -> ca
 
 
 def cmd_cache_info(args) -> int:
+    from .jit import cache
+
     for field, value in cache.info().items():
         print(f"{field}: {value}")
     return 0
 
 
 def cmd_cache_clear(args) -> int:
+    from .jit import cache
+
     removed, left = cache.clear()
     print(f"removed {removed} entries from {env.cache_dir()}")
     if left:
@@ -234,6 +258,9 @@ def cmd_cache_clear(args) -> int:
 
 
 def cmd_show(args) -> int:
+    check_selection(args)
+    from .jit import cache, codegen, spec as specs
+
     if args.list:
         print("\n".join(spec.name for spec in selected_specs(args)[1]))
         return 0

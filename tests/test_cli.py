@@ -162,7 +162,33 @@ def test_help_is_whole_sentences_and_names_every_command(capsys):
 
 
 def test_import_is_silent():
-    """`import sparsegen` prints nothing (torch warns without numpy: numpy is a dependency)."""
-    done = subprocess.run([sys.executable, "-W", "always", "-c", "import sparsegen"], capture_output=True, text=True,
-                          timeout=120)
+    """Loading sparsegen prints nothing (torch warns without numpy: numpy is a dependency)."""
+    done = subprocess.run([sys.executable, "-W", "always", "-c", "import sparsegen; sparsegen.load()"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr
+
+
+NO_TORCH = """
+import sys
+from sparsegen import cli
+for argv in {argv!r}:
+    try:
+        code = cli.main(argv)
+    except SystemExit as done:  # (argparse's --help, --version and usage errors)
+        code = done.code
+    print("CODE", code)
+assert "torch" not in sys.modules, "torch imported"
+"""
+
+
+def test_help_and_bad_command_lines_answer_without_importing_torch():
+    """--help, --version and every error in what the command line says (not what the GPU or
+    the cache does) answer before torch is imported: a few hundredths of a second, not seconds."""
+    argv = [["--help"], ["--version"], ["precompile", "--help"], ["nonsense"], ["precompile", "--arch", "sm_70"],
+            ["precompile", "--block", "32x"], ["precompile", "-j", "0"], ["show", "--list", "--arch", "sm_7"],
+            ["cache"], ["tune", "--help"]]
+    done = subprocess.run([sys.executable, "-c", NO_TORCH.format(argv=argv)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    codes = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("CODE ")]
+    assert codes == [0, 0, 0, 2, 2, 2, 2, 2, 2, 0], done.stdout

@@ -110,6 +110,9 @@ def test_wheel_ships_templates_and_compiles_outside_the_repo(tmp_path):
     shipped = [*(REPO / "sparsegen").rglob("*.py"), *(REPO / "sparsegen").rglob("crossover_tables/*.json")]
     for module in sorted(shipped):  # every package of the checkout, and the GPUs' measured crossovers
         assert module.relative_to(REPO).as_posix() in names, module
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: MIT" in metadata and "Description-Content-Type: text/markdown" in metadata
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     for template in sorted((REPO / "templates").rglob("*.*")):
         assert f"sparsegen/templates/{template.relative_to(REPO / 'templates').as_posix()}" in names
     python = make_venv(tmp_path / "venv")

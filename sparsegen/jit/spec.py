@@ -14,13 +14,8 @@ from dataclasses import dataclass, field
 
 from . import epilogues, registry
 from ..errors import SpecError, expect
+from .names import ARCHS, BLOCK_SIDES, BYTE_DTYPES, DTYPES, MIN_ARCH, SMEM_LIMIT  # noqa: F401 (this module's vocabulary)
 
-DTYPES = ("fp16", "bf16", "fp32", "int8", "e4m3")
-# One-byte inputs have only the 2:4 kernels (forward on k64 products, and pruning): int8
-# (int32 out) from sm_80, fp8 e4m3 (bf16 out) from sm_89, the first arch with fp8 tensor cores.
-BYTE_DTYPES = ("int8", "e4m3")
-MIN_ARCH = {"e4m3": 89}
-BLOCK_SIDES = (16, 32, 64, 128)
 TRANSPOSES = ("nt", "tn", "nn")  # operand layouts of Y = X W^T (nn: W's stored blocks read as W^T)
 # Tensor-core path: "mma" (mma.sync, sm_80 and later); on sm_90a, "wgmma" (Hopper warpgroup
 # MMA fed by cp.async), "tma" (wgmma fed by TMA from a producer warpgroup, consumers split
@@ -30,10 +25,6 @@ INSTRS = ("mma", "wgmma", "tma", "pingpong", "swap", "pairs")
 HOPPER_INSTRS = ("wgmma", "tma", "pingpong", "swap", "pairs")
 TMA_INSTRS = ("tma", "pingpong", "swap", "pairs")
 SWAP_INSTRS = ("swap", "pairs")  # W as wgmma's A
-# Opt-in shared memory per block, by compute capability (CUDA programming guide).
-SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
-              100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
-ARCHS = tuple(SMEM_LIMIT)
 STAGE_BYTES_PER_ROW = 128  # one pipeline stage holds 128 bytes of K per row: 64 halves / 32 floats
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "e4m3": 1}
 # The inverse of KernelSpec.name; op may itself contain underscores (bsr_dds). The arch's

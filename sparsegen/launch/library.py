@@ -9,6 +9,8 @@ Functions, so a compiled graph calls these ops and nothing heavier.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 _LIBRARY = torch.library.Library("sparsegen", "DEF")
@@ -33,6 +35,7 @@ def eager_or_op(op, implementation):
 
 
 _ON_FIRST_TRACE: list = []
+_LOADED: list = []  # (sparsegen.load ran: `import sparsegen` loads its names on first use)
 
 
 def on_first_trace(hook) -> None:
@@ -43,6 +46,9 @@ def on_first_trace(hook) -> None:
 
 def _first_trace_runs_hooks(fake):
     def traced(*args):
+        if not _LOADED:  # a model unpickled from its layers' modules alone has no lowerings yet
+            _LOADED.append(True)
+            importlib.import_module("sparsegen").load()  # (sparsegen.inductor adds its hook here)
         while _ON_FIRST_TRACE:
             _ON_FIRST_TRACE.pop()()
         return fake(*args)
