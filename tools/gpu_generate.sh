@@ -3,7 +3,7 @@
 # own share of the families; ratios are taken within a process): the generate() tables, then on
 # the last GPU the GPU tests of the decode work, cold first calls and the static-cache run.
 # Logs and results under $OUT. Usage: tools/gpu_generate.sh (GEN_NEW, GEN_ROUNDS, GEN_PROMPTS, GEN_BATCHES; SKIP_TESTS,
-# SKIP_COLD, SKIP_STATIC, SKIP_PROFILE, AFTER_TIMINGS, MODELS_CASES; COLD_PROFILE=variants for cProfile's view
+# SKIP_TIMINGS, SKIP_COLD, SKIP_STATIC, SKIP_PROFILE, AFTER_TIMINGS, MODELS_CASES; COLD_PROFILE=variants for cProfile's view
 # of a cold call)
 set -uo pipefail
 OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$R"
@@ -15,6 +15,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 variants=${GEN_VARIANTS:-dense,dense-merged,2:4,b64d0.5,b128d0.25,fp8-dense,fp8-2:4,int8-dense,int8-2:4}
 common=(--modes eager --prompts "${GEN_PROMPTS:-128}" --batches "${GEN_BATCHES:-1,8,32}" --new "${GEN_NEW:-128}" --rounds "${GEN_ROUNDS:-5}" --variants "$variants")
 shares=(${GEN_SHARES:-llama,qwen2 mistral,gemma phi3})
+[ -z "${SKIP_TIMINGS:-}" ] || shares=()
 for i in "${!shares[@]}"; do
   gpu=$((i % gpus))
   ( CUDA_VISIBLE_DEVICES=$gpu SPARSEGEN_CACHE_DIR=/tmp/sgcache$gpu timeout ${GEN_TIMEOUT:-540} \
@@ -43,4 +44,4 @@ last=$((gpus - 1))
 wait
 cat "$OUT/last_gpu.log"; grep -h "^|" "$OUT"/generate_*.log
 # (the device tool brings back 8 files: the logs as one)
-cat "$OUT"/generate_*.log > "$OUT/generate.log"; rm -f "$OUT"/generate_*.log "$OUT/gpu.txt"
+cat "$OUT"/generate_*.log > "$OUT/generate.log" 2>/dev/null; rm -f "$OUT"/generate_*.log "$OUT/gpu.txt"
