@@ -662,7 +662,7 @@ def test_fresh_weights_share_a_plan_and_each_call_reads_its_own(dtype, shape, n,
 
 @pytest.mark.parametrize("tokens", [16, 1024, 4096])
 def test_transposable_input_grad_makes_no_plan_per_step(tokens, monkeypatch):
-    """dX = dY W for a transposable W: the kernel over a W^T compressed per call, by one plan
+    """dX = dY W for a transposable W: the kernel over a W^T transposed per call, by one plan
     per signature, or - where the crossover table gives the call to cuBLAS (1024 tokens on
     an H100) - cuBLAS on the expanded W, with no W^T compressed. Never a plan per call (one
     was made, whole, for every W^T cuBLAS should have taken). Numerics against float64, the
@@ -676,9 +676,10 @@ def test_transposable_input_grad_makes_no_plan_per_step(tokens, monkeypatch):
     values, metadata = sp24_ops.sp24_compress(weight, mask)
     dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     autograd.input_grad(dy, values, metadata, n)  # (the signature's first call makes its plan)
-    made, compressed, allocating, compress = [], [], plans.allocating, sp24_ops.sp24_compress
+    made, compressed, allocating, transpose = [], [], plans.allocating, sp24_ops.sp24_transpose
     monkeypatch.setattr(plans, "allocating", lambda what: made.append(what) or allocating(what))
-    monkeypatch.setattr(sp24_ops, "sp24_compress", lambda *args: compressed.append(1) or compress(*args))
+    # (W^T comes from one sp24_transpose pass over W's values and metadata)
+    monkeypatch.setattr(sp24_ops, "sp24_transpose", lambda *args: compressed.append(1) or transpose(*args))
     for _ in range(3):
         dx = autograd.input_grad(dy, values, metadata, n)
         assert relative_error(dx, dy.double() @ (weight * mask).double()) < TOLERANCE[torch.bfloat16]
