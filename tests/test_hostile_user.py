@@ -271,3 +271,98 @@ def test_advice_never_says_to_weaken_a_shared_directory(shared, monkeypatch):
     with pytest.raises(UntrustedPathError) as caught:
         cache.build(SPEC)
     assert "chmod" not in str(caught.value)
+
+
+# ---- issue 59's findings: every verb that reads, writes or deletes, below what the attacker made ----
+
+def entry_lookalikes(folder: Path) -> None:
+    """The victim's own files, named as cache entries, locks and unfinished writes are."""
+    for sub, name in (("kernels", "ab" * 32), ("locks", "cd" * 16 + ".lock"), ("kernels", ".tmp-" + "ef" * 8)):
+        (folder / sub).mkdir(exist_ok=True)
+        (folder / sub / name).write_text("the victim's\n")
+
+
+def test_a_bundle_below_a_folder_the_attacker_made_writes_nothing(shared, victim, capsys, nvrtc_calls):
+    """Finding 1: --bundle /tmp/x/b with /tmp/x the attacker's (who could swap b for a link
+    into the victim's home mid-write): refused before compiling, by both the CLI and bundle.write."""
+    parent = shared / "x"
+    as_attacker(plant_dir_with_links, parent, {"b": str(victim)})
+    before = fingerprint(victim)
+    assert cli_main(["precompile", "--arch", "sm_80", "--bundle", str(parent / "b")]) == 2
+    assert nvrtc_calls == [] and "--bundle" in capsys.readouterr().err
+    with pytest.raises(SparsegenError, match="a new directory for the bundle"):
+        bundle.write(parent / "b", {SPEC.name: b"cubin"})
+    assert fingerprint(victim) == before
+
+
+@pytest.mark.parametrize("verb", [["cache", "clear"], ["cache", "info"]])
+def test_cache_verbs_through_the_attackers_link_touch_nothing(shared, victim, monkeypatch, capsys, verb):
+    """Finding 2: SPARSEGEN_CACHE_DIR a link the attacker made to the victim's project, which
+    holds files named like entries: clear and info refuse it as a build does (exit 2)."""
+    entry_lookalikes(victim / "project")
+    link = shared / "sgcache"
+    as_attacker(os.symlink, str(victim / "project"), str(link))
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(link))
+    before = fingerprint(victim)
+    assert cli_main(verb) == 2
+    assert "Expected a cache path that only you can write" in capsys.readouterr().err
+    assert fingerprint(victim) == before
+
+
+def test_tune_out_through_the_attackers_middle_link_is_refused(shared, victim, capsys):
+    """Finding 3: `tune --out /tmp/out/authorized_keys` with /tmp/out the attacker's link to the
+    victim's ~/.ssh: refused before measuring (exit 2), the key file unchanged."""
+    (victim / ".ssh").mkdir(mode=0o700)
+    (victim / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA the victim's key\n")
+    as_attacker(os.symlink, str(victim / ".ssh"), str(shared / "out"))
+    before = fingerprint(victim)
+    assert cli_main(["tune", "--out", str(shared / "out" / "authorized_keys")]) == 2
+    assert capsys.readouterr().err.startswith("sparsegen: error:")
+    assert fingerprint(victim) == before
+
+
+def test_a_cache_dir_below_the_attackers_middle_link_builds_and_clears_nothing(shared, victim, monkeypatch):
+    """Finding 6: a link as a middle component of SPARSEGEN_CACHE_DIR, made by the attacker."""
+    entry_lookalikes(victim / "project")
+    as_attacker(os.symlink, str(victim), str(shared / "via"))
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(shared / "via" / "project"))
+    before = fingerprint(victim)
+    for action in (lambda: cache.build(SPEC), cache.clear, cache.info):
+        with pytest.raises(UntrustedPathError, match="uid 65534"):
+            action()
+    assert fingerprint(victim) == before
+
+
+def test_under_umask_000_the_folders_sparsegen_makes_keep_the_attacker_out(shared):
+    """Finding 6: the new parents of --bundle and --out are 0700 whatever the umask, so the
+    attacker cannot plant in them (with the umask's 0777 they could)."""
+    from sparsegen import tune
+
+    mine = shared / "mine"
+    before = os.umask(0)
+    try:
+        tune.write_table(mine / "tables" / "h200.json", "{}\n", in_cache=False)
+        bundle.write(mine / "kernels" / "bundle", {SPEC.name: b"cubin"})
+    finally:
+        os.umask(before)
+
+    def plant(folder):
+        (folder / "planted").write_text("x")
+
+    for folder in (mine, mine / "tables", mine / "kernels"):
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+        with pytest.raises(AssertionError, match="attacker's step failed"):
+            as_attacker(plant, folder)
+        assert not (folder / "planted").exists()
+
+
+def test_a_team_cache_below_the_attackers_link_builds_nothing(shared, victim, monkeypatch):
+    """SPARSEGEN_TEAM_CACHE_DIR is judged as the private cache is: a link the attacker made in
+    its middle is refused, and nothing lands in the folder it points to."""
+    (victim / "team").mkdir(mode=0o770)
+    as_attacker(os.symlink, str(victim), str(shared / "via"))
+    monkeypatch.setenv("SPARSEGEN_TEAM_CACHE_DIR", str(shared / "via" / "team"))
+    before = fingerprint(victim)
+    with pytest.raises(UntrustedPathError, match="uid 65534"):
+        cache.build(SPEC)
+    assert fingerprint(victim) == before
