@@ -63,6 +63,8 @@ def _selection_options() -> argparse.ArgumentParser:
                               "one-byte types get 2:4 kernels only)")
     options.add_argument("--block", nargs="+", metavar="BLOCK",
                          help="block shapes: 32 (square) or 32x64 (default: the standard set)")
+    options.add_argument("--layout", nargs="+", metavar="LAYOUT",
+                         help="only these layouts' kernels: bsr, semi24, bell, bdiag (default: every layout)")
     return options
 
 
@@ -152,7 +154,8 @@ def selected_specs(args) -> tuple[int, list]:
     arch = parse_arch(args.arch) if args.arch else local_arch()
     dtypes = list(dict.fromkeys(args.dtype)) if args.dtype else None
     blocks = list(dict.fromkeys(map(parse_block, args.block))) if args.block else None
-    return arch, list(dict.fromkeys(specs.default_specs(arch, dtypes, blocks)))  # no repeats
+    layouts = list(dict.fromkeys(args.layout)) if args.layout else None
+    return arch, list(dict.fromkeys(specs.default_specs(arch, dtypes, blocks, layouts)))  # no repeats
 
 
 # --- commands ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsegen.jit import cache
+from sparsegen.jit import cache, registry
 from sparsegen import cli
 from sparsegen.errors import CompileError, SparsegenError, SpecError
 from sparsegen.jit.spec import KernelSpec, default_specs
@@ -192,3 +192,18 @@ def test_help_and_bad_command_lines_answer_without_importing_torch():
     assert done.returncode == 0, done.stderr[-2000:]
     codes = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("CODE ")]
     assert codes == [0, 0, 0, 2, 2, 2, 2, 2, 2, 0], done.stdout
+
+
+def test_layout_selects_only_that_layouts_kernels(capsys):
+    """--layout picks layouts' kernels out of the default set (precompile and show --list
+    share it); an unknown name is one line and exit 2, naming the layouts there are."""
+    by_layout = {}
+    for layout in ("bsr", "semi24", "bell", "bdiag"):
+        code, out, _ = run_main(capsys, "show", "--list", "--arch", "sm_90", "--layout", layout)
+        by_layout[layout] = out.split()
+        assert code == 0 and by_layout[layout]
+        assert all(registry.layout_of(KernelSpec.from_name(name).op) == layout for name in by_layout[layout])
+    code, out, _ = run_main(capsys, "show", "--list", "--arch", "sm_90")
+    assert sorted(out.split()) == sorted(name for names in by_layout.values() for name in names)
+    code, _, err = run_main(capsys, "precompile", "--arch", "sm_90", "--layout", "banded")
+    assert code == 2 and "Expected a layout in ['bsr', 'semi24', 'bell', 'bdiag']. Got 'banded'." in err

@@ -286,9 +286,14 @@ def supported_dtypes(arch: int) -> tuple[str, ...]:
     return tuple(d for d in DTYPES if arch >= MIN_ARCH.get(d, 80))
 
 
-def default_specs(arch: int, dtypes=None, blocks=None) -> list[KernelSpec]:
-    """The set `sparsegen precompile` builds: every registered layout's, in registry order
-    (block-sparse: every square block plus common rectangles, or `blocks`)."""
+def default_specs(arch: int, dtypes=None, blocks=None, layouts=None) -> list[KernelSpec]:
+    """The set `sparsegen precompile` builds: every registered layout's (or those named in
+    `layouts`), in registry order (block-sparse: every square block plus common rectangles,
+    or `blocks`)."""
     dtypes = tuple(dtypes or supported_dtypes(arch))
-    specs = [s for layout in registry.layouts() for s in layout.default_specs(arch, dtypes, blocks)]
+    known = [layout.name for layout in registry.layouts()]
+    for name in layouts or ():
+        expect(name in known, f"a layout in {known}", repr(name), SpecError)
+    specs = [s for layout in registry.layouts() if not layouts or layout.name in layouts
+             for s in layout.default_specs(arch, dtypes, blocks)]
     return list(dict.fromkeys(specs))
