@@ -101,6 +101,7 @@ class FixedRowsProduct:
     def any_device(self, x, values, bias, *rest):
         if x.is_cuda and calls.has_kernels(x.device.index or 0):
             return self.gpu(x, values, bias, *rest)
+        self._launch_values(self._call(rest))  # (the reference refuses what a launch would)
         return self.reference(x, values, bias, *rest)
 
     def gpu(self, x, values, bias, *rest, out=None, tile=None, instr=None, acc="f32"):
@@ -194,10 +195,17 @@ class FixedRowsProduct:
     def _split_params(self, call: Call) -> tuple[tuple, tuple]:
         """(the parameters compiled into the kernel, as (name, value); the values it takes at launch)."""
         named = tuple(zip(self.args.ints, call.params))
+        return tuple(pair for pair in named if pair[0] in self._compiled_in), self._launch_values(call)
+
+    def _launch_values(self, call: Call) -> tuple:
+        """The run-time parameters (those not compiled in), as positive int32s: they reach the
+        kernel unchecked by any spec. Checked on every device alike, so that a layout's CPU
+        tests meet what its GPU launch refuses (a band's shift of 0, say)."""
+        named = tuple(zip(self.args.ints, call.params))
         at_launch = tuple(value for name, value in named if name not in self._compiled_in)
-        expect(all(0 < value < 2 ** 31 for value in at_launch), f"{self.op}'s parameters as positive int32s",
-               dict(named))  # (they reach the kernel unchecked by any spec)
-        return tuple(pair for pair in named if pair[0] in self._compiled_in), at_launch
+        expect(all(0 < value < 2 ** 31 for value in at_launch), f"{self.op}'s run-time parameters as positive int32s",
+               dict(named))
+        return at_launch
 
     def _plan(self, x2, values, call: Call, tile=None, instr=None, acc="f32") -> FixedRowsPlan:
         (m, k), (rows, rowblocks, bm, bk) = x2.shape, values.shape

@@ -123,12 +123,19 @@ def test_a_dense_weight_that_stacks_blocks_is_refused_and_copy_dense_checks_its_
 
 
 def test_parameters_passed_at_launch_are_checked_before_any_kernel():
-    """rowblocks reaches the kernel unchecked by a spec: the kit refuses a bad one first."""
+    """rowblocks reaches the kernel unchecked by a spec: the kit refuses a bad one first - and
+    the CPU reference refuses it too, so a layout's CPU tests meet what its GPU launch would."""
     from sparsegen import gathered
-    product = BlockEllLinear(64, 32, block=(16, 16), per_row=2).PRODUCT
+    layer = BlockEllLinear(64, 32, block=(16, 16), per_row=2)
+    product = layer.PRODUCT
     assert product._split_params(gathered.Call(None, (2,), 32, "none")) == ((), (2,))
-    with pytest.raises(InputError, match="bell_dds's parameters as positive int32s"):
+    with pytest.raises(InputError, match="bell_dds's run-time parameters as positive int32s"):
         product._split_params(gathered.Call(None, (0,), 32, "none"))
+    index, params = layer.op_args()[0], layer.op_args()[1:]
+    x = torch.randn(3, 64)
+    assert product.any_device(x, layer.values.detach(), None, index, *params, 32).shape == (3, 32)
+    with pytest.raises(InputError, match="run-time parameters as positive int32s"):
+        product.any_device(x, layer.values.detach(), None, index, *(0 for _ in params), 32)
 
 
 def test_the_kit_builds_the_transposes_block_csr_index_that_dx_runs_on():
