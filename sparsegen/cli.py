@@ -92,6 +92,8 @@ def _add_show(commands) -> None:
     which = sub.add_mutually_exclusive_group(required=True)
     which.add_argument("name", nargs="?", metavar="NAME", help="a kernel name, as --list prints")
     which.add_argument("--list", action="store_true", help="list the default kernel names")
+    which.add_argument("--layouts", action="store_true",
+                       help="list the layouts: the shipped ones and the plugins that loaded, and any that did not")
     sub.add_argument("--no-compile", action="store_true",
                      help="only render (by default NAME is also compiled; a failure prints the NVRTC log)")
     sub.set_defaults(run=cmd_show)
@@ -241,6 +243,19 @@ def _build_in_worker(spec, settings: dict | None = None):
         raise SparsegenError(str(error)) from None
 
 
+def _print_layouts() -> int:
+    """Each layout and where it comes from; each plugin that failed, with its error (exit 1)."""
+    from .jit import registry
+
+    for layout in registry.layouts():
+        origin = f"plugin {layout.package}" if layout.package else "shipped"
+        print(f"{layout.name}: {origin} ({', '.join(rules.op for rules in layout.ops)})")
+    failed = registry.failed_plugins()
+    for name, error in failed.items():
+        print(f"{name}: plugin not loaded - {error}")
+    return 1 if failed else 0
+
+
 def cmd_cache_info(args) -> int:
     from .jit import cache
 
@@ -264,6 +279,8 @@ def cmd_show(args) -> int:
     check_selection(args)
     from .jit import cache, codegen, spec as specs
 
+    if args.layouts:
+        return _print_layouts()
     if args.list:
         print("\n".join(spec.name for spec in selected_specs(args)[1]))
         return 0

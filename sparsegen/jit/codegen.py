@@ -33,8 +33,15 @@ def _environment():
     # StrictUndefined: a template that names a variable we did not pass is an error,
     # never an empty string in generated code. No bytecode cache: jinja's is marshal'd code
     # it would run from a file, and a cached kernel's lookup (cache.alias_key) renders nothing.
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+    return jinja2.Environment(loader=jinja2.FileSystemLoader([str(root) for root in template_roots()]),
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def template_roots() -> list[Path]:
+    """The core's templates folder, then each plugin layout's (registry.Layout.templates): a
+    template's path (OpRules.template) is found in the first that holds it."""
+    plugins = [layout.templates for layout in registry.layouts() if layout.templates is not None]
+    return [templates_dir(), *dict.fromkeys(Path(root) for root in plugins)]
 
 
 def template_context(spec: KernelSpec) -> dict:
@@ -65,9 +72,9 @@ def render(spec: KernelSpec) -> str:
 
 
 def _template_files() -> list[Path]:
-    """Every template and header (templates/<layout>/ and common/), in a fixed order."""
-    folder = templates_dir()
-    return sorted(folder.rglob("*.j2")) + sorted(folder.rglob("*.cuh"))
+    """Every template and header (templates/<layout>/ and common/, and each plugin's folder),
+    in a fixed order: the cache key covers a plugin's templates as it does the core's."""
+    return [path for folder in template_roots() for pattern in ("*.j2", "*.cuh") for path in sorted(folder.rglob(pattern))]
 
 
 def template_texts() -> list[str]:
@@ -92,4 +99,4 @@ def generator_texts() -> list[str]:
 def headers() -> dict[str, str]:
     """Device headers handed to NVRTC by name, so no include path is needed (their names
     are unique across the layouts' folders)."""
-    return {p.name: p.read_text() for p in sorted(templates_dir().rglob("*.cuh"))}
+    return {p.name: p.read_text() for root in template_roots() for p in sorted(root.rglob("*.cuh"))}

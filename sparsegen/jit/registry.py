@@ -5,7 +5,9 @@ builds. The core (spec, codegen, cache, runtime, cli) asks here and names no op 
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -172,6 +174,14 @@ class Layout:
     lowerings_module: str | None = None             # a module of it with LOWERINGS (Lowering, ...): compiled graphs
     faces_module: str | None = None                 # a module of it with FACES (Face, ...): sparsegen.linear
     kit_module: str | None = None                   # a module of it with KIT_KERNELS {role: function}: kit_kernel
+    # A plugin's (a package of its own, found by its entry point): its Python package, and the
+    # folder its templates' paths start from (the core's templates/ where None)
+    package: str | None = None
+    templates: Path | None = None
+
+    def module(self, name: str) -> str:
+        """The import path of the layout's module `name`."""
+        return f"{self.package or 'sparsegen.' + self.name}.{name}"
 
 
 _REGISTERED: dict[str, Layout] = {}
@@ -187,8 +197,16 @@ def register(layout: Layout) -> None:
 
 
 def layouts() -> tuple[Layout, ...]:
+    """The shipped layouts in LAYOUTS order, then the plugins that loaded, in their entry points' order."""
     _load()
-    return tuple(_REGISTERED[name] for name in LAYOUTS)
+    return tuple(_REGISTERED[name] for name in LAYOUTS) + tuple(
+        layout for name, layout in _REGISTERED.items() if name not in LAYOUTS)
+
+
+def failed_plugins() -> dict[str, str]:
+    """Plugins whose entry point did not load, by name: what went wrong."""
+    _load()
+    return dict(_FAILED)
 
 
 def op_rules(op: str) -> OpRules:
@@ -211,7 +229,7 @@ def ops() -> tuple[str, ...]:
 
 def lowerings() -> tuple[Lowering, ...]:
     """Every layout's compiled-graph lowerings (importing their modules: the layers and ops)."""
-    modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.lowerings_module}")
+    modules = [importlib.import_module(layout.module(layout.lowerings_module))
                for layout in layouts() if layout.lowerings_module]
     return tuple(lowering for module in modules for lowering in module.LOWERINGS)
 
@@ -230,7 +248,7 @@ _LAUNCHERS: dict[str, Callable] = {}
 
 def faces() -> tuple[Face, ...]:
     """Every layout's faces, in LAYOUTS order (importing their modules: the layers)."""
-    modules = [importlib.import_module(f"sparsegen.{layout.name}.{layout.faces_module}")
+    modules = [importlib.import_module(layout.module(layout.faces_module))
                for layout in layouts() if layout.faces_module]
     return tuple(face for module in modules for face in module.FACES)
 
@@ -258,14 +276,43 @@ _KIT_KERNELS: dict[str, Callable] = {}
 def _lent(role: str) -> Callable:
     for layout in layouts():
         if layout.kit_module:
-            lent = importlib.import_module(f"sparsegen.{layout.name}.{layout.kit_module}").KIT_KERNELS
+            lent = importlib.import_module(layout.module(layout.kit_module)).KIT_KERNELS
             if role in lent:
                 return lent[role]
     raise SpecError(f"Expected a layout lending the kit kernel {role!r}. Got none among {LAYOUTS}.")
 
 
+# Where plugins are found: a package of its own names the module that registers its layout in
+# its pyproject.toml, `[project.entry-points."sparsegen.layouts"] band = "band_layout.specs"`.
+ENTRY_POINTS = "sparsegen.layouts"
+_FAILED: dict[str, str] = {}
+
+
 def _load() -> None:
-    """Import each layout's specs module once (they register themselves as they load)."""
+    """Import each layout's specs module once (they register themselves as they load): the
+    shipped ones, then every installed plugin's - one that fails is set aside with a warning
+    naming it, and the others load."""
     for name in LAYOUTS:
         if name not in _REGISTERED:
             importlib.import_module(f"sparsegen.{name}.specs")
+    for entry in _plugin_entry_points():
+        if entry.name not in _REGISTERED and entry.name not in _FAILED:
+            _load_plugin(entry)
+
+
+@functools.lru_cache(maxsize=1)
+def _plugin_entry_points() -> tuple:
+    from importlib.metadata import entry_points
+
+    return tuple(entry for entry in entry_points(group=ENTRY_POINTS) if entry.name not in LAYOUTS)
+
+
+def _load_plugin(entry) -> None:
+    try:
+        entry.load()
+        expect(entry.name in _REGISTERED, f"its module {entry.value} to register a layout named {entry.name!r}",
+               f"layouts {sorted(_REGISTERED)}", SpecError)
+    except Exception as error:  # (a broken plugin never breaks the others, or the shipped layouts)
+        _FAILED[entry.name] = f"{type(error).__name__}: {error}"
+        warnings.warn(f"sparsegen: the layout plugin {entry.name!r} ({entry.value}) did not load: "
+                      f"{_FAILED[entry.name]}", RuntimeWarning, stacklevel=3)
