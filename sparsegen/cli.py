@@ -84,6 +84,8 @@ def _add_cache(commands) -> None:
     actions = sub.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("info", help="directory, entries, bytes").set_defaults(run=cmd_cache_info)
     actions.add_parser("clear", help="remove every entry").set_defaults(run=cmd_cache_clear)
+    actions.add_parser("list", help="each entry's kernel, read from the entry: key, name, layout").set_defaults(
+        run=cmd_cache_list)
 
 
 def _add_show(commands) -> None:
@@ -261,6 +263,15 @@ def cmd_cache_info(args) -> int:
 
     for field, value in cache.info().items():
         print(f"{field}: {value}")
+    return 0
+
+
+def cmd_cache_list(args) -> int:
+    from .jit import cache, registry
+
+    for key, spec in cache.entries():
+        named = "(damaged, or names no kernel)" if spec is None else f"{spec.name}  layout {registry.layout_of(spec.op)}"
+        print(f"{key[:16]}  {named}")
     return 0
 
 

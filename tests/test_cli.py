@@ -207,3 +207,19 @@ def test_layout_selects_only_that_layouts_kernels(capsys):
     assert sorted(out.split()) == sorted(name for names in by_layout.values() for name in names)
     code, _, err = run_main(capsys, "precompile", "--arch", "sm_90", "--layout", "banded")
     assert code == 2 and "Expected a layout in ['bsr', 'semi24', 'bell', 'bdiag']. Got 'banded'." in err
+
+
+def test_cache_list_names_each_entrys_kernel_from_the_entry_itself(capsys, tmp_path):
+    """`cache list` reads the kernel's name from each entry's CUBIN (not from a side record), with
+    its layout; an entry whose contents name no kernel is listed as such."""
+    import os
+    specs = [forward_spec((32, 32), "bf16", 80), default_specs(90, ["bf16"], layouts=["semi24"])[0]]
+    built = [cache.build(spec) for spec in specs]
+    kernels = Path(os.environ["SPARSEGEN_CACHE_DIR"]) / "kernels"
+    (kernels / ("ef" * 32)).write_bytes(b"not an entry")
+    code, out, _ = run_main(capsys, "cache", "list")
+    assert code == 0
+    lines = dict(line.split("  ", 1) for line in out.splitlines())
+    for spec, entry in zip(specs, built):
+        assert lines[entry.key[:16]] == f"{spec.name}  layout {registry.layout_of(spec.op)}"
+    assert lines["ef" * 8] == "(damaged, or names no kernel)"

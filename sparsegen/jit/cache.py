@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import threading
 import warnings
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from . import bundle, codegen, compiler
 from .. import env
 from .diskstore import ALIASES, ENTRY_MAGIC, KERNELS, KEY_RE, DiskStore
 from .spec import KernelSpec, fields_tuple
+from ..errors import SpecError
 
 _memory: dict[str, tuple[str, bytes]] = {}
 
@@ -215,6 +217,32 @@ def info() -> dict:
     """entries: compiled kernels on disk (the alias records that point at them not counted)."""
     store = _store()
     return {"directory": str(store.root), "entries": len(store.keys(KERNELS)), "bytes": store.volume(KERNELS)}
+
+
+def entries() -> list[tuple[str, KernelSpec | None]]:
+    """(key, spec) of each compiled kernel on disk, the spec read from the entry itself: the
+    kernel's name among its CUBIN's symbols (None where the entry is damaged or names none)."""
+    store = _store()
+    listed = []
+    for key in store.keys(KERNELS):
+        blob = store.read(KERNELS, key)
+        cubin = _unseal(blob) if blob is not None else None
+        listed.append((key, None if cubin is None else kernel_in(cubin)))
+    return listed
+
+
+_SYMBOL_RE = re.compile(rb"[a-z][a-z0-9_]{10,250}")
+
+
+def kernel_in(cubin: bytes) -> KernelSpec | None:
+    """The spec whose kernel the CUBIN holds: the first of its symbols that parses as a
+    kernel name (the kernels' functions are named by KernelSpec.name)."""
+    for token in _SYMBOL_RE.findall(cubin):
+        try:
+            return KernelSpec.from_name(token.decode("ascii"))
+        except SpecError:
+            continue
+    return None
 
 
 def clear() -> tuple[int, list[str]]:
