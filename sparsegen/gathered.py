@@ -194,8 +194,8 @@ class FixedRowsProduct:
 
     def _split_params(self, call: Call) -> tuple[tuple, tuple]:
         """(the parameters compiled into the kernel, as (name, value); the values it takes at launch)."""
-        named = tuple(zip(self.args.ints, call.params))
-        return tuple(pair for pair in named if pair[0] in self._compiled_in), self._launch_values(call)
+        compiled_in = tuple(pair for pair in zip(self.args.ints, call.params) if pair[0] in self._compiled_in)
+        return compiled_in, self._launch_values(call)
 
     def _launch_values(self, call: Call) -> tuple:
         """The run-time parameters (those not compiled in), as positive int32s: they reach the

@@ -15,8 +15,9 @@ from .jit import epilogues, registry
 # The dtypes a layer's weights may have, by torch.dtype or by these names (sparsegen.linear's
 # dtype=; one-byte weights are weight_dtype="e4m3" / "int8" of 2:4 layers).
 DTYPES_BY_NAME = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-               "float": torch.float32, "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                  "fp32": torch.float32, "float": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+                  "double": torch.float64}
 
 
 def layer_dtype(dtype) -> torch.dtype | None:
