@@ -109,6 +109,22 @@ def persistent_waves() -> int:
 
 def kernel_bundles() -> list[Path]:
     """Read-only bundles of precompiled kernels, searched in order before the user cache:
-    SPARSEGEN_KERNEL_BUNDLE=DIR[:DIR...] (os.pathsep between them)."""
+    SPARSEGEN_KERNEL_BUNDLE=DIR[:DIR...] (os.pathsep between them), then the installed
+    sparsegen_kernels package's (unless SPARSEGEN_SHIPPED_KERNELS=0)."""
     named = os.environ.get("SPARSEGEN_KERNEL_BUNDLE", "")
-    return [Path(part).expanduser() for part in named.split(os.pathsep) if part.strip()]
+    shipped = shipped_kernel_bundles() if _switch("SPARSEGEN_SHIPPED_KERNELS", True) else []
+    return [Path(part).expanduser() for part in named.split(os.pathsep) if part.strip()] + shipped
+
+
+SHIPPED_KERNELS_PACKAGE = "sparsegen_kernels"  # what tools/build_kernels.py builds
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_kernel_bundles() -> list[Path]:
+    """The bundles (one folder per arch) of the installed sparsegen_kernels package, found
+    without importing it: nothing of it runs, its manifests are read as any bundle's."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHIPPED_KERNELS_PACKAGE)
+    folders = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
+    return sorted(manifest.parent for folder in folders for manifest in Path(folder).glob("*/manifest.json"))

@@ -9,13 +9,15 @@ import sys
 
 import pytest
 from test_cache import PACKAGE_ROOT
+from pathlib import Path
 
-from sparsegen.jit import bundle, cache
+from sparsegen.jit import bundle, cache, codegen
 from sparsegen import cli, env
 from sparsegen.jit.spec import KernelSpec
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.jit.trust import UntrustedPathError
 
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 SELECTION = ["--arch", "sm_80", "--dtype", "bf16", "--block", "16"]
 SPEC = forward_spec((16, 16), "bf16", 80)
 
@@ -64,9 +66,10 @@ def test_a_bundle_holds_every_selected_kernel_read_only_with_its_hash(shipped, c
     names = capsys.readouterr().out.split()
     manifest = json.loads((shipped / "manifest.json").read_text())
     assert sorted(manifest["kernels"]) == sorted(names) and len(names) > 10
-    for name, digest in manifest["kernels"].items():
-        assert hashlib.sha256((shipped / f"{name}.cubin").read_bytes()).hexdigest() == digest
-    assert manifest["generator"] == bundle.generator_digest() and manifest["nvrtc"].count(".") == 1
+    for name, entry in manifest["kernels"].items():
+        assert entry == {"cubin": hashlib.sha256((shipped / f"{name}.cubin").read_bytes()).hexdigest(),
+                         "source": bundle.source_digest(KernelSpec.from_name(name))}
+    assert manifest["format"] == bundle.FORMAT and manifest["nvrtc"].count(".") == 1
     assert stat.S_IMODE(shipped.stat().st_mode) == 0o555
     assert {stat.S_IMODE(p.stat().st_mode) for p in shipped.iterdir()} == {0o444}
 
@@ -80,7 +83,7 @@ def test_a_process_without_nvrtc_and_a_read_only_cache_loads_every_kernel(shippe
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {name: [False, digest] for name, digest in manifest["kernels"].items()}
+    assert got == {name: [False, entry["cubin"]] for name, entry in manifest["kernels"].items()}
 
 
 def test_the_bundle_comes_before_the_user_cache(shipped, monkeypatch):
@@ -106,24 +109,42 @@ def edit_manifest(folder, change):
     path.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("damage", ["cubin", "stale", "garbage", "bad name"])
-def test_a_damaged_or_stale_bundle_is_skipped_with_a_warning(damage, shipped, tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage", ["cubin", "old format", "garbage", "bad name", "bad entry"])
+def test_a_damaged_bundle_is_skipped_with_a_warning(damage, shipped, tmp_path, monkeypatch):
     folder = copy_bundle(shipped, tmp_path / "copy")
     cubin = folder / f"{SPEC.name}.cubin"
     if damage == "cubin":
         data = cubin.read_bytes()
         cubin.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
-    elif damage == "stale":
-        edit_manifest(folder, lambda d: d.update(generator="0" * 64))
+    elif damage == "old format":
+        edit_manifest(folder, lambda d: d.update(format="sparsegen-kernel-bundle/1"))
     elif damage == "garbage":
         (folder / "manifest.json").write_bytes(b"\x80not json")
+    elif damage == "bad name":
+        edit_manifest(folder, lambda d: d["kernels"].update({"../../x": d["kernels"][SPEC.name]}))
     else:
-        edit_manifest(folder, lambda d: d["kernels"].update({"../../x": "0" * 64}))
+        edit_manifest(folder, lambda d: d["kernels"].update({SPEC.name: "0" * 64}))
     monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(folder))
     bundle._load.cache_clear()
     with pytest.warns(RuntimeWarning, match="bundle|manifest"):
         built = cache.build(SPEC)
     assert built.compiled  # compiled here instead; nothing from the bundle ran
+
+
+@pytest.mark.parametrize("edit", ["template", "header"])
+def test_a_kernel_whose_source_changed_is_compiled_while_the_rest_still_load(edit, shipped, monkeypatch):
+    """An edited template (or header) makes its kernels' bundled CUBINs stale: those are
+    compiled from today's source, silently; a kernel whose source is unchanged still loads."""
+    other = next(KernelSpec.from_name(p.stem) for p in shipped.glob("*.cubin") if p.stem != SPEC.name)
+    monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(shipped))
+    render, headers = codegen.render, codegen.headers
+    if edit == "template":  # one kernel's source only: the others' stay as bundled
+        monkeypatch.setattr(codegen, "render", lambda s: render(s) + ("// edited\n" if s == SPEC else ""))
+    else:  # every kernel's: their bundled CUBINs are all stale now
+        monkeypatch.setattr(codegen, "headers", lambda: {n: t + "// edited\n" for n, t in headers().items()})
+    built = cache.build(SPEC)
+    assert built.compiled and cache.info()["entries"] == 1
+    assert cache.build(other).compiled == (edit == "header")
 
 
 def test_a_bundle_others_can_write_is_refused(shipped, tmp_path, monkeypatch):
@@ -146,3 +167,38 @@ def test_a_kernel_the_bundle_lacks_comes_from_the_user_cache(shipped, monkeypatc
     monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(shipped))
     other = KernelSpec.from_name(forward_spec((32, 32), "fp16", 80).name)
     assert cache.build(other).compiled and cache.info()["entries"] == 1
+
+
+def test_the_installed_kernels_package_is_searched_after_the_named_bundles(tmp_path, monkeypatch):
+    package = tmp_path / env.SHIPPED_KERNELS_PACKAGE
+    for arch in ("sm_90", "sm_80", "notes"):
+        (package / arch).mkdir(parents=True)
+        if arch != "notes":  # (a folder without a manifest is no bundle)
+            (package / arch / "manifest.json").write_text("{}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", "/mine")
+    assert env.kernel_bundles() == [Path("/mine"), package / "sm_80", package / "sm_90"]
+    monkeypatch.setenv("SPARSEGEN_SHIPPED_KERNELS", "0")  # (measuring a compile, or not trusting it)
+    assert env.kernel_bundles() == [Path("/mine")]
+
+
+@pytest.mark.slow
+def test_the_kernels_wheel_once_installed_serves_every_kernel_with_no_nvrtc(tmp_path, read_only_cache):
+    """tools/build_kernels.py builds the sparsegen-kernels wheel; pip installs it; a process
+    with no NVRTC, no bundle named and a read-only cache finds every kernel in it."""
+    build = subprocess.run([sys.executable, str(TOOLS / "build_kernels.py"), "--out", str(tmp_path / "dist"),
+                            *SELECTION, "-j", "2"], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel, = (tmp_path / "dist").glob("sparsegen_kernels-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
+                    str(tmp_path / "site"), str(wheel)], check=True, capture_output=True, timeout=300)
+    manifest = tmp_path / "site" / env.SHIPPED_KERNELS_PACKAGE / "sm_80" / "manifest.json"
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(tmp_path / "site"), PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
+    environ.pop("SPARSEGEN_KERNEL_BUNDLE", None)
+    done = subprocess.run([sys.executable, "-c", LOAD_ALL, str(manifest)], env=environ,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    kernels = json.loads(manifest.read_text())["kernels"]
+    assert len(got) > 10 and got == {name: [False, entry["cubin"]] for name, entry in kernels.items()}

@@ -241,6 +241,12 @@ COLD_SCRIPT = """
 import sys, time, torch
 sys.path.insert(0, {tools!r})
 import sparsegen, bench_generate as bg
+from sparsegen.jit import compiler
+compiled, nvrtc_compile = [], compiler.compile_cubin
+def counted(source, name, *rest):  # the kernels NVRTC compiled while the clock ran
+    compiled.append(name)
+    return nvrtc_compile(source, name, *rest)
+compiler.compile_cubin = counted
 family, variant, tokens = bg.FAMILIES[{family!r}], {variant!r}, {tokens}
 model = bg.build(family, {layers}, torch.device("cuda"), torch.bfloat16)
 ids = bg.prompt_ids(1, tokens, "cuda") if tokens > 1 else bg.prompt_ids(32, 1, "cuda")
@@ -268,27 +274,33 @@ else:
     patch()
 patched = time.perf_counter()
 forward()
-print("SECONDS", time.perf_counter() - begin, patched - begin)
+print("SECONDS", time.perf_counter() - begin, patched - begin, len(compiled))
 """
 
 
 def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool = True,
-                 profile: bool = False) -> tuple[float, float]:
-    """(patch + first forward, patch alone) in a fresh process with an empty kernel cache
-    (dense: the first forward alone), the model built and CUDA started before the clock;
-    warm=False: without patch's background builds (SPARSEGEN_WARM=0); profile: cProfile's
-    view of patch and of the first forward printed too (the seconds then include its cost)."""
+                 profile: bool = False, kernels: str | None = None) -> tuple[float, float, int]:
+    """(patch + first forward, patch alone, kernels NVRTC compiled meanwhile) in a fresh process
+    with an empty kernel cache (dense: the first forward alone), the model built and CUDA
+    started before the clock; warm=False: without patch's background builds (SPARSEGEN_WARM=0);
+    kernels: a folder on the path holding the sparsegen_kernels package (else none is used);
+    profile: cProfile's view of patch and of the first forward printed too (the seconds then
+    include its cost)."""
     with tempfile.TemporaryDirectory() as cache:
         script = COLD_SCRIPT.format(tools=str(Path(__file__).parent), family=family, variant=variant,
                                     tokens=tokens, layers=layers, profile=profile)
-        env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache, SPARSEGEN_WARM="1" if warm else "0")
+        env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache, SPARSEGEN_WARM="1" if warm else "0",
+                   SPARSEGEN_SHIPPED_KERNELS="1" if kernels else "0")
+        if kernels:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (kernels, env.get("PYTHONPATH")) if p)
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
     if profile:
         print(f"## cold {family} {variant} {tokens} tokens\n{done.stdout}", flush=True)
     if not lines:
         raise RuntimeError(f"cold run of {variant} failed: {done.stderr[-2000:]}")
-    return float(lines[-1].split()[1]), float(lines[-1].split()[2])
+    seconds, patch_s, compiled = lines[-1].split()[1:]
+    return float(seconds), float(patch_s), int(compiled)
 
 
 def cold_rows(args, save) -> None:
@@ -300,13 +312,20 @@ def cold_rows(args, save) -> None:
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
             dense = cold_seconds(family.name, "dense", tokens, args.layers)[0]
             for variant in args.cold:
-                seconds, patch_s = cold_seconds(family.name, variant, tokens, args.layers)
-                unwarmed = cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0]
-                row = dict(family=family.name, model=family.label, call=label, variant=variant,
-                           dense_first_s=round(dense, 3), first_s=round(seconds, 3), patch_s=round(patch_s, 3),
-                           x_dense=round(seconds / dense, 2), unwarmed_s=round(unwarmed, 3))
-                print(json.dumps(row), flush=True)
-                save([row])
+                rows = [_cold_row(family, label, variant, dense, cold_seconds(family.name, variant, tokens, args.layers),
+                                  unwarmed_s=cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0])]
+                if args.cold_kernels:
+                    rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense, cold_seconds(
+                        family.name, variant, tokens, args.layers, kernels=args.cold_kernels)))
+                print("\n".join(map(json.dumps, rows)), flush=True)
+                save(rows)
+
+
+def _cold_row(family, label: str, variant: str, dense_s: float, measured: tuple, **more) -> dict:
+    seconds, patch_s, compiled = measured
+    return dict(family=family.name, model=family.label, call=label, variant=variant, dense_first_s=round(dense_s, 3),
+                first_s=round(seconds, 3), patch_s=round(patch_s, 3), x_dense=round(seconds / dense_s, 2),
+                compiled=compiled, **{k: round(v, 3) for k, v in more.items()})
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -360,13 +379,15 @@ def _cold_table(rows: list[dict]) -> Table:
     table = Table("Compile and overheads", "Cold first call: patch + first forward from an empty kernel cache",
                   [("model", ""), ("call", ""), ("variant", ""), ("dense first forward s", ".3f"),
                    ("patch + first forward s", ".3f"), ("of which patch s", ".3f"), ("times dense's", ".2f"),
-                   ("without background builds s", ".3f")],
+                   ("kernels compiled", ""), ("without background builds s", ".3f")],
                   about="A fresh process each (tools/bench_generate.py --cold): the model built on the GPU and CUDA "
-                        "started before the clock; dense: its first forward alone.")
+                        "started before the clock; dense: its first forward alone. 'kernels installed': with the "
+                        "sparsegen_kernels package (tools/build_kernels.py; --cold-kernels) on the path; "
+                        "'kernels compiled': by NVRTC before the first forward returned.")
     for r in rows:
         if "first_s" in r:
             table.rows.append([r["model"], r["call"], r["variant"], r["dense_first_s"], r["first_s"], r.get("patch_s"),
-                               r["x_dense"], r.get("unwarmed_s")])
+                               r["x_dense"], r.get("compiled"), r.get("unwarmed_s")])
     return table
 
 
@@ -391,6 +412,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", help="family:variant,... profiled eagerly instead of timed")
     parser.add_argument("--cold", help="variants whose patch + first forward is timed from an empty cache")
+    parser.add_argument("--cold-kernels", metavar="DIR", help="with --cold: each variant timed again with the "
+                        "sparsegen_kernels package in DIR (e.g. pip install --target DIR its wheel)")
     parser.add_argument("--cold-profile", action="store_true",
                         help="with --cold: cProfile's view of each cold prefill instead of timings")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU")
@@ -429,7 +452,7 @@ def run(args, device, argv) -> None:
         if args.cold_profile:
             for family in args.families:
                 for variant in ["dense"] + args.cold:
-                    cold_seconds(family.name, variant, 2048, args.layers, profile=True)
+                    cold_seconds(family.name, variant, 2048, args.layers, profile=True, kernels=args.cold_kernels)
             return
         cold_rows(args, save)
         return

@@ -92,8 +92,7 @@ def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else a kernel bundle, else disk, else NVRTC (then
     stored on disk and in memory). A build of it that build_soon started is waited for (one
     not started yet is taken over here)."""
-    texts = codegen.generator_texts()  # read once: the alias and the bundles' staleness check
-    alias = alias_key(spec, texts)
+    alias = alias_key(spec, codegen.generator_texts())
     pending = _pending.get(alias)
     if pending is not None and pending.cancel():
         _pending.pop(alias, None)
@@ -102,7 +101,7 @@ def build(spec: KernelSpec) -> Built:
             pending.result()
         except Exception:  # (its error is this call's to raise: built again below)
             pass
-    return _build(spec, texts, alias)
+    return _build(spec, alias)
 
 
 # Background builds (build_soon): NVRTC releases the GIL, so threads compile in parallel while
@@ -126,7 +125,7 @@ def build_soon(specs: list[KernelSpec]) -> int:
         alias = alias_key(spec, texts)
         if alias in _memory or alias in _pending:
             continue
-        _pending[alias] = _submit(_build_in_background, spec, texts, alias)
+        _pending[alias] = _submit(_build_in_background, spec, alias)
         started += 1
     return started
 
@@ -155,19 +154,19 @@ def _serve(work: queue.SimpleQueue) -> None:
             future.set_exception(error)
 
 
-def _build_in_background(spec: KernelSpec, texts, alias: str) -> None:
+def _build_in_background(spec: KernelSpec, alias: str) -> None:
     try:
-        _build(spec, texts, alias)
+        _build(spec, alias)
     finally:
         _pending.pop(alias, None)
 
 
-def _build(spec: KernelSpec, texts, alias: str) -> Built:
+def _build(spec: KernelSpec, alias: str) -> Built:
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
         return _remember(alias, _compile(spec, *_source(spec)))
-    bundled = bundle.lookup(spec.name, texts)
+    bundled = bundle.lookup(spec)
     if bundled is not None:
         return _remember(alias, Built(spec, "bundle:" + hashlib.sha256(bundled).hexdigest(), bundled, False))
     store = _store()
