@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cache import PACKAGE_ROOT
+from test_cache import PACKAGE_ROOT, fresh_jinja, use_template_copy  # noqa: F401 (a fixture)
 from pathlib import Path
 
 from sparsegen.jit import bundle, cache, codegen
@@ -66,9 +66,11 @@ def test_a_bundle_holds_every_selected_kernel_read_only_with_its_hash(shipped, c
     names = capsys.readouterr().out.split()
     manifest = json.loads((shipped / "manifest.json").read_text())
     assert sorted(manifest["kernels"]) == sorted(names) and len(names) > 10
+    texts = codegen.generator_texts()
     for name, entry in manifest["kernels"].items():
+        spec = KernelSpec.from_name(name)
         assert entry == {"cubin": hashlib.sha256((shipped / f"{name}.cubin").read_bytes()).hexdigest(),
-                         "source": bundle.source_digest(KernelSpec.from_name(name))}
+                         "source": bundle.source_digest(spec), "origin": bundle.origin_digest(spec, texts)}
     assert manifest["format"] == bundle.FORMAT and manifest["nvrtc"].count(".") == 1
     assert stat.S_IMODE(shipped.stat().st_mode) == 0o555
     assert {stat.S_IMODE(p.stat().st_mode) for p in shipped.iterdir()} == {0o444}
@@ -131,20 +133,18 @@ def test_a_damaged_bundle_is_skipped_with_a_warning(damage, shipped, tmp_path, m
     assert built.compiled  # compiled here instead; nothing from the bundle ran
 
 
-@pytest.mark.parametrize("edit", ["template", "header"])
-def test_a_kernel_whose_source_changed_is_compiled_while_the_rest_still_load(edit, shipped, monkeypatch):
-    """An edited template (or header) makes its kernels' bundled CUBINs stale: those are
-    compiled from today's source, silently; a kernel whose source is unchanged still loads."""
-    other = next(KernelSpec.from_name(p.stem) for p in shipped.glob("*.cubin") if p.stem != SPEC.name)
+@pytest.mark.parametrize("edit", [SPEC.rules.template, "common/sg_mma.cuh"])
+def test_an_edited_template_makes_only_its_kernels_compile_again(edit, shipped, tmp_path, monkeypatch, fresh_jinja):
+    """An edited template makes its kernels' bundled CUBINs stale: those are compiled from
+    today's source, silently; a kernel whose source is unchanged still loads (every kernel
+    gets every header: an edited header makes them all stale)."""
+    other = next(KernelSpec.from_name(p.stem) for p in sorted(shipped.glob("sp24_compress*.cubin")))
     monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(shipped))
-    render, headers = codegen.render, codegen.headers
-    if edit == "template":  # one kernel's source only: the others' stay as bundled
-        monkeypatch.setattr(codegen, "render", lambda s: render(s) + ("// edited\n" if s == SPEC else ""))
-    else:  # every kernel's: their bundled CUBINs are all stale now
-        monkeypatch.setattr(codegen, "headers", lambda: {n: t + "// edited\n" for n, t in headers().items()})
-    built = cache.build(SPEC)
-    assert built.compiled and cache.info()["entries"] == 1
-    assert cache.build(other).compiled == (edit == "header")
+    path = use_template_copy(tmp_path, monkeypatch) / edit
+    path.write_text(path.read_text() + "\n// an edit\n")
+    assert cache.build(SPEC).compiled
+    assert cache.build(other).compiled == edit.endswith(".cuh")
+    assert cache.info()["entries"] == 1 + edit.endswith(".cuh")
 
 
 def test_a_bundle_others_can_write_is_refused(shipped, tmp_path, monkeypatch):

@@ -108,3 +108,21 @@ def test_a_process_that_exits_does_not_wait_for_queued_builds(tmp_path):
                           env=dict(os.environ, SPARSEGEN_CACHE_DIR=str(tmp_path)))
     assert done.returncode == 0 and "queued" in done.stdout, done.stderr[-2000:]
     assert time.perf_counter() - begin < 20
+
+
+@pytest.mark.parametrize("arch", [80, 89, 90])
+def test_every_kernel_a_patched_2_4_layer_warms_is_one_precompile_ships(arch):
+    """What patch builds ahead for a layer of any dtype and any epilogue it fuses is in the
+    default kernel list - what `precompile` builds and the sparsegen-kernels wheel ships - so a
+    model with those kernels installed compiles nothing on its first call."""
+    from sparsegen.jit import epilogues
+    from sparsegen.jit.spec import default_specs
+
+    layers = [sparsegen.linear(256, 512, sparsity="2:4").to(dtype).fuse(epilogue)
+              for dtype in (torch.bfloat16, torch.float16) for epilogue in epilogues.EPILOGUES]
+    one_byte = ("int8", "e4m3") if arch >= 89 else ("int8",)
+    layers += [scaled.ScaledSparse24Linear.from_dense(nn.Linear(256, 512).to(dtype), fmt).fuse(epilogue)
+               for fmt in one_byte for dtype in (torch.bfloat16, torch.float16) for epilogue in epilogues.EPILOGUES]
+    wanted = warm.likely_specs(layers, arch, 132)
+    missing = set(wanted) - set(default_specs(arch, None, None, None))
+    assert len(wanted) > 100 and not missing, sorted(s.name for s in missing)

@@ -312,8 +312,11 @@ def cold_rows(args, save) -> None:
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
             dense = cold_seconds(family.name, "dense", tokens, args.layers)[0]
             for variant in args.cold:
+                # (without background builds: only where there is no kernels package to compare with)
+                more = {} if args.cold_kernels else dict(
+                    unwarmed_s=cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0])
                 rows = [_cold_row(family, label, variant, dense, cold_seconds(family.name, variant, tokens, args.layers),
-                                  unwarmed_s=cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0])]
+                                  **more)]
                 if args.cold_kernels:
                     rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense, cold_seconds(
                         family.name, variant, tokens, args.layers, kernels=args.cold_kernels)))

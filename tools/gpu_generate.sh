@@ -33,6 +33,9 @@ last=$((gpus - 1))
     > "$OUT/models.log" 2>&1 ) &
 ( export CUDA_VISIBLE_DEVICES=$last SPARSEGEN_CACHE_DIR=/tmp/sgcache_t
   [ -n "${SKIP_TESTS:-}" ] || timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu ${GEN_TESTS:-tests/test_gpu_warm.py tests/test_gpu_epilogues.py -k "warm or geglu_tanh or reglu"} 2>&1 | tail -15
+  # Bytecode as pip writes it at install (this image may not write it: every cold process would
+  # compile sparsegen's modules from source, which no installed copy does).
+  python3 -m compileall -q sparsegen tools > /dev/null
   kernels=()  # (the package as its wheel installs it: sparsegen_kernels/<arch>/ on the path)
   [ -z "${COLD_KERNELS:-}" ] || { kernels=(--cold-kernels /tmp/sgk)
     python3 -m sparsegen precompile --arch sm_90 --bundle /tmp/sgk/sparsegen_kernels/sm_90 2>&1 | grep -v "kernel/s\|it/s" | tail -2; }

@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..jit import registry
+from ..jit import epilogues, registry
 from ..errors import SpecError, expect
 from ..jit.spec import (BLOCK_SIDES, BYTE_DTYPES, DTYPES, ELEMENT_BYTES, HOPPER_INSTRS, SMEM_LIMIT, STAGE_BYTES_PER_ROW,
                         SWAP_INSTRS, THREADS_256, TMA_INSTRS, KernelSpec, TileConfig, check_acc_on_mma, check_trans,
                         clustered, stages_that_fit, tma_ring_bytes)
 
 BLOCK_DTYPES = tuple(d for d in DTYPES if d not in BYTE_DTYPES)  # the block-sparse kernels' dtypes
-PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
 
 
 def sdd_gather(spec: KernelSpec) -> int:
@@ -253,7 +252,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     # the forward's dense path (ops._dense_forward_weight: crossover table, high density), any block
     scatter = [scatter_spec(b, d, arch) for d in wide for b in blocks]
     fused = [dataclasses.replace(s, epilogue=e) for s in forward if s.dtype in ("bf16", "fp16")
-             for e in PATCHED_EPILOGUES]
+             for e in epilogues.FUSED]
     return forward + scatter + backward + fused
 
 

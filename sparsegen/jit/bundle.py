@@ -1,8 +1,9 @@
 """Read-only bundles of precompiled kernels, to ship to machines that cannot compile.
 
 `sparsegen precompile --arch sm_90 --bundle DIR` writes DIR/NAME.cubin for every kernel and
-DIR/manifest.json: per kernel, its CUBIN's sha256 and the digest of the source it was
-compiled from (source_digest: the rendered kernel, the headers and NVRTC's options), and
+DIR/manifest.json: per kernel, its CUBIN's sha256, the digest of the source it was compiled
+from (source_digest: the rendered kernel, the headers and NVRTC's options) and of what that
+source followed from (origin_digest: the spec, every template and the rendering code), and
 the NVRTC version that built them. SPARSEGEN_KERNEL_BUNDLE=DIR, or the installed
 sparsegen_kernels package (tools/build_kernels.py; env.kernel_bundles), makes cache.build
 look there first: a first call then compiles nothing, and a machine with no NVRTC and no
@@ -11,7 +12,8 @@ writable home runs every kernel the bundle holds.
 A kernel whose source today differs from its bundled one - an edited template, a plugin's
 new header, a changed option - is passed over (and compiled), kernel by kernel: editing one
 layout's template leaves the other layouts' bundled kernels in use, and never serves a
-stale one.
+stale one. While nothing the kernels follow from has changed (the origin digests match), no
+kernel is rendered to tell: a first call then costs no template compile either.
 
 What is trusted: the manifest, read with json (never run), in a folder only its owner (the
 user or root) can write; every CUBIN is checked against the manifest's hash before use.
@@ -29,7 +31,7 @@ from pathlib import Path
 from . import codegen, compiler, private_files, trust
 from .. import env
 from .diskstore import warn_once
-from .spec import KernelSpec
+from .spec import KernelSpec, fields_tuple
 from ..errors import SparsegenError, expect
 
 MANIFEST = "manifest.json"
@@ -42,6 +44,7 @@ _HASH_RE = re.compile(r"[0-9a-f]{64}")
 class Entry:
     cubin: str   # sha256 of NAME.cubin
     source: str  # source_digest of the kernel it was compiled from
+    origin: str  # origin_digest: what that source was rendered from
 
 
 @dataclass(frozen=True)
@@ -60,17 +63,29 @@ def source_digest(spec: KernelSpec) -> str:
     return h.hexdigest()
 
 
-def lookup(spec: KernelSpec) -> bytes | None:
+def origin_digest(spec: KernelSpec, generator_texts: list[str]) -> str:
+    """sha256 of what the kernel's source follows from: its spec, the templates and the code
+    that renders them (codegen.generator_texts), and NVRTC's options. Equal origins render
+    equal sources; unequal ones may still (an edit elsewhere), which source_digest tells."""
+    h = hashlib.sha256(repr(fields_tuple(spec)).encode())
+    for part in (*generator_texts, *compiler.options(spec.target)):
+        h.update(hashlib.sha256(part.encode()).digest())
+    return h.hexdigest()
+
+
+def lookup(spec: KernelSpec, generator_texts: list[str]) -> bytes | None:
     """The CUBIN of `spec` from the first bundle that holds it compiled from today's source,
-    hash checked. The source is rendered only when some bundle names the kernel."""
-    current = None
+    hash checked (generator_texts: codegen's, already read by the caller)."""
+    origin = source = None
     for folder in env.kernel_bundles():
         manifest = _load(os.path.abspath(folder))  # (not resolved: a link is judged as a link)
         entry = manifest.kernels.get(spec.name) if manifest is not None else None
         if entry is None:
             continue
-        current = current or source_digest(spec)
-        cubin = _read_checked(manifest, spec.name) if entry.source == current else None
+        origin = origin or origin_digest(spec, generator_texts)
+        if entry.origin != origin:  # (something changed: render the kernel to see whether it did)
+            source = source or source_digest(spec)
+        cubin = _read_checked(manifest, spec.name) if entry.origin == origin or entry.source == source else None
         if cubin is not None:
             return cubin
     return None
@@ -103,10 +118,10 @@ def parse(folder: Path, raw: bytes) -> Manifest:
 def _entry(name, hashes) -> Entry:
     is_hash = lambda value: isinstance(value, str) and _HASH_RE.fullmatch(value) is not None  # noqa: E731
     expect(isinstance(name, str) and _NAME_RE.fullmatch(name) is not None and isinstance(hashes, dict)
-           and set(hashes) == {"cubin", "source"} and all(map(is_hash, hashes.values())),
-           "kernel names of [a-z0-9_], each with a 64-digit sha256 'cubin' and 'source'", f"{name!r}: {hashes!r}",
-           ValueError)
-    return Entry(hashes["cubin"], hashes["source"])
+           and set(hashes) == set(Entry.__dataclass_fields__) and all(map(is_hash, hashes.values())),
+           "kernel names of [a-z0-9_], each with a 64-digit sha256 'cubin', 'source' and 'origin'",
+           f"{name!r}: {hashes!r}", ValueError)
+    return Entry(**hashes)
 
 
 def _read_checked(manifest: Manifest, name: str) -> bytes | None:
@@ -120,6 +135,11 @@ def _read_checked(manifest: Manifest, name: str) -> bytes | None:
         warn_once(("bundle entry", str(path)), f"{path} does not match its manifest's sha256; ignoring it")
         return None
     return cubin
+
+
+def _entry_of(spec: KernelSpec, cubin: bytes, generator_texts: list[str]) -> dict:
+    return dict(cubin=hashlib.sha256(cubin).hexdigest(), source=source_digest(spec),
+                origin=origin_digest(spec, generator_texts))
 
 
 def is_free(folder: Path) -> bool:
@@ -150,8 +170,8 @@ def write(folder: Path, cubins: dict[str, bytes]) -> Path:
         private_files.make_dir(folder, 0o700)
     for name in cubins:
         expect(_NAME_RE.fullmatch(name) is not None, "kernel names of [a-z0-9_]", repr(name), SparsegenError)
-    kernels = {name: dict(cubin=hashlib.sha256(c).hexdigest(), source=source_digest(KernelSpec.from_name(name)))
-               for name, c in sorted(cubins.items())}
+    texts = codegen.generator_texts()
+    kernels = {name: _entry_of(KernelSpec.from_name(name), cubin, texts) for name, cubin in sorted(cubins.items())}
     for name, cubin in cubins.items():
         private_files.create_file(folder, f"{name}.cubin", cubin, 0o444)
     manifest = dict(format=FORMAT, nvrtc=compiler.nvrtc_version(), kernels=kernels)

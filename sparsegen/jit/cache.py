@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import bundle, codegen, compiler
 from .. import env
 from .diskstore import ALIASES, ENTRY_MAGIC, KERNELS, KEY_RE, DiskStore
-from .spec import KernelSpec, fields_tuple
+from .spec import KernelSpec
 from ..errors import SpecError
 
 _memory: dict[str, tuple[str, bytes]] = {}
@@ -82,17 +82,17 @@ def _read_alias(store: DiskStore, alias: str) -> str | None:
 def alias_key(spec: KernelSpec, generator_texts: list[str]) -> str:
     """Everything the rendered source and the CUBIN follow from, without rendering or loading
     NVRTC (together ~100 ms in a new process): the spec, the templates and the code that
-    renders them (codegen.generator_texts), and the installed versions of jinja2 and the
-    compiler packages."""
-    return _digest(repr(fields_tuple(spec)), *generator_texts, *compiler.identity(),
-                   *compiler.options(spec.target))
+    renders them, NVRTC's options (bundle.origin_digest), and the installed versions of
+    jinja2 and the compiler packages."""
+    return _digest(bundle.origin_digest(spec, generator_texts), *compiler.identity())
 
 
 def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else a kernel bundle, else disk, else NVRTC (then
     stored on disk and in memory). A build of it that build_soon started is waited for (one
     not started yet is taken over here)."""
-    alias = alias_key(spec, codegen.generator_texts())
+    texts = codegen.generator_texts()  # read once: the alias and the bundles' origin digests
+    alias = alias_key(spec, texts)
     pending = _pending.get(alias)
     if pending is not None and pending.cancel():
         _pending.pop(alias, None)
@@ -101,7 +101,7 @@ def build(spec: KernelSpec) -> Built:
             pending.result()
         except Exception:  # (its error is this call's to raise: built again below)
             pass
-    return _build(spec, alias)
+    return _build(spec, texts, alias)
 
 
 # Background builds (build_soon): NVRTC releases the GIL, so threads compile in parallel while
@@ -125,7 +125,7 @@ def build_soon(specs: list[KernelSpec]) -> int:
         alias = alias_key(spec, texts)
         if alias in _memory or alias in _pending:
             continue
-        _pending[alias] = _submit(_build_in_background, spec, alias)
+        _pending[alias] = _submit(_build_in_background, spec, texts, alias)
         started += 1
     return started
 
@@ -154,19 +154,19 @@ def _serve(work: queue.SimpleQueue) -> None:
             future.set_exception(error)
 
 
-def _build_in_background(spec: KernelSpec, alias: str) -> None:
+def _build_in_background(spec: KernelSpec, texts, alias: str) -> None:
     try:
-        _build(spec, alias)
+        _build(spec, texts, alias)
     finally:
         _pending.pop(alias, None)
 
 
-def _build(spec: KernelSpec, alias: str) -> Built:
+def _build(spec: KernelSpec, texts, alias: str) -> Built:
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
         return _remember(alias, _compile(spec, *_source(spec)))
-    bundled = bundle.lookup(spec)
+    bundled = bundle.lookup(spec, texts)
     if bundled is not None:
         return _remember(alias, Built(spec, "bundle:" + hashlib.sha256(bundled).hexdigest(), bundled, False))
     store = _store()

@@ -19,6 +19,7 @@ ACTIVATIONS = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu,
 # gated epilogue -> the activation of its gate: every activation has one
 GATED = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh", "reglu": "relu"}
 EPILOGUES = tuple(ACTIVATIONS) + tuple(GATED)
+FUSED = EPILOGUES[1:]  # every epilogue but none: sparsegen.patch fuses each (precompiled, shipped)
 GATE_GROUP = 8
 _DEVICE_ACTIVATIONS = {"none": "Identity", "relu": "Relu", "gelu": "Gelu", "gelu_tanh": "GeluTanh", "silu": "Silu"}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..jit import registry
+from ..jit import epilogues, registry
 from ..jit.codegen import ELEM_TYPES, MMA_TYPES
 from ..errors import SpecError, expect
 from ..jit.spec import (BYTE_DTYPES, ELEMENT_BYTES, MIN_ARCH, SMEM_LIMIT, THREADS_256, KernelSpec, TileConfig,
@@ -50,7 +50,6 @@ GROUPS = registry.Param("groups", 1, choices=tuple(range(1, MAX_GROUPS + 1)), na
 SOURCE = registry.Param("src", 1, choices=tuple(SCALED_OUTPUTS),
                         doc="sp24_quantize's input: bf16 (1) or fp16 (2) activations")
 GEGLU = registry.Param("geglu", 0, choices=(0, 1), doc="gated_product's activation of the gate: silu (0) or gelu (1)")
-PATCHED_EPILOGUES = ("gelu", "gelu_tanh", "swiglu")  # what patch fuses (precompiled)
 
 
 def w_rows(spec: KernelSpec) -> int:
@@ -239,13 +238,13 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     layout's: 2:4 has one shape."""
     semi = [sp24_spec(d, arch, rows=rows, narrow=narrow) for d in dtypes if d != "fp32"
             for rows, narrow in ((None, False), (128, False), (128, True), (1, False))]
-    fused = [dataclasses.replace(s, epilogue=e) for s in semi if s.dtype in ("bf16", "fp16") for e in PATCHED_EPILOGUES]
-    # ScaledSparse24Linear's, for bf16 and fp16 models: plain, and a gated MLP's gate and up
+    fused = [dataclasses.replace(s, epilogue=e) for s in semi if s.dtype in ("bf16", "fp16") for e in epilogues.FUSED]
+    # ScaledSparse24Linear's, for bf16 and fp16 models: plain, and with each epilogue patch fuses
     fused += [dataclasses.replace(s, params={"scales": out}, epilogue=e) for s in semi if s.dtype in BYTE_DTYPES
-              for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
+              for out in SCALED_OUTPUTS for e in epilogues.EPILOGUES]
     # and their decode kernels that quantize X themselves (Hopper: wgmma.sp)
     fused += [sp24_spec(d, arch, rows=1, epilogue=e, scales=out, quantize=1)
-              for d in dtypes if d in BYTE_DTYPES and arch == 90 for out in SCALED_OUTPUTS for e in ("none", "swiglu")]
+              for d in dtypes if d in BYTE_DTYPES and arch == 90 for out in SCALED_OUTPUTS for e in epilogues.EPILOGUES]
     # a compiled decode step's q, k and v projections in one launch (grouped.py; wgmma.sp)
     fused += [sp24_spec(d, arch, rows=1, scales=0 if d in ("bf16", "fp16") else out, groups=MAX_GROUPS)
               for d in dtypes if d != "fp32" and arch == 90 for out in SCALED_OUTPUTS
