@@ -109,22 +109,24 @@ def persistent_waves() -> int:
 
 def kernel_bundles() -> list[Path]:
     """Read-only bundles of precompiled kernels, searched in order before the user cache:
-    SPARSEGEN_KERNEL_BUNDLE=DIR[:DIR...] (os.pathsep between them), then the installed
-    sparsegen_kernels package's (unless SPARSEGEN_SHIPPED_KERNELS=0)."""
+    SPARSEGEN_KERNEL_BUNDLE=DIR[:DIR...] (os.pathsep between them); the installed
+    sparsegen_kernels package's come after them (jit.bundle.folders)."""
     named = os.environ.get("SPARSEGEN_KERNEL_BUNDLE", "")
-    shipped = shipped_kernel_bundles() if _switch("SPARSEGEN_SHIPPED_KERNELS", True) else []
-    return [Path(part).expanduser() for part in named.split(os.pathsep) if part.strip()] + shipped
+    return [Path(part).expanduser() for part in named.split(os.pathsep) if part.strip()]
 
 
 SHIPPED_KERNELS_PACKAGE = "sparsegen_kernels"  # what tools/build_kernels.py builds
 
 
 @functools.lru_cache(maxsize=1)
-def shipped_kernel_bundles() -> list[Path]:
-    """The bundles (one folder per arch) of the installed sparsegen_kernels package, found
-    without importing it: nothing of it runs, its manifests are read as any bundle's."""
+def _shipped_kernels_folders() -> tuple[str, ...]:
     import importlib.util
 
-    spec = importlib.util.find_spec(SHIPPED_KERNELS_PACKAGE)
-    folders = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
-    return sorted(manifest.parent for folder in folders for manifest in Path(folder).glob("*/manifest.json"))
+    spec = importlib.util.find_spec(SHIPPED_KERNELS_PACKAGE)  # (found, not imported: nothing of it runs)
+    return tuple(spec.submodule_search_locations or ()) if spec is not None else ()
+
+
+def shipped_kernels_folders() -> list[Path]:
+    """The installed sparsegen_kernels package's folders (one bundle per arch inside), unless
+    SPARSEGEN_SHIPPED_KERNELS=0."""
+    return [Path(f) for f in _shipped_kernels_folders()] if _switch("SPARSEGEN_SHIPPED_KERNELS", True) else []

@@ -38,7 +38,8 @@ def isolated_cache(tmp_path, monkeypatch):
     sparsegen.jit.cache.clear_memory()
     sparsegen.jit.diskstore._warned.clear()  # each test sees its own once-per-process warnings
     sparsegen.jit.bundle._load.cache_clear()
-    sparsegen.env.shipped_kernel_bundles.cache_clear()
+    sparsegen.env._shipped_kernels_folders.cache_clear()
+    sparsegen.jit.bundle._arch_folders.cache_clear()
     yield folder
     sparsegen.jit.cache.clear_memory()
 

@@ -177,9 +177,9 @@ def test_the_installed_kernels_package_is_searched_after_the_named_bundles(tmp_p
             (package / arch / "manifest.json").write_text("{}")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", "/mine")
-    assert env.kernel_bundles() == [Path("/mine"), package / "sm_80", package / "sm_90"]
+    assert bundle.folders() == [Path("/mine"), package / "sm_80", package / "sm_90"]
     monkeypatch.setenv("SPARSEGEN_SHIPPED_KERNELS", "0")  # (measuring a compile, or not trusting it)
-    assert env.kernel_bundles() == [Path("/mine")]
+    assert bundle.folders() == [Path("/mine")]
 
 
 @pytest.mark.slow

@@ -1,9 +1,11 @@
 """docs/adding-a-layout.md, followed to the letter: its code blocks, written where their
-info strings say into a copy of the package, plus the registry line it asks for, make a layout
-that renders, compiles (NVRTC, no GPU), precompiles, is built by sparsegen.linear through its
-face, runs a CPU forward and backward equal to float64 math written out here, takes patch
-rules and trains compiled; a broken template makes `sparsegen show` print the NVRTC log.
-Everything runs in a subprocess that imports the copy, not the checkout."""
+info strings say, are a package of its own (a plugin: pyproject.toml with one entry point),
+built into a wheel and installed with pip into a folder of its own - nothing in sparsegen
+edited. In a fresh process that imports the checkout and the installed plugin, the layout
+renders, compiles (NVRTC, no GPU), precompiles (--layout), is built by sparsegen.linear
+through its face, runs a CPU forward and backward equal to float64 math written out here,
+takes patch rules and trains compiled; a broken template makes `sparsegen show` print the
+NVRTC log."""
 import os
 import re
 import shutil
@@ -15,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "band_dds_b64x64_bf16_nt_sm90a_pingpong_t256w8x1s5"
+TEMPLATE = Path("band_layout/templates/band/band_dds.cu.j2")
 
 
 def tutorial_files() -> dict[str, str]:
@@ -22,55 +25,67 @@ def tutorial_files() -> dict[str, str]:
     return {path: body for path, body in re.findall(r"```\w+ (\S+)\n(.*?)```", section, re.S)}
 
 
+def install_plugin(root: Path, files: dict[str, str] | None = None) -> Path:
+    """The tutorial's project written out under root/project, built into a wheel (offline:
+    this environment's setuptools) and pip-installed into root/site, which is returned."""
+    project = root / "project"
+    for path, body in (files or tutorial_files()).items():
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        (project / path).write_text(body)
+    pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", root / "dist", project)
+    pip("install", "--no-deps", "--no-index", "--target", root / "site", *(root / "dist").glob("band_layout-*.whl"))
+    return root / "site"
+
+
+def pip(*argv) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *map(str, argv)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
-def copy(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tutorial")
-    shutil.copytree(ROOT / "sparsegen", root / "sparsegen", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "templates", root / "templates")
-    for path, body in tutorial_files().items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(body)
-    (root / "sparsegen/band/__init__.py").write_text("")
-    registry = root / "sparsegen/jit/registry.py"
-    text = registry.read_text()
-    registry.write_text(re.sub(r"(LAYOUTS = \([^)]*)\)", r'\1, "band")', text, count=1))
-    return root
+def site(tmp_path_factory) -> Path:
+    return install_plugin(tmp_path_factory.mktemp("tutorial"))
 
 
-def run(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(root), SPARSEGEN_CACHE_DIR=str(root / "cache"))
-    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+def run(site: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]),
+               SPARSEGEN_CACHE_DIR=str(site.parent / "cache"))
+    return subprocess.run([sys.executable, *args], cwd=site.parent, env=env, capture_output=True, text=True,
+                          timeout=600)
 
 
 def test_the_tutorial_names_its_files_and_its_package_stays_small():
     """Issue 41's bound on a new row-policy layout: at most 120 lines of Python in its package."""
     files = tutorial_files()
-    assert set(files) == {"sparsegen/band/specs.py", "templates/band/band_dds.cu.j2",
-                          "sparsegen/band/ops.py", "sparsegen/band/nn.py", "sparsegen/band/face.py"}
+    assert set(files) == {"pyproject.toml", "band_layout/__init__.py", "band_layout/specs.py", str(TEMPLATE),
+                          "band_layout/ops.py", "band_layout/nn.py", "band_layout/face.py"}
     assert sum(len(body.splitlines()) for path, body in files.items() if path.endswith(".py")) <= 120
+    assert [line for line in files["pyproject.toml"].splitlines() if "=" in line and "band_layout." in line] == \
+        ['band = "band_layout.specs"']  # its one entry point
 
 
-def test_show_renders_and_compiles_the_tutorial_kernel(copy):
-    done = run(copy, "-m", "sparsegen", "show", KERNEL)
+def test_show_renders_and_compiles_the_tutorial_kernel(site):
+    done = run(site, "-m", "sparsegen", "show", KERNEL)
     assert done.returncode == 0, done.stderr
     assert "(r + blk) % gridcols" in done.stdout and "compiled for sm_90a" in done.stderr
     assert "int M, int K, int N, int w_rows, int rowblocks, int gridcols)" in done.stdout
 
 
-def test_the_layouts_own_check_refuses_a_spec_by_name(copy):
+def test_the_layouts_own_check_refuses_a_spec_by_name(site):
     """The tutorial's `check` runs after the kit's: a band of oblong blocks is refused."""
-    done = run(copy, "-m", "sparsegen", "show", KERNEL.replace("b64x64", "b64x32"))
+    done = run(site, "-m", "sparsegen", "show", KERNEL.replace("b64x64", "b64x32"))
     assert done.returncode != 0
     assert "Expected square blocks (a band steps one block down, one across). Got (64, 32)." in done.stderr, \
         done.stderr
 
 
-def test_precompile_builds_it_and_layer_matches_float64(copy):
+def test_precompile_builds_it_and_layer_matches_float64(site):
     script = r'''
-import torch, sparsegen
+import torch, sparsegen, band_layout
 from sparsegen.jit import spec
-from sparsegen.band.nn import BandLinear
+from band_layout.nn import BandLinear
 assert sparsegen.__file__.startswith(%r), sparsegen.__file__
+assert band_layout.__file__.startswith(%r), band_layout.__file__
 assert any(s.op == "band_dds" for s in spec.default_specs(80))
 torch.manual_seed(0)
 layer = sparsegen.linear(320, 192, sparsity="block-band", block=(64, 64), rowblocks=2).double()
@@ -96,22 +111,22 @@ for r in range(3):
         c = (r + j) %% 5
         assert torch.allclose(layer.values.grad[r, j], dweight[r * 64:(r + 1) * 64, c * 64:(c + 1) * 64]), "dW"
 print("ok")
-''' % str(copy)
-    done = run(copy, "-c", script)
+''' % (str(ROOT), str(site))
+    done = run(site, "-c", script)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
-    built = run(copy, "-m", "sparsegen", "precompile", "--arch", "sm_80", "--dtype", "bf16", "--block", "64")
-    assert built.returncode == 0, built.stderr
-    tuned = run(copy, "-m", "sparsegen", "tune", "--quick", "--layout", "band", "--out", str(copy / "band.json"))
+    built = run(site, "-m", "sparsegen", "precompile", "--arch", "sm_80", "--dtype", "bf16", "--layout", "band")
+    assert built.returncode == 0 and "precompile sm_80: 2 kernels" in built.stdout, built.stdout + built.stderr
+    tuned = run(site, "-m", "sparsegen", "tune", "--quick", "--layout", "band", "--out", str(site.parent / "band.json"))
     assert "layouts among" not in tuned.stderr and ("needs a CUDA GPU" in tuned.stderr or tuned.returncode == 0), \
         tuned.stderr
 
 
-def test_patch_rules_and_compiled_training_reach_the_tutorial_layout(copy):
+def test_patch_rules_and_compiled_training_reach_the_tutorial_layout(site):
     """The band's face takes patch rules (the kit's face_patch keeps the dense weights at its
     blocks), and a compiled fullgraph training step gives eager's gradients."""
     script = r'''
 import torch, sparsegen
-from sparsegen.band.nn import BandLinear
+from band_layout.nn import BandLinear
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
 dense = [m.weight.detach().clone() for m in (model[0], model[2])]
@@ -131,18 +146,18 @@ for eager, compiled in zip(*grads):
     torch.testing.assert_close(compiled, eager)
 print("ok")
 '''
-    done = run(copy, "-c", script)
+    done = run(site, "-c", script)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 @pytest.mark.gpu
-def test_the_tutorial_layout_trains_on_its_kernels_on_the_gpu(copy):
+def test_the_tutorial_layout_trains_on_its_kernels_on_the_gpu(site):
     """On the GPU the band's forward is its generated kernel and dW the kit's sampled kernel,
     a row's blocks wrapping past the last column (not in column order): outputs and gradients,
     eager and compiled, against float64."""
     script = r'''
 import torch, sparsegen
-from sparsegen.band import ops
+from band_layout import ops
 torch.manual_seed(0)
 layer = sparsegen.linear(512, 384, sparsity="block-band", block=(64, 64), rowblocks=3, device="cuda",
                          dtype=torch.bfloat16)
@@ -160,23 +175,23 @@ for run in (layer, torch.compile(layer, fullgraph=True)):
     x.grad = layer.values.grad = layer.bias.grad = None
 print("ok")
 '''
-    done = run(copy, "-c", script)
+    done = run(site, "-c", script)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 @pytest.mark.gpu
-def test_the_benchmark_times_the_tutorial_layout_with_no_edit(copy, tmp_path):
+def test_the_benchmark_times_the_tutorial_layout_with_no_edit(site, tmp_path):
     """tools/bench.py --layout finds the band by its face's tuning points."""
-    done = run(copy, str(ROOT / "tools" / "bench.py"), "--layout", "band", "--json", str(tmp_path / "band.json"))
+    done = run(site, str(ROOT / "tools" / "bench.py"), "--layout", "band", "--json", str(tmp_path / "band.json"))
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 8192, 4096, 11008 | 64x64")]
     assert rows and "x |" in rows[0], done.stdout
 
 
-def test_a_broken_template_shows_the_nvrtc_log(copy, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(copy, broken, ignore=shutil.ignore_patterns("cache"))
-    template = broken / "templates/band/band_dds.cu.j2"
+def test_a_broken_template_shows_the_nvrtc_log(site, tmp_path):
+    broken = tmp_path / "site"
+    shutil.copytree(site, broken)
+    template = broken / TEMPLATE
     template.write_text(template.read_text().replace("(r + blk) %", "(r + blk) %% undeclared_name +"))
     done = run(broken, "-m", "sparsegen", "show", KERNEL)
     assert done.returncode == 1

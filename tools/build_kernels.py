@@ -57,7 +57,7 @@ def write_project(root: Path, archs: list[str]) -> None:
     (root / "pyproject.toml").write_text(PYPROJECT.format(version=sparsegen.__version__, archs=", ".join(archs),
                                                           package=PACKAGE))
     (root / PACKAGE / "__init__.py").write_text('"""Precompiled sparsegen kernels: data only, read by '
-                                                'sparsegen (env.kernel_bundles), never imported by it."""\n')
+                                                'sparsegen (its jit.bundle.folders), never imported by it."""\n')
 
 
 def build_wheel(root: Path, out: Path) -> Path:

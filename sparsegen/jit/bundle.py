@@ -5,7 +5,7 @@ DIR/manifest.json: per kernel, its CUBIN's sha256, the digest of the source it w
 from (source_digest: the rendered kernel, the headers and NVRTC's options) and of what that
 source followed from (origin_digest: the spec, every template and the rendering code), and
 the NVRTC version that built them. SPARSEGEN_KERNEL_BUNDLE=DIR, or the installed
-sparsegen_kernels package (tools/build_kernels.py; env.kernel_bundles), makes cache.build
+sparsegen_kernels package (tools/build_kernels.py; bundle.folders), makes cache.build
 look there first: a first call then compiles nothing, and a machine with no NVRTC and no
 writable home runs every kernel the bundle holds.
 
@@ -77,7 +77,7 @@ def lookup(spec: KernelSpec, generator_texts: list[str]) -> bytes | None:
     """The CUBIN of `spec` from the first bundle that holds it compiled from today's source,
     hash checked (generator_texts: codegen's, already read by the caller)."""
     origin = source = None
-    for folder in env.kernel_bundles():
+    for folder in folders():
         manifest = _load(os.path.abspath(folder))  # (not resolved: a link is judged as a link)
         entry = manifest.kernels.get(spec.name) if manifest is not None else None
         if entry is None:
@@ -89,6 +89,29 @@ def lookup(spec: KernelSpec, generator_texts: list[str]) -> bytes | None:
         if cubin is not None:
             return cubin
     return None
+
+
+def folders() -> list[Path]:
+    """The bundles searched, in order: SPARSEGEN_KERNEL_BUNDLE's, then the installed
+    sparsegen_kernels package's (one per arch folder that holds a manifest)."""
+    return env.kernel_bundles() + [Path(folder) / name for folder in env.shipped_kernels_folders()
+                                   for name in _arch_folders(str(folder))]
+
+
+@functools.lru_cache(maxsize=8)
+def _arch_folders(package_folder: str) -> tuple[str, ...]:
+    try:
+        names = private_files.list_names(Path(package_folder))
+    except OSError:
+        return ()
+    return tuple(name for name in names if _holds_manifest(Path(package_folder) / name))
+
+
+def _holds_manifest(folder: Path) -> bool:
+    try:
+        return private_files.is_plain_file(folder / MANIFEST)
+    except OSError:
+        return False
 
 
 @functools.lru_cache(maxsize=16)
