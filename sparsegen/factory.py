@@ -39,7 +39,7 @@ def linear(in_features: int, out_features: int, block=None, density: float | Non
     expect(not unused, f"only arguments that sparsity={sparsity!r} takes: {', '.join(TAKES[sparsity])}",
            f"also {', '.join(unused)}")
     _check_device(device)
-    layer = FACES[sparsity].build(in_features, out_features, bias, device, layer_dtype(dtype), given)
+    layer = FACES[sparsity].make(in_features, out_features, bias, device, layer_dtype(dtype), given)
     _warn_if_density_differs(given.get("density"), layer)
     return layer
 

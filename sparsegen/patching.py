@@ -409,7 +409,7 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias
     try:
-        layer = FACES[settings.get("sparsity", "block")].patch(linear, settings, from_dense)
+        layer = FACES[settings.get("sparsity", "block")].make_patched(linear, settings, from_dense)
     except InputError as error:
         raise InputError(f"{name}: {error}") from None
     if type(module) is not nn.Linear:  # (a Conv1D: its weight is stored [in, out])

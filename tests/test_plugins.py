@@ -66,3 +66,48 @@ def test_a_broken_plugin_is_named_and_breaks_nothing_else(site):
                "print(sparsegen.linear(64, 32, block=(16, 16), density=0.5)(torch.randn(2, 64)).shape)")
     assert done.returncode == 0 and "torch.Size([2, 32])" in done.stdout, done.stderr
     assert "the layout plugin 'broken' (band_layout.missing_module) did not load" in done.stderr
+
+
+# ---- the layer contract (registry.check_layer), the same for shipped layouts and plugins ----
+
+def test_every_shipped_face_makes_layers_that_keep_the_contract():
+    import torch
+    from torch import nn
+
+    from sparsegen.jit import registry
+
+    for face in registry.faces():
+        layers = [face.make(256, 128, True, None, torch.float32, {})]
+        if face.patch is not None:
+            layers.append(face.make_patched(nn.Linear(256, 128), {"sparsity": face.sparsity}, True))
+        for layer in layers:
+            assert registry.check_layer(layer, face) is layer
+            assert (layer.in_features, layer.out_features) == (256, 128)
+            assert layer.to_dense_weight().shape == (128, 256) and layer.to_linear().weight.shape == (128, 256)
+
+
+def test_a_layer_that_breaks_the_contract_is_refused_when_made_naming_what_it_lacks():
+    import torch
+    from torch import nn
+
+    import sparsegen
+    from sparsegen.jit import registry
+
+    face = registry.Face("toy", ("density",), lambda i, o, bias, device, dtype, given: nn.Linear(i, o),
+                         patch=lambda linear, settings, from_dense: linear)
+    lacking = "Got Linear lacking to_dense_weight, to_linear, density \\(its face takes density=\\)"
+    with pytest.raises(sparsegen.SpecError, match="sparsity='toy''s layer to be an nn.Module .* " + lacking):
+        face.make(8, 4, True, None, torch.float32, {"density": 0.5})
+    with pytest.raises(sparsegen.SpecError, match=lacking):
+        face.make_patched(nn.Linear(8, 4), {"sparsity": "toy"}, True)
+    with pytest.raises(sparsegen.SpecError, match="Got int lacking in_features, out_features, forward"):
+        registry.Face("toy", (), lambda *args: 7).make(8, 4, True, None, torch.float32, {})
+
+
+def test_layers_are_made_from_faces_only_through_the_contract_check():
+    """sparsegen builds a layer from a face by Face.make / make_patched alone (a new path that
+    called build or patch itself would skip the check)."""
+    package = Path(__file__).resolve().parent.parent / "sparsegen"
+    for path in package.rglob("*.py"):
+        if path.name != "registry.py":
+            assert not re.search(r"(FACES\[[^\]]*\]|face)\.(build|patch)\(", path.read_text()), path

@@ -316,8 +316,8 @@ def cold_rows(args, save) -> None:
                 # (without background builds: only where there is no kernels package to compare with)
                 more = {} if args.cold_kernels else dict(
                     unwarmed_s=cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0])
-                rows = [_cold_row(family, label, variant, dense, cold_seconds(family.name, variant, tokens, args.layers),
-                                  **more)]
+                measured = cold_seconds(family.name, variant, tokens, args.layers)
+                rows = [_cold_row(family, label, variant, dense, measured, **more)]
                 if args.cold_kernels:
                     rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense, cold_seconds(
                         family.name, variant, tokens, args.layers, kernels=args.cold_kernels)))
@@ -386,7 +386,8 @@ def _cold_table(rows: list[dict]) -> Table:
                    ("kernels compiled", ""), ("without background builds s", ".3f")],
                   about="A fresh process each (tools/bench_generate.py --cold): the model built on the GPU and CUDA "
                         "started before the clock; dense: its first forward alone, the faster of two processes. "
-                        "'kernels installed': with the sparsegen_kernels package (tools/build_kernels.py; --cold-kernels) on the path; "
+                        "'kernels installed': with the sparsegen_kernels package (tools/build_kernels.py; "
+                        "--cold-kernels) on the path; "
                         "'kernels compiled': by NVRTC before the first forward returned.")
     for r in rows:
         if "first_s" in r:

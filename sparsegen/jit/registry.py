@@ -164,6 +164,37 @@ class Face:
     pairs: Callable[[dict], bool] = lambda settings: False
     tuning: Tuning | None = None                    # sparsegen tune's points (None: not tuned)
 
+    def make(self, in_features: int, out_features: int, bias: bool, device, dtype, given: dict):
+        """build's layer, checked against the layer contract (check_layer)."""
+        return check_layer(self.build(in_features, out_features, bias, device, dtype, given), self)
+
+    def make_patched(self, linear, settings: dict, from_dense: bool):
+        """patch's layer for `linear`, checked against the layer contract (check_layer)."""
+        return check_layer(self.patch(linear, settings, from_dense), self)
+
+
+# The layer contract: what sparsegen.linear, patch, dense_copy and the checkpoint code read of
+# every layer a face makes, by name (docs/adding-a-layout.md). Face.make and make_patched -
+# the only ways sparsegen builds a layer from a face - check it, so a plugin's layer that
+# lacks one fails when it is made, naming its face, not later in whichever path reads it.
+LAYER_SIZES = ("in_features", "out_features")
+LAYER_METHODS = ("forward", "to_dense_weight", "to_linear")  # W [out, in]; an nn.Linear of it
+
+
+def check_layer(layer, face: Face):
+    """layer, if it keeps the contract (and has .density where its face takes density=)."""
+    import torch  # (late: the registry is read by the torch-free command line too)
+
+    missing = [name for name in LAYER_SIZES if not isinstance(getattr(layer, name, None), int)]
+    missing += [name for name in LAYER_METHODS if not callable(getattr(layer, name, None))]
+    if "density" in face.takes and not isinstance(getattr(layer, "density", None), (int, float)):
+        missing.append("density (its face takes density=)")
+    expect(isinstance(layer, torch.nn.Module) and not missing,
+           f"sparsity={face.sparsity!r}'s layer to be an nn.Module with integer {' and '.join(LAYER_SIZES)} and "
+           f"methods {', '.join(LAYER_METHODS)}",
+           f"{type(layer).__qualname__} lacking {', '.join(missing) or 'nn.Module'}", SpecError)
+    return layer
+
 
 @dataclass(frozen=True)
 class Layout:
