@@ -10,12 +10,14 @@ from torch import nn
 import sparsegen
 from sparsegen.errors import InputError
 from sparsegen.factory import TAKES
+from sparsegen.jit import registry
 from sparsegen.patching import RULE_SETTINGS
 
-# A value of each argument that its own sparsity accepts for a 128 -> 256 layer.
-VALUES = {"block": (64, 64), "density": 0.25, "layout": torch.ones(8, 4, dtype=torch.bool), "nblocks": 2,
-          "weight_dtype": "int8", "per_row": 1, "method": "magnitude", "mask_interval": 7, "dw_sparse": True,
-          "soft_threshold": True, "not_an_argument": 1}
+# Each layout's examples (registry.Face.examples): a value of each argument its sparsity takes
+# for a 128 -> 256 layer, and what it makes of the layer - a plugin's are tested alike.
+FACES = {face.sparsity: face for face in registry.faces()}
+EFFECTS = {(face.sparsity, name): effect for face in FACES.values() for name, _, effect in face.examples}
+VALUES = {name: value for face in FACES.values() for name, value, _ in face.examples} | {"not_an_argument": 1}
 EVERY = sorted({name for names in TAKES.values() for name in names} | {"not_an_argument"})
 
 
@@ -25,26 +27,9 @@ def test_an_argument_the_sparsity_does_not_take_is_refused_by_name(sparsity, nam
         sparsegen.linear(128, 256, sparsity=sparsity, **{name: VALUES[name]})
 
 
-# What each taken argument changes in the layer it builds (so it cannot be ignored).
-EFFECTS = {
-    ("block", "block"): lambda layer: layer.block == (64, 64),
-    ("block", "density"): lambda layer: layer.density == 0.25,
-    ("block", "layout"): lambda layer: layer.block == (32, 32) and layer.density == 1.0,
-    ("2:4", "weight_dtype"): lambda layer: layer.values.dtype == torch.int8,
-    ("2:4", "method"): lambda layer: layer.method == "magnitude",
-    ("2:4", "mask_interval"): lambda layer: layer.mask_interval == 7,
-    ("2:4", "dw_sparse"): lambda layer: layer.dw_sparse,
-    ("2:4", "soft_threshold"): lambda layer: layer.soft_threshold,
-    ("block-diagonal", "nblocks"): lambda layer: layer.nblocks == 2,
-    ("block-diagonal", "density"): lambda layer: layer.nblocks == 4,
-    ("block-ell", "block"): lambda layer: layer.block == (64, 64),
-    ("block-ell", "density"): lambda layer: layer.per_row == 1,
-    ("block-ell", "per_row"): lambda layer: layer.per_row == 1 and layer.density == 0.25,
-}
-
-
-def test_every_argument_a_sparsity_takes_has_an_effect_listed():
+def test_every_argument_a_sparsity_takes_has_an_example():
     assert set(EFFECTS) == {(s, n) for s, names in TAKES.items() for n in names}
+    assert all(len({name for name, _, _ in face.examples}) == len(face.examples) for face in FACES.values())
 
 
 @pytest.mark.parametrize("sparsity, name", sorted(EFFECTS))

@@ -76,14 +76,15 @@ def test_every_shipped_face_makes_layers_that_keep_the_contract():
 
     from sparsegen.jit import registry
 
-    for face in registry.faces():
-        layers = [face.make(256, 128, True, None, torch.float32, {})]
+    for face in registry.faces():  # by default, and with each argument's example (each layer type)
+        layers = [face.make(128, 256, True, None, torch.float32, given)
+                  for given in [{}] + [{name: value} for name, value, _ in face.examples]]
         if face.patch is not None:
-            layers.append(face.make_patched(nn.Linear(256, 128), {"sparsity": face.sparsity}, True))
+            layers.append(face.make_patched(nn.Linear(128, 256), {"sparsity": face.sparsity}, True))
         for layer in layers:
             assert registry.check_layer(layer, face) is layer
-            assert (layer.in_features, layer.out_features) == (256, 128)
-            assert layer.to_dense_weight().shape == (128, 256) and layer.to_linear().weight.shape == (128, 256)
+            assert (layer.in_features, layer.out_features) == (128, 256)
+            assert layer.to_dense_weight().shape == (256, 128) and layer.to_linear().weight.shape == (256, 128)
 
 
 def test_a_layer_that_breaks_the_contract_is_refused_when_made_naming_what_it_lacks():

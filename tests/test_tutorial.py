@@ -121,6 +121,17 @@ print("ok")
         tuned.stderr
 
 
+def test_the_shared_argument_tests_take_the_plugin_from_its_examples(site):
+    """tests/test_arguments.py, run where the plugin is installed, reads the band's arguments
+    from its face's examples: each changes the layer, and every other layout refuses them."""
+    done = run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_arguments.py"),
+               "-k", "block-band or rowblocks")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    ran = int(re.search(r"(\d+) passed", done.stdout).group(1))
+    assert ran >= 8 and "block-band-rowblocks" in run(site, "-m", "pytest", "-q", "--collect-only",
+                                                       str(ROOT / "tests" / "test_arguments.py")).stdout
+
+
 def test_patch_rules_and_compiled_training_reach_the_tutorial_layout(site):
     """The band's face takes patch rules (the kit's face_patch keeps the dense weights at its
     blocks), and a compiled fullgraph training step gives eager's gradients."""

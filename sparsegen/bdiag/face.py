@@ -41,6 +41,8 @@ def _fits(n: int, k: int, block, density: float) -> bool:
 
 FACES = (registry.Face("block-diagonal", ("nblocks", "density"), build, rule=("nblocks", "density"),
                        patch=patched,
+                       examples=(("nblocks", 2, lambda layer: layer.nblocks == 2),
+                                 ("density", 0.25, lambda layer: layer.nblocks == 4)),
                        tuning=registry.Tuning("bdiag", (((0, 0), 0.5), ((0, 0), 0.25)),
                                               lambda n, k, block, density, **factory: BlockDiagonalLinear(
                                                   k, n, nblocks=round(1 / density), **factory),

@@ -26,6 +26,9 @@ def patched(linear, settings: dict, from_dense: bool) -> BlockEllLinear:
 
 FACES = (registry.Face("block-ell", ("block", "density", "per_row"), build, rule=("block", "density", "per_row"),
                        patch=patched,
+                       examples=(("block", (64, 64), lambda layer: layer.block == (64, 64)),
+                                 ("density", 0.25, lambda layer: layer.per_row == 1),
+                                 ("per_row", 1, lambda layer: layer.per_row == 1 and layer.density == 0.25)),
                        tuning=registry.Tuning("bell", (((64, 64), 0.5), ((64, 64), 0.25), ((32, 32), 0.5)),
                                               lambda n, k, block, density, **factory: BlockEllLinear(
                                                   k, n, block=block, density=density, **factory))),)

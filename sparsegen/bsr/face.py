@@ -2,6 +2,8 @@
 or layout=) and patch rules of those settings (registry.Face)."""
 from __future__ import annotations
 
+import torch
+
 from ..jit import registry
 from .nn import BlockSparseLinear
 
@@ -24,6 +26,10 @@ def patched(linear, settings: dict, from_dense: bool) -> BlockSparseLinear:
 
 FACES = (registry.Face("block", ("block", "density", "layout"), build, rule=("block", "density", "layout"),
                        patch=patched, pairs=lambda settings: "layout" not in settings,
+                       examples=(("block", (64, 64), lambda layer: layer.block == (64, 64)),
+                                 ("density", 0.25, lambda layer: layer.density == 0.25),
+                                 ("layout", torch.ones(8, 4, dtype=torch.bool),
+                                  lambda layer: layer.block == (32, 32) and layer.density == 1.0)),
                        tuning=registry.Tuning("bsr", (((64, 64), 0.5), ((64, 64), 0.25), ((128, 128), 0.25),
                                                       ((128, 128), 0.5), ((32, 32), 0.5), ((32, 32), 0.25),
                                                       ((16, 16), 0.25)),

@@ -163,6 +163,10 @@ class Face:
     check_rule: Callable[[str, dict], None] = lambda pattern, settings: None
     pairs: Callable[[dict], bool] = lambda settings: False
     tuning: Tuning | None = None                    # sparsegen tune's points (None: not tuned)
+    # For the shared tests (tests/test_arguments.py): each argument in `takes` with a value it
+    # accepts for a 128 -> 256 layer and what that value makes of the layer, (name, value,
+    # effect(layer) -> bool): every argument is shown used, in every layout alike.
+    examples: tuple[tuple[str, Any, Callable[[Any], bool]], ...] = ()
 
     def make(self, in_features: int, out_features: int, bias: bool, device, dtype, given: dict):
         """build's layer, checked against the layer contract (check_layer)."""

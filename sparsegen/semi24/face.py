@@ -46,6 +46,11 @@ def check_rule(pattern: str, settings: dict) -> None:
 
 FACES = (registry.Face("2:4", ("weight_dtype", *TRAINING_OPTIONS), build, rule=("method", "training", "weight_dtype"),
                        patch=patched, check_rule=check_rule, pairs=lambda settings: "training" not in settings,
+                       examples=(("weight_dtype", "int8", lambda layer: layer.values.dtype == torch.int8),
+                                 ("method", "magnitude", lambda layer: layer.method == "magnitude"),
+                                 ("mask_interval", 7, lambda layer: layer.mask_interval == 7),
+                                 ("dw_sparse", True, lambda layer: layer.dw_sparse),
+                                 ("soft_threshold", True, lambda layer: layer.soft_threshold)),
                        tuning=registry.Tuning("sp24", (((0, 0), 1.0),),
                                               lambda n, k, block, density, **factory: Sparse24Linear(k, n, **factory),
                                               fits=lambda n, k, block, density: True)),)

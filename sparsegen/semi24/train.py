@@ -238,11 +238,14 @@ class Sparse24TrainingLinear(checkpoint.CheckedLoad, nn.Module):
         return _Sparse24STE.apply(x, weight, bias, operand.detach(), self.mask, kernel_dx, self.dw_sparse,
                                   self.scale if self.soft_threshold else None)
 
+    def to_dense_weight(self) -> torch.Tensor:
+        """W [out, in] as this layer's products use it now (masked, or whole after
+        dense_finetune_), differentiable as every layer's is."""
+        return self.weight if self.dense else self.sparse_weight(self.weight)
+
     def to_linear(self) -> nn.Linear:
-        """A dense nn.Linear with the weight this layer's products use now (masked, or whole
-        after dense_finetune_)."""
-        weight = self.weight.detach()
-        return dense_linear(weight if self.dense else self.sparse_weight(weight), self.bias)
+        """A dense nn.Linear with the weight this layer's products use now."""
+        return dense_linear(self.to_dense_weight().detach(), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity=2:4 "
