@@ -123,7 +123,10 @@ print("ok")
 
 def test_the_shared_argument_tests_take_the_plugin_from_its_examples(site):
     """tests/test_arguments.py, run where the plugin is installed, reads the band's arguments
-    from its face's examples: each changes the layer, and every other layout refuses them."""
+    from its face's examples: each changes the layer, and every other layout refuses them; and
+    test_codegen's golden files stay sparsegen's own (the plugin installed changes none)."""
+    codegen = run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_codegen.py"))
+    assert codegen.returncode == 0, codegen.stdout[-3000:]
     done = run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_arguments.py"),
                "-k", "block-band or rowblocks")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
