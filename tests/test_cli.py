@@ -15,9 +15,9 @@ from sparsegen.jit.spec import KernelSpec, default_specs
 from sparsegen.bsr.specs import forward_spec
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--arch", "sm_80", "--dtype", "bf16", "--block", "32", "64"]
+SMALL = ["--arch", "sm_80", "--dtype", "bf16", "--block", "32", "64", "--layout", "bell", "bdiag"]  # (8 kernels)
 # However many tiles default_specs picks per block, counted the way the CLI counts them.
-N = len(set(default_specs(80, ["bf16"], [(32, 32), (64, 64)])))
+N = len(set(default_specs(80, ["bf16"], [(32, 32), (64, 64)], ["bell", "bdiag"])))
 
 
 @pytest.fixture(autouse=True)
@@ -137,12 +137,18 @@ def test_worker_errors_survive_the_trip_back_from_the_pool(monkeypatch):
 
 
 @pytest.mark.parametrize("arch, dtype", [("80", "int8"), ("89", "e4m3"), ("90", "int8"), ("90", "e4m3")])
-def test_precompile_one_byte_dtype_builds_only_its_24_kernels(capsys, arch, dtype):
-    code, out, _ = run_main(capsys, "precompile", "--arch", arch, "--dtype", dtype)
-    assert code == 0, out
+def test_a_one_byte_dtype_selects_only_its_24_kernels(capsys, arch, dtype):
+    code, out, _ = run_main(capsys, "show", "--list", "--arch", arch, "--dtype", dtype)
     names = [s.name for s in default_specs(int(arch), [dtype])]
+    assert code == 0 and out.split() == names
     assert names and all(n.startswith("sp24_") and f"_b16x32_{dtype}_" in n for n in names)
-    assert f"{len(names)} kernels, {len(names)} compiled" in out
+
+
+def test_precompile_of_a_one_byte_dtype_builds_them_all(capsys):
+    """(One arch: test_compile compiles every default kernel, the one-byte ones included.)"""
+    code, out, _ = run_main(capsys, "precompile", "--arch", "89", "--dtype", "e4m3")
+    names = [s.name for s in default_specs(89, ["e4m3"])]
+    assert code == 0 and f"{len(names)} kernels, {len(names)} compiled" in out, out
 
 
 def test_default_precompile_set_adds_e4m3_only_where_the_arch_has_fp8_tensor_cores():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import sparsegen
-from sparsegen.jit import cache, compiler
+from sparsegen.jit import cache, compiler, epilogues
 from sparsegen.jit.spec import DTYPES, KernelSpec, TileConfig, default_specs
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.bell.specs import forward_spec as ell_forward_spec
@@ -18,14 +18,17 @@ DEFAULT_SPECS = default_specs(80) + default_specs(90) + default_specs(89, ["e4m3
 
 
 def code_path(spec: KernelSpec) -> tuple:
-    """What selects a template's code: all but the block and tile shapes."""
-    return spec.op, spec.dtype, spec.arch, spec.instr, spec.epilogue, spec.trans, spec.params, spec.acc
+    """What selects a template's code: all but the block and tile shapes, and of the epilogue
+    its kind (none, an activation, a gated product: each activation is one device function of
+    sg_epilogue.cuh, all of them compiled by --all-kernels and rendered by the golden tests)."""
+    kind = "none" if spec.epilogue == "none" else "gated" if epilogues.is_gated(spec.epilogue) else "activation"
+    return spec.op, spec.dtype, spec.arch, spec.instr, kind, spec.trans, spec.params, spec.acc
 
 
 def one_per_code_path(specs: list) -> list:
     """A kernel of each code path, the paths' kernels taken in turn so that the block and tile
-    shapes vary across them: the default run's sample (190 of the 530; the whole file alone took
-    2m35s on two cores). `--all-kernels` (CI runs it) compiles every one."""
+    shapes vary across them: the default run's sample. `--all-kernels` (CI runs it) compiles
+    every one."""
     paths: dict[tuple, list] = {}
     for spec in specs:
         paths.setdefault(code_path(spec), []).append(spec)
