@@ -5,6 +5,7 @@ make folders in a shared, sticky directory (as /tmp is) and plant links and file
 The victim (this process) then runs sparsegen, and each test checks that the victim's own
 files and their modes are unchanged and that nothing of theirs was read or removed.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -19,7 +20,8 @@ import pytest
 
 from sparsegen.errors import SparsegenError
 from sparsegen.cli import main as cli_main
-from sparsegen.jit import bundle, cache, compiler, trust
+from sparsegen import env
+from sparsegen.jit import bundle, cache, codegen, compiler, trust
 from sparsegen.jit.trust import UntrustedPathError
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.launch import crossovers
@@ -365,3 +367,23 @@ def test_a_team_cache_below_the_attackers_link_builds_nothing(shared, victim, mo
     with pytest.raises(UntrustedPathError, match="uid 65534"):
         cache.build(SPEC)
     assert fingerprint(victim) == before
+
+
+def test_a_kernels_package_another_user_planted_on_the_path_is_skipped(shared, monkeypatch):
+    """A sparsegen_kernels package in a folder on sys.path that someone else made (the working
+    directory in a shared folder): never loaded, and no error stops the victim's build."""
+    entry = {"cubin": hashlib.sha256(b"not a kernel").hexdigest(), "source": bundle.source_digest(SPEC),
+             "origin": bundle.origin_digest(SPEC, codegen.generator_texts())}  # (current: only trust stops it)
+
+    def plant(root: Path) -> None:
+        arch = root / env.SHIPPED_KERNELS_PACKAGE / "sm_80"
+        arch.mkdir(parents=True)
+        (arch / f"{SPEC.name}.cubin").write_bytes(b"not a kernel")
+        (arch / "manifest.json").write_text(json.dumps({"format": bundle.FORMAT, "nvrtc": "13.0",
+                                                        "kernels": {SPEC.name: entry}}))
+    as_attacker(plant, shared)
+    monkeypatch.syspath_prepend(str(shared))
+    assert bundle.folders() == [shared / env.SHIPPED_KERNELS_PACKAGE / "sm_80"]
+    with pytest.warns(RuntimeWarning, match="ignoring the installed kernels in .* uid 65534"):
+        built = cache.build(SPEC)
+    assert built.compiled and built.cubin != b"not a kernel"

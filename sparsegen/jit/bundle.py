@@ -77,8 +77,9 @@ def lookup(spec: KernelSpec, generator_texts: list[str]) -> bytes | None:
     """The CUBIN of `spec` from the first bundle that holds it compiled from today's source,
     hash checked (generator_texts: codegen's, already read by the caller)."""
     origin = source = None
-    for folder in folders():
-        manifest = _load(os.path.abspath(folder))  # (not resolved: a link is judged as a link)
+    named = {os.path.abspath(folder) for folder in env.kernel_bundles()}
+    for folder in map(os.path.abspath, folders()):  # (not resolved: a link is judged as a link)
+        manifest = _load(folder, folder in named)
         entry = manifest.kernels.get(spec.name) if manifest is not None else None
         if entry is None:
             continue
@@ -115,15 +116,21 @@ def _holds_manifest(folder: Path) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _load(folder: str) -> Manifest | None:
-    """The bundle's manifest if it is trusted and whole; None (one warning) otherwise."""
+def _load(folder: str, named: bool) -> Manifest | None:
+    """The bundle's manifest if it is trusted and whole; None (one warning) otherwise. A bundle
+    the user named (SPARSEGEN_KERNEL_BUNDLE) that others could have written is an error; an
+    installed package's found on the path (perhaps through the working directory) is skipped."""
     path = Path(folder) / MANIFEST
     try:
         trust.check_path(Path(folder))
         return parse(Path(folder), trust.read_file(path))
     except (OSError, ValueError) as error:
         warn_once(("bundle", folder), f"ignoring the kernel bundle {folder} ({error})")
-        return None
+    except trust.UntrustedPathError as error:
+        if named:
+            raise
+        warn_once(("bundle", folder), f"ignoring the installed kernels in {folder} ({error})")
+    return None
 
 
 def parse(folder: Path, raw: bytes) -> Manifest:
