@@ -112,3 +112,15 @@ def test_layers_are_made_from_faces_only_through_the_contract_check():
     for path in package.rglob("*.py"):
         if path.name != "registry.py":
             assert not re.search(r"(FACES\[[^\]]*\]|face)\.(build|patch)\(", path.read_text()), path
+
+
+def test_the_shipped_layouts_are_declared_as_plugins_are():
+    """pyproject.toml names each shipped layout's specs module in the entry-point group, as a
+    plugin's does (sparsegen loads them by name, so a checkout needs no installed metadata)."""
+    import tomllib
+
+    from sparsegen.jit import registry
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    declared = project["project"]["entry-points"][registry.ENTRY_POINTS]
+    assert declared == {name: f"sparsegen.{name}.specs" for name in registry.LAYOUTS}

@@ -35,6 +35,10 @@ assert templates.is_relative_to(site), (templates, site)
 assert Path(sparsegen.__file__).resolve().is_relative_to(site), sparsegen.__file__
 import importlib, pkgutil
 from sparsegen.jit import registry
+from importlib.metadata import entry_points  # the shipped layouts declared as plugins are, and none failing
+assert {e.name: e.value for e in entry_points(group=registry.ENTRY_POINTS)} == {
+    name: f"sparsegen.{name}.specs" for name in registry.LAYOUTS}
+assert registry.failed_plugins() == {} and [layout.name for layout in registry.layouts()] == list(registry.LAYOUTS)
 for layout in registry.LAYOUTS:  # every registered layout's modules come from the wheel
     package = importlib.import_module(f"sparsegen.{layout}")
     for info in pkgutil.iter_modules(package.__path__):
