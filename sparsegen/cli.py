@@ -259,10 +259,12 @@ def _print_layouts() -> int:
 
 
 def cmd_cache_info(args) -> int:
-    from .jit import cache
+    from .jit import bundle, cache
 
     for field, value in cache.info().items():
         print(f"{field}: {value}")
+    for folder, kernels in bundle.summary():  # (searched first: SPARSEGEN_KERNEL_BUNDLE, the kernels package)
+        print(f"bundle: {folder} ({kernels if kernels is not None else 'not loaded: see the warning'} kernels)")
     return 0
 
 

@@ -163,6 +163,17 @@ def test_precompile_refuses_a_bundle_directory_that_is_not_empty(tmp_path, capsy
     assert env.cache_dir().exists() is False  # refused before compiling anything
 
 
+def test_cache_info_names_each_bundle_searched_and_its_kernels(shipped, tmp_path, monkeypatch, capsys):
+    damaged = copy_bundle(shipped, tmp_path / "damaged")
+    (damaged / "manifest.json").write_bytes(b"not json")
+    monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", os.pathsep.join([str(shipped), str(damaged)]))
+    count = len(json.loads((shipped / "manifest.json").read_text())["kernels"])
+    with pytest.warns(RuntimeWarning, match="ignoring the kernel bundle .*damaged"):
+        assert cli.main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert f"bundle: {shipped} ({count} kernels)" in out and f"bundle: {damaged} (not loaded: see the warning" in out
+
+
 def test_a_kernel_the_bundle_lacks_comes_from_the_user_cache(shipped, monkeypatch):
     monkeypatch.setenv("SPARSEGEN_KERNEL_BUNDLE", str(shipped))
     other = KernelSpec.from_name(forward_spec((32, 32), "fp16", 80).name)

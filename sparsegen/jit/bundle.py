@@ -77,9 +77,8 @@ def lookup(spec: KernelSpec, generator_texts: list[str]) -> bytes | None:
     """The CUBIN of `spec` from the first bundle that holds it compiled from today's source,
     hash checked (generator_texts: codegen's, already read by the caller)."""
     origin = source = None
-    named = {os.path.abspath(folder) for folder in env.kernel_bundles()}
-    for folder in map(os.path.abspath, folders()):  # (not resolved: a link is judged as a link)
-        manifest = _load(folder, folder in named)
+    for folder, named in _searched():
+        manifest = _load(folder, named)
         entry = manifest.kernels.get(spec.name) if manifest is not None else None
         if entry is None:
             continue
@@ -106,6 +105,20 @@ def _arch_folders(package_folder: str) -> tuple[str, ...]:
     except OSError:
         return ()
     return tuple(name for name in names if _holds_manifest(Path(package_folder) / name))
+
+
+def summary() -> list[tuple[Path, int | None]]:
+    """Each bundle searched, with how many kernels its manifest names (None: not loaded -
+    untrusted, damaged or missing, with a warning saying which)."""
+    loaded = [(Path(folder), _load(folder, named)) for folder, named in _searched()]
+    return [(folder, len(manifest.kernels) if manifest is not None else None) for folder, manifest in loaded]
+
+
+def _searched() -> list[tuple[str, bool]]:
+    """folders(), absolute (not resolved: a link is judged as a link), each with whether the
+    user named it (SPARSEGEN_KERNEL_BUNDLE) or it was found installed."""
+    named = {os.path.abspath(folder) for folder in env.kernel_bundles()}
+    return [(folder, folder in named) for folder in map(os.path.abspath, folders())]
 
 
 def _holds_manifest(folder: Path) -> bool:
