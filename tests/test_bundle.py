@@ -213,3 +213,14 @@ def test_the_kernels_wheel_once_installed_serves_every_kernel_with_no_nvrtc(tmp_
     got = json.loads(done.stdout.strip().splitlines()[-1])
     kernels = json.loads(manifest.read_text())["kernels"]
     assert len(got) > 10 and got == {name: [False, entry["cubin"]] for name, entry in kernels.items()}
+
+
+def test_the_kernels_wheel_tool_asks_for_the_setuptools_it_needs_before_compiling(tmp_path):
+    fake = tmp_path / "old" / "setuptools-60.0.dist-info"  # (found first on the path: version 60)
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: setuptools\nVersion: 60.0\n")
+    done = subprocess.run([sys.executable, str(TOOLS / "build_kernels.py"), "--out", str(tmp_path / "dist")],
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path / "old")), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "Expected setuptools>=77 in this environment" in done.stderr, done.stderr
+    assert "Got 60.0." in done.stderr and not (tmp_path / "dist").exists()

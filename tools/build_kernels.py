@@ -21,8 +21,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from sparsegen import __version__, env  # noqa: E402 (the checkout's: torch-free, see sparsegen/__init__.py)
+
 DEFAULT_ARCHS = ("sm_80", "sm_89", "sm_90")
-PACKAGE = "sparsegen_kernels"
+PACKAGE = env.SHIPPED_KERNELS_PACKAGE
 
 PYPROJECT = """[build-system]
 requires = ["setuptools>=77"]
@@ -51,13 +54,22 @@ def precompile(arch: str, into: Path, passed: list[str]) -> None:
 
 
 def write_project(root: Path, archs: list[str]) -> None:
-    sys.path.insert(0, str(REPO))
-    import sparsegen
-
-    (root / "pyproject.toml").write_text(PYPROJECT.format(version=sparsegen.__version__, archs=", ".join(archs),
-                                                          package=PACKAGE))
+    (root / "pyproject.toml").write_text(PYPROJECT.format(version=__version__, archs=", ".join(archs), package=PACKAGE))
     (root / PACKAGE / "__init__.py").write_text('"""Precompiled sparsegen kernels: data only, read by '
                                                 'sparsegen (its jit.bundle.folders), never imported by it."""\n')
+
+
+def check_setuptools() -> None:
+    """The wheel is built offline with this environment's setuptools (77 reads the SPDX
+    fields): say so before minutes of compiling, not after."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("setuptools")
+    except PackageNotFoundError:
+        found = "none"
+    if found == "none" or int(found.split(".")[0]) < 77:
+        sys.exit(f"Expected setuptools>=77 in this environment (pip install 'setuptools>=77'). Got {found}.")
 
 
 def build_wheel(root: Path, out: Path) -> Path:
@@ -72,6 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder the wheel is written into")
     parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
     args, passed = parser.parse_known_args(argv)
+    check_setuptools()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "project"
         (root / PACKAGE).mkdir(parents=True)
