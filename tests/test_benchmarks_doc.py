@@ -21,11 +21,11 @@ def test_committed_document_is_what_the_recorded_runs_render():
 
 
 def test_every_recorded_run_names_its_gpu_date_commit_and_command():
-    for run in benchmarks_md.load():
-        meta = run["meta"]
-        assert all(meta.get(key) for key in ("gpu", "date", "commit", "command", "torch")), meta
-        assert meta["command"].startswith(("PYTHONPATH=. python tools/", "PYTHONPATH=. torchrun --nproc_per_node="))
-        assert "tools/" in meta["command"]
+    for run in benchmarks_md.load():  # (and every run a table gathers rows of)
+        for meta in [run["meta"]] + [m for table in run.get("tables", []) for m in table.get("runs", [])]:
+            assert all(meta.get(key) for key in ("gpu", "date", "commit", "command", "torch")), meta
+            assert meta["command"].startswith(("PYTHONPATH=. python tools/", "PYTHONPATH=. torchrun --nproc_per_node="))
+            assert "tools/" in meta["command"]
 
 
 def recorded(tmp_path, table, monkeypatch) -> dict:
@@ -47,6 +47,17 @@ def test_a_recorded_table_renders_its_values_with_its_formats(tmp_path, monkeypa
     assert "commit abc1234" in text and "`PYTHONPATH=. python tools/bench.py --acc`" in text
     assert "- a note" in text
     assert "## 2:4 semi-structured" not in text  # a section without runs is left out
+
+
+def test_a_table_of_several_runs_names_each(tmp_path, monkeypatch):
+    table = bench_record.Table("Compile and overheads", "Gathered", [("v", "")])
+    table.add(1)
+    run = recorded(tmp_path, table, monkeypatch)
+    other = dict(run["meta"], commit="def5678", command="PYTHONPATH=. python tools/bench.py --other")
+    run["tables"][0]["runs"] = [run["meta"], other]
+    text = benchmarks_md.render([run])
+    assert "Measured:\n\n- " in text and "commit abc1234" in text and "commit def5678" in text
+    assert "`PYTHONPATH=. python tools/bench.py --other`" in text
 
 
 def test_sections_come_in_the_documents_order(tmp_path, monkeypatch):

@@ -380,19 +380,20 @@ def _generate_table(rows: list[dict]) -> Table:
 
 
 def _cold_table(rows: list[dict]) -> Table:
+    rows = [r for r in rows if "first_s" in r]
+    unwarmed = any(r.get("unwarmed_s") is not None for r in rows)  # (a column only where measured)
     table = Table("Compile and overheads", "Cold first call: patch + first forward from an empty kernel cache",
                   [("model", ""), ("call", ""), ("variant", ""), ("dense first forward s", ".3f"),
                    ("patch + first forward s", ".3f"), ("of which patch s", ".3f"), ("times dense's", ".2f"),
-                   ("kernels compiled", ""), ("without background builds s", ".3f")],
+                   ("kernels compiled", "")] + [("without background builds s", ".3f")] * unwarmed,
                   about="A fresh process each (tools/bench_generate.py --cold): the model built on the GPU and CUDA "
                         "started before the clock; dense: its first forward alone, the faster of two processes. "
                         "'kernels installed': with the sparsegen_kernels package (tools/build_kernels.py; "
                         "--cold-kernels) on the path; "
                         "'kernels compiled': by NVRTC before the first forward returned.")
     for r in rows:
-        if "first_s" in r:
-            table.rows.append([r["model"], r["call"], r["variant"], r["dense_first_s"], r["first_s"], r.get("patch_s"),
-                               r["x_dense"], r.get("compiled"), r.get("unwarmed_s")])
+        table.rows.append([r["model"], r["call"], r["variant"], r["dense_first_s"], r["first_s"], r.get("patch_s"),
+                           r["x_dense"], r.get("compiled")] + [r.get("unwarmed_s")] * unwarmed)
     return table
 
 

@@ -93,9 +93,14 @@ def model_lines(runs: list[dict]) -> list[str]:
 
 
 def table_block(meta: dict, table: dict) -> list[str]:
-    """Title, then one paragraph: what the table measures (where recorded) and where and how."""
+    """Title, then what the table measures (where recorded) and where and how: its run, or
+    the runs its rows come from (a table's `runs`, each a run's meta, where one gathers rows
+    of several, its notes saying which)."""
     about = [table["about"]] if table.get("about") else []
-    return [f"### {table['title']}", ""] + about + [f"Measured: {provenance(meta)}", ""] + table_lines(table) + [""]
+    runs = table.get("runs") or [meta]
+    measured = [f"Measured: {provenance(runs[0])}"] if len(runs) == 1 else \
+        ["Measured:", ""] + [f"- {provenance(run)}" for run in runs]
+    return [f"### {table['title']}", ""] + about + measured + [""] + table_lines(table) + [""]
 
 
 def render(runs: list[dict]) -> str:
