@@ -64,7 +64,8 @@ def _selection_options() -> argparse.ArgumentParser:
     options.add_argument("--block", nargs="+", metavar="BLOCK",
                          help="block shapes: 32 (square) or 32x64 (default: the standard set)")
     options.add_argument("--layout", nargs="+", metavar="LAYOUT",
-                         help="only these layouts' kernels: bsr, semi24, bell, bdiag (default: every layout)")
+                         help="only these layouts' kernels: bsr, semi24, bell, bdiag or a plugin's (`show --layouts` lists "
+                              "them; default: every layout)")
     return options
 
 

@@ -23,6 +23,7 @@ from .errors import InputError, expect
 from .semi24 import format as semi24
 from .semi24.nn import Sparse24Linear
 from .semi24.scaled import ScaledSparse24Linear
+from .semi24.tensor import compress_masked
 
 SPARSE_FORMAT = "sparse-24-bitmask"
 _QUANTIZED_FORMATS = {"float-quantized": torch.float8_e4m3fn, "int-quantized": torch.int8,
@@ -277,7 +278,7 @@ def _scaled(name: str, dense: torch.Tensor, mask: torch.Tensor, bias, tensors: d
            f"one-byte values of the checkpoint's quantization format {config.get('format', 'dense')!r}", dense.dtype)
     scale = _scale(name, "weight_scale", tensors, dense.shape[0], used, allow_nonfinite, required=True)
     input_scale = _scale(name, "input_scale", tensors, 1, used, allow_nonfinite, required=False)
-    values, metadata = semi24.compress(dense.contiguous(), mask.contiguous())
+    values, metadata = compress_masked(dense, mask)  # (the mask was checked: _check_pairs)
     bias = None if bias is None else bias.detach().to(activations)
     return ScaledSparse24Linear(values, metadata, scale.float().reshape(-1), bias, input_scale)
 

@@ -73,16 +73,15 @@ def origin_digest(spec: KernelSpec, generator_texts: list[str]) -> str:
     return h.hexdigest()
 
 
-def lookup(spec: KernelSpec, generator_texts: list[str]) -> bytes | None:
+def lookup(spec: KernelSpec, origin: str) -> bytes | None:
     """The CUBIN of `spec` from the first bundle that holds it compiled from today's source,
-    hash checked (generator_texts: codegen's, already read by the caller)."""
-    origin = source = None
+    hash checked (origin: the spec's origin_digest, which the caller has for its alias)."""
+    source = None
     for folder, named in _searched():
         manifest = _load(folder, named)
         entry = manifest.kernels.get(spec.name) if manifest is not None else None
         if entry is None:
             continue
-        origin = origin or origin_digest(spec, generator_texts)
         if entry.origin != origin:  # (something changed: render the kernel to see whether it did)
             source = source or source_digest(spec)
         cubin = _read_checked(manifest, spec.name) if entry.origin == origin or entry.source == source else None

@@ -79,20 +79,20 @@ def _read_alias(store: DiskStore, alias: str) -> str | None:
     return key if key is not None and KEY_RE.fullmatch(key) else None
 
 
-def alias_key(spec: KernelSpec, generator_texts: list[str]) -> str:
+def alias_key(origin: str) -> str:
     """Everything the rendered source and the CUBIN follow from, without rendering or loading
-    NVRTC (together ~100 ms in a new process): the spec, the templates and the code that
-    renders them, NVRTC's options (bundle.origin_digest), and the installed versions of
-    jinja2 and the compiler packages."""
-    return _digest(bundle.origin_digest(spec, generator_texts), *compiler.identity())
+    NVRTC (together ~100 ms in a new process): the kernel's origin (bundle.origin_digest: the
+    spec, the templates and the code that renders them, NVRTC's options) and the installed
+    versions of jinja2 and the compiler packages."""
+    return _digest(origin, *compiler.identity())
 
 
 def build(spec: KernelSpec) -> Built:
     """The CUBIN for spec: from memory, else a kernel bundle, else disk, else NVRTC (then
     stored on disk and in memory). A build of it that build_soon started is waited for (one
     not started yet is taken over here)."""
-    texts = codegen.generator_texts()  # read once: the alias and the bundles' origin digests
-    alias = alias_key(spec, texts)
+    origin = bundle.origin_digest(spec, codegen.generator_texts())  # (the alias's and the bundles' key)
+    alias = alias_key(origin)
     pending = _pending.get(alias)
     if pending is not None and pending.cancel():
         _pending.pop(alias, None)
@@ -101,7 +101,7 @@ def build(spec: KernelSpec) -> Built:
             pending.result()
         except Exception:  # (its error is this call's to raise: built again below)
             pass
-    return _build(spec, texts, alias)
+    return _build(spec, origin, alias)
 
 
 # Background builds (build_soon): NVRTC releases the GIL, so threads compile in parallel while
@@ -122,10 +122,11 @@ def build_soon(specs: list[KernelSpec]) -> int:
     texts = codegen.generator_texts()
     started = 0
     for spec in dict.fromkeys(specs):
-        alias = alias_key(spec, texts)
+        origin = bundle.origin_digest(spec, texts)
+        alias = alias_key(origin)
         if alias in _memory or alias in _pending:
             continue
-        _pending[alias] = _submit(_build_in_background, spec, texts, alias)
+        _pending[alias] = _submit(_build_in_background, spec, origin, alias)
         started += 1
     return started
 
@@ -154,19 +155,19 @@ def _serve(work: queue.SimpleQueue) -> None:
             future.set_exception(error)
 
 
-def _build_in_background(spec: KernelSpec, texts, alias: str) -> None:
+def _build_in_background(spec: KernelSpec, origin: str, alias: str) -> None:
     try:
-        _build(spec, texts, alias)
+        _build(spec, origin, alias)
     finally:
         _pending.pop(alias, None)
 
 
-def _build(spec: KernelSpec, texts, alias: str) -> Built:
+def _build(spec: KernelSpec, origin: str, alias: str) -> Built:
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
         return _remember(alias, _compile(spec, *_source(spec)))
-    bundled = bundle.lookup(spec, texts)
+    bundled = bundle.lookup(spec, origin)
     if bundled is not None:
         return _remember(alias, Built(spec, "bundle:" + hashlib.sha256(bundled).hexdigest(), bundled, False))
     store = _store()
