@@ -1,8 +1,8 @@
 """Layouts as plugins (issue 61): a layout in a package of its own, found through the
 `sparsegen.layouts` entry point in a fresh process, nothing in sparsegen edited. The package is
 docs/adding-a-layout.md's block-band layout, built into a wheel and pip-installed into a
-folder of its own (test_tutorial.install_plugin). Every check runs in a subprocess that imports
-the checkout and the plugin."""
+folder of its own (test_tutorial.install_plugin); its checks run in a subprocess that imports
+the checkout and the plugin. Then the layer contract every layout's layers keep (in process)."""
 import re
 from pathlib import Path
 
