@@ -166,6 +166,19 @@ def test_gated_layer_keeps_each_projections_bytes_and_scales(weight_dtype, bias)
     assert relative_error(fused(x), torch.nn.functional.silu(g) * u) < 1e-2
 
 
+@pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
+def test_layers_of_own_parts_pass_the_checks_of_parts_from_outside(weight_dtype):
+    """from_dense and gated skip __init__'s checks (their parts are made here): what they make
+    must pass them - a layer built by the checking constructor from the same parts is equal."""
+    gate, _ = make_layer(k=256, n=32, weight_dtype=weight_dtype, input_scale=0.02)
+    up, _ = make_layer(k=256, n=32, weight_dtype=weight_dtype, input_scale=0.02)
+    for layer in (gate, sparsegen.ScaledSparse24Linear.gated(gate, up, "geglu_tanh")):
+        checked = sparsegen.ScaledSparse24Linear(layer.values, layer.metadata, layer.weight_scale, layer.bias,
+                                                 layer.input_scale)
+        assert torch.equal(checked.to_dense_weight(), layer.to_dense_weight())
+        assert {n: t.dtype for n, t in checked.state_dict().items()} == {n: t.dtype for n, t in layer.state_dict().items()}
+
+
 def test_gated_layer_refuses_projections_that_differ():
     gate, _ = make_layer(weight_dtype="int8")
     with pytest.raises(InputError, match="gate and up of one shape"):
