@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it (relative to this package), or the module itself
 _PUBLIC = {
     "UntrustedPathError": ".jit.trust", "BlockSparseLinear": ".bsr.nn", "linear": ".factory",
-    "Sparse24Linear": ".semi24.nn", "ScaledSparse24Linear": ".semi24.scaled", "load_compressed": ".compressed",
+    "Sparse24Linear": ".semi24.nn", "ScaledSparse24Linear": ".semi24.scaled", "Int4Sparse24Linear": ".semi24.int4_nn",
+    "load_compressed": ".compressed",
     "topology": ".bsr.topology", "GatedMLP": ".patching", "patch": ".patching", "dense_copy": ".dense_twin",
     "KernelSpec": ".jit.spec", "TileConfig": ".jit.spec", "Sparse24Tensor": ".semi24.tensor",
     "to_sparse24": ".semi24.tensor", "Sparse24TrainingLinear": ".semi24.train",
@@ -25,7 +26,7 @@ _PUBLIC = {
 }
 __all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "GatedMLP", "topology", "KernelSpec", "TileConfig",
            "SparsegenError", "SpecError", "CompileError", "InputError", "ConfigError", "LaunchError",
-           "UntrustedPathError", "Sparse24Linear", "ScaledSparse24Linear", "load_compressed", "Sparse24Tensor",
+           "UntrustedPathError", "Sparse24Linear", "ScaledSparse24Linear", "Int4Sparse24Linear", "load_compressed", "Sparse24Tensor",
            "Sparse24TrainingLinear", "to_sparse24", "masked_decay_", "dense_finetune_", "__version__"]
 
 

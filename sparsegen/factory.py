@@ -27,7 +27,9 @@ def linear(in_features: int, out_features: int, block=None, density: float | Non
       (default 0.5), or of the bool block `layout`;
     - "2:4": a Sparse24Linear; with 2by4-pretrain options (method, mask_interval, dw_sparse,
       soft_threshold) a Sparse24TrainingLinear; with weight_dtype ("e4m3", "int8") a
-      ScaledSparse24Linear (inference: one-byte weights and per-token activations);
+      ScaledSparse24Linear (inference: one-byte weights and per-token activations); with
+      weight_dtype="int4" (or group_size=: 128 by default, -1 per output channel) an
+      Int4Sparse24Linear (inference: 4-bit weights, 16-bit activations);
     - "block-diagonal": a BlockDiagonalLinear of `nblocks` diagonal blocks (or round(1 / density));
     - "block-ell": a BlockEllLinear of `block` blocks, `per_row` in each block row (or `density`).
     An argument the chosen sparsity does not take is an InputError naming it."""

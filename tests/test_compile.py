@@ -100,6 +100,9 @@ def tensor_core_ops(sass: str) -> list[str]:
     return re.findall(r"\b(?:HMMA|HGMMA|IMMA|IGMMA|QMMA|QGMMA)\.\S+", sass)
 
 
+SP24_MMA_OPS = ("sp24_dds", "sp24_w4")  # Sp24Dds's mma.sp kernels (sp24_w4: its 4-bit weights)
+
+
 def expected_mma(spec: KernelSpec) -> str:
     """The SASS mnemonic: fp32 accumulate (fp16 where acc says); wgmma -> HGMMA 64xBMx16;
     mma.sync k16 (16-bit inputs, fp16 has no type suffix) or k8 (tf32)."""
@@ -112,7 +115,7 @@ def expected_mma(spec: KernelSpec) -> str:
     suffix = {"bf16": ".BF16", "fp16": "", "fp32": ".TF32"}[spec.dtype]
     if spec.op == "sp24_dds" and spec.instr == "tma":  # 2:4 on Hopper: wgmma.sp m64 x tokens x k32
         return f"HGMMA.SP.64x{spec.tile.tile_m}x32.F32{suffix}"
-    if spec.op == "sp24_dds":  # 2:4: mma.sp m16n8k32
+    if spec.op in SP24_MMA_OPS:  # 2:4: mma.sp m16n8k32
         return f"HMMA.SP.16832.F32{suffix}"
     if spec.op == "bsr_sdd" and spec.instr == "tma":  # each consumer: m64 x its gathered columns x k16
         return f"HGMMA.64x{256 if spec.block[0] == 128 else 128}x16.F32{suffix}"
@@ -134,7 +137,7 @@ def mma_per_stage(spec: KernelSpec) -> int:
         return t.tile_m // 16
     if spec.instr in ("swap", "pairs"):  # a stage of 64: 4 k16 steps
         return 4
-    if spec.op == "sp24_dds":  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
+    if spec.op in SP24_MMA_OPS:  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
         return 4 * 4 * (t.tile_m // t.warps_n // 8)
     if spec.instr != "mma":  # each consumer warpgroup owns tile_m / groups rows, m64 at a time
         return 4 * (t.tile_m // (t.warps_m // 4) // 64)

@@ -188,6 +188,43 @@ def decode_table(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> Table:
     return table
 
 
+# Issue 62's shapes: Llama-3-8B's (q/o, k/v, gate/up, down) and Llama-3-70B's projections, N x K
+INT4_WEIGHTS = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
+INT4_TOKENS = (1, 8, 16, 32, 64, 2048)
+
+
+def int4_table(weights=INT4_WEIGHTS, tokens=INT4_TOKENS) -> Table:
+    """The W4A16 2:4 layer (Int4Sparse24Linear, group 128) against cuBLAS bf16, the bf16 2:4
+    layer and the FP8 2:4 layer (activations quantized per token), each a layer call replayed
+    from one CUDA graph over weights 3x the L2 cache (read from HBM, as a decode step does)."""
+    table = Table("2:4 semi-structured", "4-bit 2:4 (W4A16, group 128) layer against bf16 dense, bf16 2:4 and FP8 2:4", [
+        ("weight N x K", ""), ("M", ""), ("dense graph ms", ".4f"), ("bf16 2:4", "x"), ("FP8 2:4", "x"),
+        ("int4 2:4", "x"), ("int4 / FP8 2:4", "x")],
+        "ratios: dense time / the layer's (above 1 = faster); CUDA-graph replays, weights from HBM")
+    for n, k in weights:
+        layers = _int4_peers(n, k)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                times = interleaved(*(lambda c=c: graph_ms([lambda layer=layer: layer(x) for layer in c]) for c in layers))
+            ratios = [None if t is None or times[0] is None else times[0] / t for t in times[1:]]
+            table.add(f"{n}x{k}", m, times[0], *ratios,
+                      None if None in (times[2], times[3]) else times[2] / times[3])
+        del layers
+    return table
+
+
+def _int4_peers(n: int, k: int) -> list[list]:
+    """Per variant (dense, bf16 2:4, FP8 2:4, int4 2:4), layers of as many N x K weights as make
+    3x the L2 cache."""
+    copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
+    dense = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    fp8 = "e4m3" if torch.cuda.get_device_capability() >= (8, 9) else "int8"
+    return [dense, [sparsegen.Sparse24Linear.from_dense(d) for d in dense],
+            [sparsegen.ScaledSparse24Linear.from_dense(d, fp8) for d in dense],
+            [sparsegen.Int4Sparse24Linear.from_dense(d) for d in dense]]
+
+
 def _cusparselt_weight(dense_w: torch.Tensor, convert):
     from torch.sparse import SparseSemiStructuredTensor
 
@@ -388,6 +425,7 @@ def main(argv=None) -> None:
     parser.add_argument("--train", action="store_true", help="only the fwd+bwd table (GPT-2 FFNs, one linear)")
     parser.add_argument("--tune-decode", action="store_true", help="time decode tiles and K splits instead")
     parser.add_argument("--tune-fp8", action="store_true", help="time e4m3 prefill tiles against _scaled_mm instead")
+    parser.add_argument("--int4", action="store_true", help="only the 4-bit 2:4 (W4A16) layer table")
     parser.add_argument("--deterministic", action="store_true",
                         help="only the decode table in default and deterministic mode")
     args = parser.parse_args(argv)
@@ -397,7 +435,7 @@ def main(argv=None) -> None:
     if args.tune_decode or args.tune:
         return tune_decode() if args.tune_decode else tune()
     modes = [(args.decode, decode_table), (args.train, train_table), (args.bytes, bytes_table),
-             (args.deterministic, deterministic_table)]
+             (args.deterministic, deterministic_table), (args.int4, int4_table)]
     tables = [make() for wanted, make in modes if wanted] or forward_tables(args)
     write(args.json, "bench24.py", argv, tables)
 

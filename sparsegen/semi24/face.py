@@ -1,6 +1,7 @@
 """How users ask for 2:4 layers: sparsegen.linear(sparsity="2:4") gives a Sparse24Linear; with
-2by4-pretrain options a Sparse24TrainingLinear; with weight_dtype a ScaledSparse24Linear
-(registry.Face)."""
+2by4-pretrain options a Sparse24TrainingLinear; with weight_dtype "e4m3" or "int8" a
+ScaledSparse24Linear, with "int4" an Int4Sparse24Linear (group_size: its scales' columns; given
+alone it means weight_dtype="int4", the one grouped quantization) (registry.Face)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from ..errors import expect
 from ..jit import registry
 from .nn import Sparse24Linear
+from .int4_nn import Int4Sparse24Linear
 from .scaled import ScaledSparse24Linear
 from .train import Sparse24TrainingLinear
 
@@ -16,10 +18,11 @@ TRAINING_OPTIONS = ("method", "mask_interval", "dw_sparse", "soft_threshold")
 
 def build(in_features, out_features, bias, device, dtype, given):
     recipe = {name: given[name] for name in TRAINING_OPTIONS if name in given}
+    given = _with_group_size(given)
     if "weight_dtype" in given:
-        expect(not recipe, "no training options for one-byte weights (an inference layer)", sorted(recipe))
+        expect(not recipe, "no training options for quantized weights (an inference layer)", sorted(recipe))
         dense = torch.nn.Linear(in_features, out_features, bias, device, dtype)
-        return ScaledSparse24Linear.from_dense(dense, given["weight_dtype"])
+        return _quantized(dense, given, "magnitude")
     if recipe:
         return Sparse24TrainingLinear(in_features, out_features, bias, device, dtype, **recipe)
     return Sparse24Linear(in_features, out_features, bias, device, dtype)
@@ -30,12 +33,29 @@ def patched(linear, settings: dict, from_dense: bool):
     "training", a one-byte one with "weight_dtype", else a Sparse24Linear by "method"."""
     if "training" in settings:  # 2by4-pretrain style: dense weights, 2:4 products
         return Sparse24TrainingLinear.from_dense(linear, **dict(settings["training"]))
-    if "weight_dtype" in settings:  # one-byte weights and activations, scaled
-        return ScaledSparse24Linear.from_dense(linear, settings["weight_dtype"], settings.get("method", "magnitude"))
+    settings = _with_group_size(settings)
+    if "weight_dtype" in settings:  # quantized weights: one-byte (activations too, scaled) or 4-bit
+        return _quantized(linear, settings, settings.get("method", "magnitude"))
     return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
 
 
+def _quantized(linear, given: dict, method: str):
+    if given["weight_dtype"] == "int4":
+        return Int4Sparse24Linear.from_dense(linear, given.get("group_size", 128), method)
+    return ScaledSparse24Linear.from_dense(linear, given["weight_dtype"], method)
+
+
+def _with_group_size(given: dict) -> dict:
+    """given, group_size's weight_dtype "int4" filled in (it is for no other weight dtype)."""
+    if "group_size" not in given:
+        return given
+    expect(given.get("weight_dtype", "int4") == "int4", "group_size only with weight_dtype='int4' (its scales' "
+           "columns)", repr(given.get("weight_dtype")))
+    return {"weight_dtype": "int4", **given}
+
+
 def check_rule(pattern: str, settings: dict) -> None:
+    _with_group_size(settings)
     expect("weight_dtype" not in settings or "training" not in settings,
            f"weight_dtype or training for {pattern!r}, not both (one-byte layers are for inference)", settings)
     training = settings.get("training", {})
@@ -44,9 +64,12 @@ def check_rule(pattern: str, settings: dict) -> None:
            f"'training' settings for {pattern!r} as a dict with keys from {options}", training)
 
 
-FACES = (registry.Face("2:4", ("weight_dtype", *TRAINING_OPTIONS), build, rule=("method", "training", "weight_dtype"),
+FACES = (registry.Face("2:4", ("weight_dtype", "group_size", *TRAINING_OPTIONS), build,
+                       rule=("method", "training", "weight_dtype", "group_size"),
                        patch=patched, check_rule=check_rule, pairs=lambda settings: "training" not in settings,
                        examples=(("weight_dtype", "int8", lambda layer: layer.values.dtype == torch.int8),
+                                 ("group_size", -1, lambda layer: layer.qweight.dtype == torch.int32
+                                  and tuple(layer.scales.shape) == (1, layer.out_features)),
                                  ("method", "magnitude", lambda layer: layer.method == "magnitude"),
                                  ("mask_interval", 7, lambda layer: layer.mask_interval == 7),
                                  ("dw_sparse", True, lambda layer: layer.dw_sparse),

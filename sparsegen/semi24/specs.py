@@ -11,6 +11,9 @@ form from W's where the stored positions are 2:4 along columns too (16-bit; bloc
 threads over 64 x 128 pieces of W) - that backward's dX on the 2:4 kernel.
 sp24_quantize: ScaledSparse24Linear's activations, each row quantized to the one-byte dtype by
 its own scale (or a static one) in one pass; `src` is the activations' 16-bit type.
+sp24_w4: Y = X W^T with W 2:4 and its kept values 4-bit integers with a 16-bit scale per row and
+group of columns (Int4Sparse24Linear, W4A16): sp24_dds's mma.sp kernel reading W through
+templates/semi24/sg_int4.cuh, which dequantizes in registers; dtype is the activations'.
 gated_product: a training step's gated MLP epilogue, act(gate) * up over the interleaved gate/up
 product, and its gradient (16-bit; one thread per group of 8 outputs). Not 2:4's own: every
 layout's gated layers train through it (jit/epilogues.py asks for it as a kit kernel).
@@ -146,6 +149,31 @@ def _validate_16bit(spec: KernelSpec) -> None:
     _validate(spec)
 
 
+def _w4_smem(spec: KernelSpec) -> int:
+    """Per stage: 256 bytes per X row; per W row 32 bytes of 4-bit values, 16 of metadata and a scale."""
+    return spec.tile.stages * (spec.tile.tile_m * 256 + w_rows(spec) * (32 + 16 + 2))
+
+
+def _validate_w4(spec: KernelSpec) -> None:
+    expect(spec.dtype in ("bf16", "fp16"), "a 16-bit dtype (the activations') for sp24_w4", spec.dtype, SpecError)
+    expect(spec.instr == "mma", "instr 'mma' (mma.sp) for sp24_w4", repr(spec.instr), SpecError)
+    _validate(spec)
+
+
+def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
+                 epilogue: str = "none") -> KernelSpec:
+    """The 4-bit 2:4 forward (mma.sp on every arch): a stage's W is a quarter of the 16-bit
+    kernel's bytes, so decode tiles keep more stages in flight."""
+    if tile is None:
+        big_smem = SMEM_LIMIT[arch] > 160 * 1024
+        tile = (TileConfig(32, 2, 1, 8 if big_smem else 4) if rows is not None and rows <= 32
+                else TileConfig(64, 2, 2, 4 if big_smem else 3) if rows is not None
+                else TileConfig(64, 2, 2, 3) if not big_smem
+                else TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3))
+    return KernelSpec(op="sp24_w4", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
+                      instr="mma", epilogue=epilogue)
+
+
 def gated_product_spec(dtype: str, arch: int, geglu: bool) -> KernelSpec:
     """256 threads a block, one group of 8 outputs each."""
     return KernelSpec(op="gated_product", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=THREADS_256,
@@ -254,6 +282,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
              for op in ("sp24_expand", "sp24_transpose")]
     semi += [gated_product_spec(d, arch, geglu) for d in dtypes if d in ("bf16", "fp16") for geglu in (False, True)]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
+    # Int4Sparse24Linear's (W4A16), for bf16 and fp16 models, per batch-size bucket
+    semi += [sp24_w4_spec(d, arch, rows=rows) for d in dtypes if d in ("bf16", "fp16") for rows in (1, 128, None)]
     return semi + fused
 
 
@@ -261,6 +291,8 @@ registry.register(registry.Layout("semi24", (
     registry.OpRules("sp24_dds", "semi24/sp24_dds.cu.j2", _validate, _dds_smem, context=_output_context,
                      epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
                      params=(SCALES, QUANTIZED_X, GROUPS), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
+    registry.OpRules("sp24_w4", "semi24/sp24_w4.cu.j2", _validate_w4, _w4_smem, context=_output_context,
+                     epilogues=True),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,

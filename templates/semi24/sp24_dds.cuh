@@ -27,13 +27,36 @@ struct Int32Out {
   __device__ static T convert(Acc v) { return v; }
 };
 
+// W's kept values as stored ([N, K/2], 16-bit or one-byte): a stage's 128 bytes of each row,
+// swizzled, read into mma.sp's A fragments by ldmatrix. (sg_int4.cuh's Int4Values: 4-bit ones.)
+template <class Elem, int TILE_W, int THREADS>
+struct KeptValues {
+  using Source = const Elem*;
+  static constexpr int BYTES = TILE_W * 128, EPC = 16 / sizeof(Elem);
+
+  __device__ static void load(u32 smem, Source values, int n0, int k0, int K, int N, int k_end) {
+    for (int i = threadIdx.x; i < TILE_W * 8; i += THREADS) {
+      const int row = i >> 3, c = i & 7;
+      const bool ok = n0 + row < N && k0 + 2 * EPC * c < k_end;
+      const Elem* src = values + (long long)(n0 + row) * (K / 2) + k0 / 2 + EPC * c;
+      cp_async16(swizzled(smem, row, c), ok ? src : values, ok);
+    }
+  }
+
+  // Rows row.. row + 15 of the tile, instruction step j of the stage.
+  __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane) {
+    ldmatrix_x4(a, swizzled(smem, row + (lane & 15), 2 * j + (lane >> 4)));
+  }
+};
+
 // SpMma::K is the instruction's dense K: 32 for 16-bit types (m16n8k32), 64 for one-byte
 // ones (m16n8k64). Their operands occupy the same bytes (A 16 x 32 bytes kept, B 8 x 32 or
 // 8 x 64 bytes), so loads and ldmatrix are shared; only the metadata doubles per step.
 // SpMma::Acc is what the instruction accumulates (int for int8), Out::Acc what the store
 // takes: the same, except SCALED (one-byte products dequantized by Scales into float Y).
 template <class SpMma, class Out, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES,
-          class Epi = NoEpilogue, bool SCALED = false>
+          class Epi = NoEpilogue, bool SCALED = false,
+          class Weights = KeptValues<Elem, 64 * WARPS_W, 32 * WARPS_W * WARPS_T>>
 struct Sp24Dds {
   using Acc = typename SpMma::Acc;
   using OutAcc = typename Out::Acc;
@@ -46,7 +69,7 @@ struct Sp24Dds {
   static constexpr int STEP_TILES = STEP_K / 32, META_TILES = STAGE_K / 32;  // k32 metadata tiles
   static constexpr int META_GROUP_BYTES = META_TILES * 64;  // 16 words per tile per 16 rows
   static constexpr int X_HALF = TILE_T * 128, X_BYTES = 2 * X_HALF;
-  static constexpr int W_BYTES = TILE_W * 128;         // 128 bytes of kept values per W row and stage
+  static constexpr int W_BYTES = Weights::BYTES;       // a stage's kept values (128 bytes a row as stored)
   static constexpr int META_BYTES = (TILE_W / 16) * META_GROUP_BYTES;
   static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + META_BYTES;
   static constexpr int OUT_STRIDE = TILE_W + 8;        // staged output row, padded against bank conflicts
@@ -57,7 +80,7 @@ struct Sp24Dds {
   // same columns (one 128-byte row each) and their metadata words. Copies past M, N or
   // k_end (K, or the end of this block's split of K) are zero-filled, and the instruction steps
   // past k_end are skipped in compute().
-  __device__ static void load(u32 smem, int k0, const Elem* x, const Elem* values, const int* meta,
+  __device__ static void load(u32 smem, int k0, const Elem* x, typename Weights::Source values, const int* meta,
                               int m0, int n0, int M, int K, int N, int k_end) {
     const int tid = threadIdx.x;
     for (int i = tid; i < TILE_T * 16; i += THREADS) {
@@ -66,12 +89,7 @@ struct Sp24Dds {
       cp_async16(swizzled(smem + (c >> 3) * X_HALF, row, c & 7), ok ? x + (long long)(m0 + row) * K + k : x, ok);
     }
     const u32 w_smem = smem + X_BYTES;
-    for (int i = tid; i < TILE_W * 8; i += THREADS) {
-      const int row = i >> 3, c = i & 7;
-      const bool ok = n0 + row < N && k0 + 2 * EPC * c < k_end;
-      const Elem* src = values + (long long)(n0 + row) * (K / 2) + k0 / 2 + EPC * c;
-      cp_async16(swizzled(w_smem, row, c), ok ? src : values, ok);
-    }
+    Weights::load(w_smem, values, n0, k0, K, N, k_end);
     const u32 m_smem = w_smem + W_BYTES;
     for (int i = tid; i < (TILE_W / 16) * META_TILES * 4; i += THREADS) {   // chunks of 4 words
       const int group = i / (META_TILES * 4), c = i % (META_TILES * 4), tile_k = k0 / 32 + (c >> 2);
@@ -91,7 +109,7 @@ struct Sp24Dds {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int row = ww * 64 + mt * 16;
-        ldmatrix_x4(a[mt], swizzled(w_smem, row + (lane & 15), 2 * j + (lane >> 4)));
+        Weights::fragment(a[mt], w_smem, row, j, lane);
         e[mt] = sparse_metadata<STEP_K>(m_smem + (row / 16) * META_GROUP_BYTES + STEP_TILES * j * 64, lane);
       }
 #pragma unroll
@@ -189,7 +207,8 @@ struct Sp24Dds {
 
   // blockIdx.z takes K in slices of k_split; with `partial` (the workspace) set, the blocks'
   // sums go there and the last split of each tile writes Y, else they go straight into Y.
-  __device__ static void run(const Elem* x, const Elem* values, const int* meta, Scales scales, const OutT* bias,
+  __device__ static void run(const Elem* x, typename Weights::Source values, const int* meta, Scales scales,
+                             const OutT* bias,
                              OutT* y, float* partial, int* tile_counts, int M, int K, int N, int k_split) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem = smem_ptr(smem_raw);

@@ -1,0 +1,170 @@
+"""Int4Sparse24Linear: 2:4 weights whose kept values are 4-bit integers with a 16-bit scale per
+output row and group of input columns (W4A16, symmetric: the scheme of llm-compressor's
+W4A16 2:4 models), activations and outputs bf16 or fp16 - decode reads about 3.1 bits a
+weight. On a GPU the generated sp24_w4 kernel (mma.sp) dequantizes the values in registers
+and applies bias and epilogue to its float32 sums; elsewhere a float64 product of the
+dequantized weight stands in. Storage and rounding: int4.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from .. import checkpoint
+from ..errors import expect
+from ..jit import epilogues
+from ..launch import calls, library, plans, runtime
+from ..layer import DenseWeightDescription, dense_linear
+from . import dispatch, int4, ops, tensor
+from . import format as semi24
+from .specs import sp24_w4_spec
+
+_ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dequantized_weight(qweight: Tensor, metadata: Tensor, scales: Tensor, group: int) -> Tensor:
+    """The dense [out, in] weight the parts stand for, in the scales' dtype."""
+    kept = int4.dequantize(int4.unpack(qweight), scales, group)
+    return semi24.decompress(kept, metadata, (kept.shape[0], 2 * kept.shape[1]))
+
+
+def w4_reference(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
+                 epilogue: str) -> Tensor:
+    """What the kernel computes, in float64: X times the dequantized weight, bias, epilogue."""
+    y = x2.double() @ dequantized_weight(qweight, metadata, scales, group).double().t()
+    return epilogues.reference(y if bias is None else y + bias.double(), epilogue)
+
+
+@functools.lru_cache(maxsize=None)
+def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, epilogue: str, tile=None):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(sp24_w4_spec(dispatch.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, epilogue=epilogue),
+                          device_index)
+
+
+def _plan(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, group: int, out_features: int,
+          epilogue: str, splits: int | None = None, tile=None) -> ops._Sp24Plan:
+    """The launch for these operands: the 2:4 forward's grid and K splits (dispatch.grid; `splits`
+    overrides), W's parts bound once; X, bias and Y bound per call."""
+    (m, k), device_index = x2.shape, x2.device.index or 0
+    kern = w4_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), epilogue, tile)
+    grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits)
+    split = grid[2] > 1
+    sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
+    pointers = (0, qweight.data_ptr(), metadata.data_ptr(), scales.data_ptr(), 0, 0, 0, 0)
+    launch = runtime.PackedLaunch(kern, grid, (), pointers, (m, k, out_features, k_split, group))
+    return ops._Sp24Plan(kern, launch, (), sums, counters, epilogues.output_features(epilogue, out_features))
+
+
+_PLANS = plans.PlanCache()
+
+
+def _w4_product(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
+                out_features: int, epilogue: str) -> Tensor:
+    """Y [M, out] in X's dtype (the scales'): the kernel on a GPU, the float64 reference elsewhere."""
+    if not (calls.runs_16bit_kernels(x2) and x2.numel() and calls.tma_ready(qweight)):
+        return w4_reference(x2, qweight, metadata, scales, bias, group, epilogue).to(x2.dtype)
+    return sp24_w4(x2, qweight, metadata, scales, bias, group, out_features, epilogue)
+
+
+def sp24_w4(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
+            out_features: int, epilogue: str = "none", out: Tensor | None = None, splits: int | None = None,
+            tile=None) -> Tensor:
+    """The sp24_w4 kernel on CUDA operands the caller checked: Y [M, width] (`out` if given);
+    `splits` and `tile` override the dispatch's (a plan is then made for this call alone)."""
+    x2 = calls.rows_2d(x2)
+    make = lambda: _plan(x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile)  # noqa: E731
+    signature = (*x2.shape, x2.dtype, out_features, group, epilogue, qweight.data_ptr(), scales.data_ptr())
+    plan = _PLANS.get(metadata, signature, make) if splits is None and tile is None else make()
+    y, _ = calls.output_for(x2, x2, out, plan.width, x2.dtype)
+    plan.run(x2, None, bias, y)
+    return y
+
+
+def _fake_w4_product(x2, qweight, metadata, scales, bias, group, out_features, epilogue):
+    return x2.new_empty((x2.shape[0], epilogues.output_features(epilogue, out_features)))
+
+
+w4_product = library.eager_or_op(library.define(
+    "sp24_w4_linear(Tensor x, Tensor qweight, Tensor metadata, Tensor scales, Tensor? bias, int group, "
+    "int out_features, str epilogue) -> Tensor", _w4_product, _fake_w4_product), _w4_product)
+
+
+class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+    """Inference layer: `qweight` (int32 words of the kept values, int4.py's layout), `metadata`
+    (mma.sp's, as Sparse24Linear's), `scales` [ceil(in / group), out] in the activations' dtype
+    (bf16 or fp16), `bias`. Inputs in that dtype, or float32 (computed in it, returned in
+    float32). fuse(epilogue) applies an activation or a gated product in the kernel."""
+
+    def __init__(self, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None,
+                 group_size: int | None = 128):
+        super().__init__()
+        n, k = 16 * qweight.shape[0], 32 * qweight.shape[1]
+        group = int4.group_of(group_size, k)
+        int4.check_parts(qweight, metadata, scales, (n, k), group)
+        expect(bias is None or (isinstance(bias, Tensor) and tuple(bias.shape) == (n,)),
+               f"bias of shape ({n},) or None", tuple(getattr(bias, "shape", ())) or type(bias).__name__)
+        self._store(qweight, metadata, scales, bias, group)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group_size: int | None = 128, method: str = "magnitude",
+                   mask: Tensor | None = None, dtype: torch.dtype | None = None) -> "Int4Sparse24Linear":
+        """Prune `linear` to 2:4 (by `method` or `mask`), then quantize the kept values to 4 bits
+        by round-to-nearest, a scale per output row and `group_size` input columns (None: per
+        row). Scales in `dtype` (default: the linear's, bfloat16 for a float32 one)."""
+        expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
+        w = linear.weight.detach()
+        semi24.check_shape(tuple(w.shape))
+        dtype = dtype or (w.dtype if w.dtype in int4.SCALE_DTYPES else torch.bfloat16)
+        kept, metadata = tensor.prune_and_compress(w.to(dtype), method, mask)
+        group = int4.group_of(group_size, w.shape[1])
+        q, scales = int4.quantize(kept, group, dtype)
+        layer = cls.__new__(cls)
+        super(Int4Sparse24Linear, layer).__init__()
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        layer._store(int4.pack(q), metadata, scales, bias, group)
+        return layer
+
+    def _store(self, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int) -> None:
+        self.out_features, self.in_features, self.group_size = 16 * qweight.shape[0], 32 * qweight.shape[1], group
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("metadata", metadata)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(scales.dtype).clone(), requires_grad=False)
+
+    @property
+    def weight(self) -> DenseWeightDescription:
+        return DenseWeightDescription((self.out_features, self.in_features), self.scales.dtype, self.scales.device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        expect(isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features,
+               f"input of shape (..., {self.in_features})", tuple(getattr(x, "shape", ())) or type(x).__name__)
+        expect(x.dtype in (self.scales.dtype, torch.float32), f"input in {self.scales.dtype} (the layer's dtype) "
+               "or float32", x.dtype)
+        expect(x.device == self.scales.device, f"input on {self.scales.device} (the layer's device)", x.device)
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
+        y = w4_product(x2, self.qweight, self.metadata, self.scales, self.bias, self.group_size, self.out_features,
+                       self.epilogue)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def to_dense_weight(self) -> Tensor:
+        """The dequantized 2:4 weight [out, in] in the layer's dtype."""
+        return dequantized_weight(self.qweight, self.metadata, self.scales, self.group_size)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """A dense nn.Linear of the dequantized weight (in `dtype`, default the layer's), then
+        the epilogue where one is fused: the product this layer computes."""
+        dtype = dtype or self.scales.dtype
+        bias = None if self.bias is None else self.bias.detach().to(dtype)
+        return self._dense_twin(dense_linear(self.to_dense_weight().to(dtype), bias))
+
+    def _check_state(self, state_dict: dict, prefix: str) -> None:
+        parts = [state_dict.get(prefix + name) for name in ("qweight", "metadata", "scales")]
+        if all(isinstance(part, Tensor) for part in parts):
+            int4.check_parts(*parts, (self.out_features, self.in_features), self.group_size)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group_size={self.group_size}, dtype={self.scales.dtype}{self._epilogue_repr()}")

@@ -1,0 +1,85 @@
+// 4-bit 2:4 weights with 16-bit activations (W4A16): the weights policy of Sp24Dds
+// (sp24_dds.cuh) that reads W's kept values as 4-bit integers and dequantizes them in
+// registers into mma.sp's 16-bit A fragments.
+//
+// Storage (sparsegen/semi24/int4.py packs it): per 16 W rows and k32 step (16 kept values a
+// row), one 128-byte line of 32 words, word l holding the 8 values lane l's A fragment needs:
+// nibble h + 2c + 4p is row g + 8h, kept column 8c + 2q + p (g = l / 4, q = l % 4), stored as
+// value + 8 (0..15). Lines run along K, then along W's rows: [N/16][K/32][32] words. So a
+// lane's fragment is one 32-bit shared load, no ldmatrix, and a stage of 16 rows is 512
+// contiguous bytes. Scales: the activations' type, [groups][N], one per row and group of
+// `group` columns (whole stages of 128 columns, or all of K): a stage reads one row of them.
+#pragma once
+#include "sp24_dds.cuh"
+
+namespace sg {
+
+// Per 16-bit type: v + 8 (a nibble) or-ed into the bits of 128 (bf16) or 1024 (fp16) is that
+// number plus v exactly (one unit in the last place there); fma(x, 1, -(base + 8)) leaves the
+// signed value, and fma(value, scale, -0) its product with the scale, rounded once - the
+// dequantized weight bit for bit (int4.py's dequantized).
+template <class Mma>
+struct Int4Bits;
+
+template <>
+struct Int4Bits<Bf16> {
+  static constexpr u32 kBase = 0x43004300u, kOne = 0x3F803F80u, kMinusBase = 0xC308C308u;
+  __device__ static u32 fma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+};
+
+template <>
+struct Int4Bits<Fp16> {
+  static constexpr u32 kBase = 0x64006400u, kOne = 0x3C003C00u, kMinusBase = 0xE408E408u;
+  __device__ static u32 fma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+};
+
+template <class Mma, int TILE_W, int THREADS>
+struct Int4Values {
+  struct Source {
+    const u32* q;
+    const u16* scales;
+    int group;
+  };
+  static constexpr int LINE = 128, Q_BYTES = TILE_W * 32;  // per stage: 4 lines per 16 rows
+  static constexpr int BYTES = Q_BYTES + TILE_W * 2;      // and a scale per row
+  static_assert(TILE_W % 64 == 0, "whole 16-byte chunks of scales");
+
+  __device__ static void load(u32 smem, Source w, int n0, int k0, int K, int N, int k_end) {
+    for (int i = threadIdx.x; i < TILE_W * 2; i += THREADS) {  // 16-byte chunks, 32 per 16 rows
+      const int rows16 = i >> 5, c = i & 31, tile_k = k0 / 32 + (c >> 3);
+      const bool ok = n0 + 16 * rows16 < N && tile_k < k_end / 32;
+      const u32* src = w.q + ((long long)(n0 / 16 + rows16) * (K / 32) + tile_k) * 32 + 4 * (c & 7);
+      cp_async16(smem + i * 16, ok ? src : w.q, ok);
+    }
+    for (int i = threadIdx.x; i < TILE_W / 8; i += THREADS) {
+      const bool ok = n0 + 8 * i < N && k0 < k_end;
+      const u16* src = w.scales + (long long)(k0 / w.group) * N + n0 + 8 * i;
+      cp_async16(smem + Q_BYTES + i * 16, ok ? src : w.scales, ok);
+    }
+  }
+
+  __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane) {
+    using Bits = Int4Bits<Mma>;
+    u32 word, s0, s1;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(smem + (row / 16) * 4 * LINE + j * LINE + 4 * lane));
+    const u32 scale = smem + Q_BYTES + 2 * (row + (lane >> 2));
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(s0) : "r"(scale));
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(s1) : "r"(scale + 16));
+    const u32 scales[2] = {s0 | (s0 << 16), s1 | (s1 << 16)};  // rows g and g + 8
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 shifted = ((word >> (4 * i)) & 0x000F000Fu) | Bits::kBase;
+      a[i] = Bits::fma2(Bits::fma2(shifted, Bits::kOne, Bits::kMinusBase), scales[i & 1], 0x80008000u);
+    }
+  }
+};
+
+}  // namespace sg

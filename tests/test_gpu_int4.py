@@ -1,0 +1,82 @@
+"""Int4Sparse24Linear on the GPU: the generated sp24_w4 kernels (mma.sp, values dequantized in
+registers) against a float64 product of the dequantized weight, Y poisoned first; the layer
+eager, compiled, in CUDA graphs and patched into a transformers model."""
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen.jit import epilogues
+from sparsegen.semi24.int4_nn import Int4Sparse24Linear, sp24_w4, w4_reference
+from sparsegen.jit.spec import TileConfig
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU", allow_module_level=True)
+
+
+def relative_error(got, want) -> float:
+    return float((got.detach().double() - want).norm() / want.norm())
+
+
+def layer_of(k: int, n: int, dtype, group_size=128, bias=True) -> Int4Sparse24Linear:
+    linear = nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
+    with torch.no_grad():  # outlier rows and a zero row: scales far apart
+        linear.weight[1] *= 40
+        linear.weight[2] = 0
+    return Int4Sparse24Linear.from_dense(linear, group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k, n, splits, tile", [
+    (1, 4096, 1024, None, None), (7, 640, 336, None, None), (5, 1024, 464, 4, None),  # decode: K split
+    (33, 4096, 2048, None, None), (77, 1152, 2048, None, None), (333, 512, 1040, None, None),
+    (2049, 768, 208, None, None), (45, 512, 272, None, TileConfig(64, 1, 2, 2))])
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("epilogue", ["none", "gelu_tanh", "swiglu"])
+def test_kernel_dequantizes_and_applies_bias_and_epilogue(dtype, m, k, n, splits, tile, group_size, epilogue):
+    layer = layer_of(k, n, dtype, group_size)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    out = torch.full((m, epilogues.output_features(epilogue, n)), float("nan"), device="cuda", dtype=dtype)
+    sp24_w4(x, layer.qweight, layer.metadata, layer.scales, layer.bias, layer.group_size, n, epilogue,
+            out=out, splits=splits, tile=tile)
+    want = w4_reference(x, layer.qweight, layer.metadata, layer.scales, layer.bias, layer.group_size, epilogue)
+    assert not out.isnan().any()
+    assert relative_error(out, want) < 5e-3
+
+
+def test_dequantized_values_are_exact_bit_for_bit():
+    """One-hot inputs pick single columns of W: Y is then each dequantized weight itself
+    (one product, no sum), so the kernel's in-register dequantization must equal
+    int4.dequantize exactly, for both 16-bit types."""
+    for dtype in (torch.bfloat16, torch.float16):
+        layer = layer_of(256, 64, dtype, bias=False)
+        x = torch.eye(256, device="cuda", dtype=dtype)[:64 * 4:4].contiguous()
+        y = layer(x)
+        assert torch.equal(y, layer.to_dense_weight()[:, :64 * 4:4].t())
+
+
+@pytest.mark.parametrize("mode", ["compile", "reduce-overhead"])
+def test_compiled_and_graphed_layers_give_the_eager_output(mode):
+    model = nn.Sequential(layer_of(512, 256, torch.bfloat16), nn.GELU(), layer_of(256, 128, torch.bfloat16))
+    compiled = torch.compile(model, mode=None if mode == "compile" else mode, fullgraph=True)
+    for m in (1, 9, 1, 9):  # fresh inputs each call; graphs replayed
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(compiled(x).clone(), model(x))
+
+
+def test_a_patched_llama_model_follows_its_dense_copy_and_generates():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    sparsegen.patch(model, {r"layers\.\d+\.(self_attn|mlp)\.\w+_proj": {"sparsity": "2:4", "weight_dtype": "int4"}})
+    assert sum(isinstance(m, Int4Sparse24Linear) for m in model.modules()) == 2 * 6  # gate and up fused
+    twin = sparsegen.dense_copy(model)
+    ids = torch.randint(0, 1000, (2, 37), device="cuda")
+    with torch.no_grad():
+        got, want = model(ids).logits, twin(ids).logits
+    assert relative_error(got, want.double()) < 2e-2
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape == (2, 45)

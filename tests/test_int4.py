@@ -1,0 +1,153 @@
+"""Int4Sparse24Linear (W4A16 2:4): the 4-bit storage the kernel reads, round-to-nearest group
+quantization, the layer against a float64 product of its dequantized weight, state and errors.
+CPU here; tests/test_gpu_int4.py runs the sp24_w4 kernels."""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import sparsegen
+from sparsegen.errors import InputError
+from sparsegen.jit import epilogues
+from sparsegen.semi24 import int4
+from sparsegen.semi24.int4_nn import Int4Sparse24Linear, w4_reference
+
+
+def relative_error(got, want) -> float:
+    return float((got.detach().double() - want).norm() / want.norm())
+
+
+def make_layer(k=256, n=48, group_size=128, dtype=torch.bfloat16, bias=True):
+    linear = nn.Linear(k, n, bias=bias, dtype=dtype)
+    return Int4Sparse24Linear.from_dense(linear, group_size), linear
+
+
+def test_each_lane_word_holds_the_fragment_the_kernel_reads():
+    """Word l of line (R, t): nibble h + 2c + 4p is row 16R + 8h + l // 4, kept column
+    16t + 8c + 2(l % 4) + p (mma.sp's A fragment of lane l), element by element."""
+    q = torch.randint(0, 16, (48, 80), dtype=torch.uint8)
+    words = int4.pack(q)
+    assert words.shape == (3, 5, 32) and words.dtype == torch.int32
+    for rows16, tile, lane in [(0, 0, 0), (2, 4, 31), (1, 3, 13)]:
+        word = int(words[rows16, tile, lane]) & 0xFFFFFFFF
+        for h in range(2):
+            for c in range(2):
+                for p in range(2):
+                    row, col = 16 * rows16 + 8 * h + lane // 4, 16 * tile + 8 * c + 2 * (lane % 4) + p
+                    assert (word >> 4 * (h + 2 * c + 4 * p)) & 0xF == q[row, col]
+    assert torch.equal(int4.unpack(words), q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, group", [(256, 128), (384, 256), (96, 96)])  # 384 / 256: a partial last group
+def test_quantization_rounds_to_nearest_by_the_rounded_group_scale(dtype, k, group):
+    kept = torch.randn(32, k // 2, dtype=dtype) * torch.rand(32, 1, dtype=dtype).add(0.1)
+    q, scales = int4.quantize(kept, group, dtype)
+    assert scales.dtype == dtype and scales.shape == (-(-k // group), 32)
+    per_value = scales.t().float().repeat_interleave(group // 2, dim=1)[:, :k // 2]
+    want = (kept.float() / per_value).round().clamp(-8, 7) + 8
+    assert torch.equal(q.float(), want)
+    back = int4.dequantize(q, scales, group)
+    assert back.dtype == dtype
+    assert ((back.float() - kept.float()).abs() <= per_value * 0.5 + per_value * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5)])
+def test_forward_matches_float64_of_the_dequantized_weight(dtype, group_size, shape):
+    layer, _ = make_layer(k=384, n=80, group_size=group_size, dtype=dtype)
+    x = torch.randn(*shape, 384, dtype=dtype)
+    want = w4_reference(x.reshape(-1, 384), layer.qweight, layer.metadata, layer.scales, layer.bias,
+                        layer.group_size, "none").reshape(*shape, 80)
+    want_too = x.double() @ layer.to_dense_weight().double().t() + layer.bias.double()
+    assert torch.allclose(want, want_too)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (*shape, 80)
+    assert relative_error(y, want) < 1e-2
+
+
+def test_the_dequantized_weight_is_2_4_and_near_the_pruned_one():
+    layer, linear = make_layer(k=256, n=32)
+    w = layer.to_dense_weight()
+    assert ((w.reshape(32, -1, 4) != 0).sum(-1) <= 2).all()
+    pruned = sparsegen.Sparse24Linear.from_dense(linear).to_dense_weight().float()
+    assert relative_error(w, pruned.double()) < 0.12  # 4-bit round to nearest: ~8% of the weight's norm
+
+
+def test_float32_inputs_are_computed_in_the_layer_dtype_and_returned_in_float32():
+    layer, _ = make_layer()
+    x = torch.randn(4, 256)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, layer(x.to(torch.bfloat16)).float())
+
+
+@pytest.mark.parametrize("epilogue", ["gelu", "swiglu"])
+def test_fused_epilogues_match_float64(epilogue):
+    layer, _ = make_layer(n=64)
+    layer.fuse(epilogue)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    want = epilogues.reference(x.double() @ layer.to_dense_weight().double().t() + layer.bias.double(), epilogue)
+    assert layer(x).shape == (5, epilogues.output_features(epilogue, 64))
+    assert relative_error(layer(x), want) < 1e-2
+    assert relative_error(sparsegen.dense_copy(layer)(x), want) < 1e-2
+
+
+def test_state_dict_copy_and_save_round_trip():
+    layer, _ = make_layer()
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    other, _ = make_layer()
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other(x), layer(x))
+    assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    other, _ = make_layer()
+    other.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(other(x), layer(x))
+
+
+@pytest.mark.parametrize("name, broken, message", [
+    ("metadata", lambda t: torch.full_like(t, -1), "two increasing positions"),
+    ("scales", lambda t: -t, "finite scales above 0"),
+    ("scales", lambda t: t.clone().fill_(float("nan")), "finite scales above 0"),
+    ("scales", lambda t: t[:, :16].clone(), "scales bfloat16 or float16 of shape"),
+    ("qweight", lambda t: t.float(), "qweight int32 of shape")])
+def test_a_broken_checkpoint_is_refused_before_anything_is_copied(name, broken, message):
+    layer, _ = make_layer()
+    before = {key: t.clone() for key, t in layer.state_dict().items()}
+    state = layer.state_dict()
+    state[name] = broken(state[name])
+    with pytest.raises(InputError, match=message):
+        make_layer()[0].load_state_dict(state)
+    with pytest.raises(InputError, match=message):
+        layer.load_state_dict(state)
+    assert all(torch.equal(before[key], t) for key, t in layer.state_dict().items())
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: make_layer(group_size=100), "group_size a positive multiple of 128, or -1"),
+    (lambda: make_layer(k=200), "columns of 32"),
+    (lambda: make_layer()[0](torch.randn(2, 255, dtype=torch.bfloat16)), r"input of shape \(..., 256\)"),
+    (lambda: make_layer()[0](torch.randn(2, 256, dtype=torch.float16)), "input in torch.bfloat16"),
+    (lambda: sparsegen.linear(128, 256, sparsity="2:4", weight_dtype="int8", group_size=128),
+     "group_size only with weight_dtype='int4'")])
+def test_bad_input_errors(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_linear_and_patch_build_4_bit_layers():
+    layer = sparsegen.linear(256, 64, sparsity="2:4", weight_dtype="int4", dtype=torch.float16)
+    assert isinstance(layer, Int4Sparse24Linear) and layer.scales.dtype == torch.float16 and layer.group_size == 128
+    model = nn.Sequential(nn.Linear(256, 512, dtype=torch.bfloat16), nn.ReLU(), nn.Linear(512, 128, dtype=torch.bfloat16))
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    sparsegen.patch(model, {"0": {"sparsity": "2:4", "weight_dtype": "int4"}, "2": {"sparsity": "2:4", "group_size": -1}})
+    assert isinstance(model[0], Int4Sparse24Linear) and isinstance(model[2], Int4Sparse24Linear)
+    assert model[2].group_size == 512 and model[0].group_size == 128
+    twin = sparsegen.dense_copy(model)
+    assert relative_error(model(x), twin(x).double()) < 1e-2
