@@ -7,7 +7,9 @@ from torch import nn
 
 import sparsegen
 from sparsegen.jit import epilogues
-from sparsegen.semi24.int4_nn import Int4Sparse24Linear, sp24_w4, w4_reference
+from sparsegen.semi24 import int4
+from sparsegen.semi24.int4_nn import (PREFILL_ROWS, Int4Sparse24Linear, prefill_on_16_bit, sp24_w4, w4_reference,
+                                      w4_values)
 from sparsegen.jit.spec import TileConfig
 
 pytestmark = pytest.mark.gpu
@@ -54,6 +56,25 @@ def test_dequantized_values_are_exact_bit_for_bit():
         x = torch.eye(256, device="cuda", dtype=dtype)[:64 * 4:4].contiguous()
         y = layer(x)
         assert torch.equal(y, layer.to_dense_weight()[:, :64 * 4:4].t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_values_for_the_16_bit_kernels_are_the_dequantized_ones_bit_for_bit(dtype, group_size):
+    layer = layer_of(1152, 336, dtype, group_size)
+    want = int4.dequantize(int4.unpack(layer.qweight), layer.scales, layer.group_size)
+    assert torch.equal(w4_values(layer.qweight, layer.scales, layer.group_size), want)
+
+
+def test_prefill_takes_the_16_bit_kernel_on_hopper_and_the_4_bit_one_elsewhere():
+    layer = layer_of(512, 256, torch.bfloat16)
+    x = torch.randn(PREFILL_ROWS + 1, 512, device="cuda", dtype=torch.bfloat16)
+    assert prefill_on_16_bit(x.shape[0], 0) == (torch.cuda.get_device_capability() >= (9, 0))
+    assert not prefill_on_16_bit(PREFILL_ROWS, 0)
+    want = w4_reference(x, layer.qweight, layer.metadata, layer.scales, layer.bias, layer.group_size, "none")
+    by_tile = sp24_w4(x, layer.qweight, layer.metadata, layer.scales, layer.bias, layer.group_size, 256,
+                      tile=TileConfig(64, 2, 2, 2))  # (a tile given: the 4-bit kernel whatever the arch)
+    assert relative_error(layer(x), want) < 5e-3 and relative_error(by_tile, want) < 5e-3
 
 
 @pytest.mark.parametrize("mode", ["compile", "reduce-overhead"])

@@ -51,7 +51,9 @@ def test_quantization_rounds_to_nearest_by_the_rounded_group_scale(dtype, k, gro
     assert torch.equal(q.float(), want)
     back = int4.dequantize(q, scales, group)
     assert back.dtype == dtype
-    assert ((back.float() - kept.float()).abs() <= per_value * 0.5 + per_value * 2 ** -7).all()
+    # half a step, plus the product's rounding to dtype (|q s| <= 8 s, half an ulp: s / 64 in
+    # bf16) and a scale rounded below largest / 7 (the largest value clamps to 7: ~s / 36)
+    assert ((back.float() - kept.float()).abs() <= per_value * (0.5 + 1 / 16)).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

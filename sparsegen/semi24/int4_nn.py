@@ -19,7 +19,7 @@ from ..launch import calls, library, plans, runtime
 from ..layer import DenseWeightDescription, dense_linear
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
-from .specs import sp24_w4_spec
+from .specs import sp24_compress_spec, sp24_w4_spec, w4_rows_bucket
 
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -49,7 +49,7 @@ def _plan(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, group: 
     """The launch for these operands: the 2:4 forward's grid and K splits (dispatch.grid; `splits`
     overrides), W's parts bound once; X, bias and Y bound per call."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    kern = w4_kernel(x2.dtype, device_index, dispatch.rows_bucket(m), epilogue, tile)
+    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, tile)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits)
     split = grid[2] > 1
     sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
@@ -72,15 +72,63 @@ def _w4_product(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, b
 def sp24_w4(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
             out_features: int, epilogue: str = "none", out: Tensor | None = None, splits: int | None = None,
             tile=None) -> Tensor:
-    """The sp24_w4 kernel on CUDA operands the caller checked: Y [M, width] (`out` if given);
-    `splits` and `tile` override the dispatch's (a plan is then made for this call alone)."""
+    """The 4-bit product on CUDA operands the caller checked: Y [M, width] (`out` if given);
+    `splits` and `tile` override the dispatch's (a plan is then made for this call alone).
+    Prefill on Hopper takes the 16-bit 2:4 kernel (wgmma.sp) on the values dequantized for
+    the call (prefill_on_16_bit)."""
     x2 = calls.rows_2d(x2)
+    if splits is None and tile is None and prefill_on_16_bit(x2.shape[0], x2.device.index or 0):
+        values = w4_values(qweight, scales, group)
+        return _on_16_bit_kernel(x2, values, metadata, bias, out_features, epilogue, out)
     make = lambda: _plan(x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile)  # noqa: E731
     signature = (*x2.shape, x2.dtype, out_features, group, epilogue, qweight.data_ptr(), scales.data_ptr())
     plan = _PLANS.get(metadata, signature, make) if splits is None and tile is None else make()
     y, _ = calls.output_for(x2, x2, out, plan.width, x2.dtype)
     plan.run(x2, None, bias, y)
     return y
+
+
+# Tokens from which Hopper runs a 4-bit product as the 16-bit 2:4 kernel on its values
+# dequantized for the call: mma.sp, which reads the 4-bit values itself, reached 0.6x cuBLAS
+# bf16 at 2048 tokens on an H200 where wgmma.sp on 16-bit values ran 1.4-1.5x (bench24.py
+# --int4); dequantizing writes half a dense weight's bytes, a few percent of such a product.
+PREFILL_ROWS = 128
+
+
+def prefill_on_16_bit(m: int, device_index: int) -> bool:
+    return m > PREFILL_ROWS and runtime.device_arch(torch.device("cuda", device_index)) >= 90
+
+
+@functools.lru_cache(maxsize=None)
+def _values_kernel(dtype: torch.dtype, device_index: int):
+    arch = runtime.device_arch(torch.device("cuda", device_index))
+    return runtime.kernel(sp24_compress_spec(dispatch.DTYPE_NAMES[dtype], arch, "sp24_w4_values"), device_index)
+
+
+def w4_values(qweight: Tensor, scales: Tensor, group: int) -> Tensor:
+    """The kept values [N, K/2] in the scales' dtype, dequantized on the GPU (one launch): a
+    transient tensor (no copy of the weight is kept)."""
+    n, k = 16 * qweight.shape[0], 32 * qweight.shape[1]
+    values = torch.empty(n, k // 2, dtype=scales.dtype, device=scales.device)
+    kern = _values_kernel(scales.dtype, scales.device.index or 0)
+    kern.launch((-(-qweight.numel() // kern.threads), 1, 1), (),
+                (qweight.data_ptr(), scales.data_ptr(), values.data_ptr()), (n, k, group))
+    return values
+
+
+def _on_16_bit_kernel(x2: Tensor, values: Tensor, metadata: Tensor, bias, out_features: int, epilogue: str,
+                      out) -> Tensor:
+    """The 16-bit 2:4 forward's plan for this signature, W's values bound per call (they are new)."""
+    signature = (*x2.shape, x2.dtype, x2.device.index, out_features, epilogue)
+    plan = _PREFILL_PLANS.get(signature, lambda: ops._sp24_plan(x2, values, metadata, out_features, None,
+                                                                epilogue=epilogue))
+    y, _ = calls.output_for(x2, x2, out, plan.width, x2.dtype)
+    plan.run_at(x2.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                weight=(values.data_ptr(), metadata.data_ptr()))
+    return y
+
+
+_PREFILL_PLANS = plans.SignatureCache()
 
 
 def _fake_w4_product(x2, qweight, metadata, scales, bias, group, out_features, epilogue):

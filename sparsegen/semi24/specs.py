@@ -14,6 +14,8 @@ its own scale (or a static one) in one pass; `src` is the activations' 16-bit ty
 sp24_w4: Y = X W^T with W 2:4 and its kept values 4-bit integers with a 16-bit scale per row and
 group of columns (Int4Sparse24Linear, W4A16): sp24_dds's mma.sp kernel reading W through
 templates/semi24/sg_int4.cuh, which dequantizes in registers; dtype is the activations'.
+sp24_w4_values: such a weight's kept values dequantized into 16-bit [N, K/2] values (one thread
+per word), for the 16-bit 2:4 kernels where they multiply faster (prefill on Hopper).
 gated_product: a training step's gated MLP epilogue, act(gate) * up over the interleaved gate/up
 product, and its gradient (16-bit; one thread per group of 8 outputs). Not 2:4's own: every
 layout's gated layers train through it (jit/epilogues.py asks for it as a kit kernel).
@@ -160,14 +162,26 @@ def _validate_w4(spec: KernelSpec) -> None:
     _validate(spec)
 
 
+# The token counts sp24_w4_spec tells apart: decode (up to 16, 32), small batches (64, 128), prefill
+W4_ROWS = (16, 32, 128, None)
+
+
+def w4_rows_bucket(m: int) -> int | None:
+    return next((rows for rows in W4_ROWS if rows is not None and m <= rows), None)
+
+
 def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
                  epilogue: str = "none") -> KernelSpec:
-    """The 4-bit 2:4 forward (mma.sp on every arch): a stage's W is a quarter of the 16-bit
-    kernel's bytes, so decode tiles keep more stages in flight."""
+    """The 4-bit 2:4 forward (mma.sp on every arch). A stage's W is a quarter of the 16-bit
+    kernel's bytes, so decode tiles take few tokens and four warps of 64 W rows: on an H200
+    (tools/probe_int4.py) 16 tokens x 256 rows, 6 stages, read a 4096x14336 weight at 1.9x
+    cuBLAS bf16 for one token where the 16-bit kernel's 32 x 128, 8 stages (one block of two
+    warps per SM) gave 0.5x; 64-128 tokens take 64 x 256 tiles in two warps of tokens."""
+    big_smem = SMEM_LIMIT[arch] > 160 * 1024
     if tile is None:
-        big_smem = SMEM_LIMIT[arch] > 160 * 1024
-        tile = (TileConfig(32, 2, 1, 8 if big_smem else 4) if rows is not None and rows <= 32
-                else TileConfig(64, 2, 2, 4 if big_smem else 3) if rows is not None
+        tile = (TileConfig(16, 4, 1, 6 if big_smem else 5) if rows is not None and rows <= 16
+                else TileConfig(32, 4, 1, 5 if big_smem else 3) if rows is not None and rows <= 32
+                else TileConfig(64, 4, 2, 4 if big_smem else 2) if rows is not None
                 else TileConfig(64, 2, 2, 3) if not big_smem
                 else TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3))
     return KernelSpec(op="sp24_w4", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
@@ -283,7 +297,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     semi += [gated_product_spec(d, arch, geglu) for d in dtypes if d in ("bf16", "fp16") for geglu in (False, True)]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     # Int4Sparse24Linear's (W4A16), for bf16 and fp16 models, per batch-size bucket
-    semi += [sp24_w4_spec(d, arch, rows=rows) for d in dtypes if d in ("bf16", "fp16") for rows in (1, 128, None)]
+    semi += [sp24_w4_spec(d, arch, rows=rows) for d in dtypes if d in ("bf16", "fp16") for rows in W4_ROWS]
+    semi += [sp24_compress_spec(d, arch, "sp24_w4_values") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
 
 
@@ -293,6 +308,7 @@ registry.register(registry.Layout("semi24", (
                      params=(SCALES, QUANTIZED_X, GROUPS), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_w4", "semi24/sp24_w4.cu.j2", _validate_w4, _w4_smem, context=_output_context,
                      epilogues=True),
+    registry.OpRules("sp24_w4_values", "semi24/sp24_w4_values.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
     registry.OpRules("sp24_mask", "semi24/sp24_mask.cu.j2", _validate, _no_smem, context=_mask_context,

@@ -41,6 +41,15 @@ struct Int4Bits<Fp16> {
   }
 };
 
+// Values i and i + 4 of a lane's word (nibbles i, i + 4: row g + 8(i % 2), kept columns
+// 8(i / 2) + 2q and + 1) dequantized by their row's scale, `scale2` holding it twice.
+template <class Mma>
+__device__ __forceinline__ u32 dequantized_pair(u32 word, int i, u32 scale2) {
+  using Bits = Int4Bits<Mma>;
+  const u32 shifted = ((word >> (4 * i)) & 0x000F000Fu) | Bits::kBase;
+  return Bits::fma2(Bits::fma2(shifted, Bits::kOne, Bits::kMinusBase), scale2, 0x80008000u);
+}
+
 template <class Mma, int TILE_W, int THREADS>
 struct Int4Values {
   struct Source {
@@ -67,7 +76,6 @@ struct Int4Values {
   }
 
   __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane) {
-    using Bits = Int4Bits<Mma>;
     u32 word, s0, s1;
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(smem + (row / 16) * 4 * LINE + j * LINE + 4 * lane));
     const u32 scale = smem + Q_BYTES + 2 * (row + (lane >> 2));
@@ -75,10 +83,7 @@ struct Int4Values {
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(s1) : "r"(scale + 16));
     const u32 scales[2] = {s0 | (s0 << 16), s1 | (s1 << 16)};  // rows g and g + 8
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const u32 shifted = ((word >> (4 * i)) & 0x000F000Fu) | Bits::kBase;
-      a[i] = Bits::fma2(Bits::fma2(shifted, Bits::kOne, Bits::kMinusBase), scales[i & 1], 0x80008000u);
-    }
+    for (int i = 0; i < 4; ++i) a[i] = dequantized_pair<Mma>(word, i, scales[i & 1]);
   }
 };
 
