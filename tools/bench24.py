@@ -188,8 +188,8 @@ def decode_table(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> Table:
     return table
 
 
-# Issue 62's shapes: Llama-3-8B's (q/o, k/v, gate/up, down) and Llama-3-70B's projections, N x K
-INT4_WEIGHTS = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
+# Issue 62's shapes: Llama-3-8B's projections (q/o, k/v, gate/up, down) and Llama-3-70B's gate/up, N x K
+INT4_WEIGHTS = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
 INT4_TOKENS = (1, 8, 16, 32, 64, 2048)
 
 
