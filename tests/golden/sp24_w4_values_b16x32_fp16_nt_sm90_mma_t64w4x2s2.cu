@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(256)
 sp24_w4_values_b16x32_fp16_nt_sm90_mma_t64w4x2s2(const sg::u32* __restrict__ q, const sg::u16* __restrict__ scales, sg::u32* __restrict__ values,
            int N, int K, int group) {
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= (long long)N * K / 64) return;  // N/16 x K/32 x 32 words
+  if (t >= (long long)N * K / 16) return;  // N/16 x K/32 x 32 words
   const int lane = t & 31, g = lane >> 2, q4 = lane & 3, tiles = K / 32;
   const long long rows16 = t / (32LL * tiles);
   const int tile = (t >> 5) % tiles;
