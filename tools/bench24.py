@@ -199,7 +199,7 @@ def int4_table(weights=INT4_WEIGHTS, tokens=INT4_TOKENS) -> Table:
     from one CUDA graph over weights 3x the L2 cache (read from HBM, as a decode step does)."""
     table = Table("2:4 semi-structured", "4-bit 2:4 (W4A16, group 128) layer against bf16 dense, bf16 2:4 and FP8 2:4", [
         ("weight N x K", ""), ("M", ""), ("dense graph ms", ".4f"), ("bf16 2:4", "x"), ("FP8 2:4", "x"),
-        ("int4 2:4", "x"), ("int4 / FP8 2:4", "x")],
+        ("int4 2:4", "x"), ("int4 vs FP8 2:4", "x")],
         "ratios: dense time / the layer's (above 1 = faster); CUDA-graph replays, weights from HBM")
     for n, k in weights:
         layers = _int4_peers(n, k)
