@@ -7,7 +7,12 @@ A checkpoint directory holds config.json, whose quantization_config names the fo
 group of 4 in column order) and `<name>.bitmask` (uint8 [out, ceil(in/8)], the kept
 positions, bit j of byte b for column 8b + j); FP8 and int8 layers add `<name>.weight_scale`
 ([out, 1], per output channel) and, for static activation scales, `<name>.input_scale`.
-Every tensor is checked before anything in the model changes.
+Four-bit layers (format "pack-quantized", W4A16 as llm-compressor writes it with a 2:4 sparsity
+config) are stored dense instead: `<name>.weight_packed` (int32 [out, in/8], value + 8 at bits
+4i of word i / 8), `<name>.weight_scale` ([out, in / group_size], or [out, 1] per channel) and
+`<name>.weight_shape`; their 2:4 structure is that of the values (at most two of every four
+non-zero) and becomes an Int4Sparse24Linear. Every tensor is checked before anything in the
+model changes.
 """
 from __future__ import annotations
 
@@ -21,13 +26,16 @@ from torch import nn
 from . import checkpoint_files, patching
 from .errors import InputError, expect
 from .semi24 import format as semi24
+from .semi24 import int4
+from .semi24.int4_nn import Int4Sparse24Linear
 from .semi24.nn import Sparse24Linear
 from .semi24.scaled import ScaledSparse24Linear
 from .semi24.tensor import compress_masked
 
 SPARSE_FORMAT = "sparse-24-bitmask"
 _QUANTIZED_FORMATS = {"float-quantized": torch.float8_e4m3fn, "int-quantized": torch.int8,
-                      "naive-quantized": None}
+                      "naive-quantized": None, "pack-quantized": None}
+_FOUR_BIT = ("weight_shape", "weight_packed", "weight_scale")
 _PARTS = ("shape", "compressed", "bitmask")
 _ONE_BYTE = (torch.float8_e4m3fn, torch.int8)
 
@@ -100,9 +108,9 @@ class _Plan:
     the other tensors by the model's names, and what either side lacks."""
 
     def __init__(self, model: nn.Module, tensors: dict, config: dict, allow_nonfinite: bool):
-        names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith(".bitmask")})
-        expect(names, f"2:4 layers (<name>.bitmask tensors) in a checkpoint whose config says {SPARSE_FORMAT!r}",
-               "none")
+        names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith((".bitmask", ".weight_packed"))})
+        expect(names, f"2:4 layers (<name>.bitmask or, 4-bit, <name>.weight_packed tensors) in a checkpoint whose "
+               f"config says {SPARSE_FORMAT!r}", "none")
         used: set[str] = set()
         self.layers = {name: _layer(model, name, tensors, config, used, allow_nonfinite) for name in names}
         own = model.state_dict()
@@ -191,6 +199,8 @@ def _layer(model: nn.Module, name: str, tensors: dict, config: dict, used: set, 
                          "Got no such module.") from None
     expect(isinstance(linear, nn.Linear), f"{name} to be an nn.Linear in the model", type(linear).__name__)
     try:
+        if f"{name}.weight_packed" in tensors:
+            return _four_bit(name, linear, tensors, config, used, allow_nonfinite)
         dense, mask = _unpacked(name, tensors, tuple(linear.weight.shape), allow_nonfinite)
         used.update(f"{name}.{part}" for part in _PARTS)
         bias = _bias(name, tensors, linear, used, allow_nonfinite)
@@ -295,6 +305,74 @@ def _scale(name: str, part: str, tensors: dict, count: int, used: set, allow_non
     _check_finite(part, scale, allow_nonfinite)  # (0 or below: ScaledSparse24Linear refuses it, on every path)
     used.add(f"{name}.{part}")
     return scale
+
+
+def _four_bit(name: str, linear: nn.Linear, tensors: dict, config: dict, used: set,
+              allow_nonfinite: bool) -> Int4Sparse24Linear:
+    """An Int4Sparse24Linear of a "pack-quantized" layer: its 4-bit values 2:4 as stored, its
+    scales in the model's 16-bit dtype."""
+    n, k = linear.out_features, linear.in_features
+    group = _int4_group(config, k)
+    missing = [part for part in _FOUR_BIT if f"{name}.{part}" not in tensors]
+    expect(not missing, f"{name}.weight_shape, .weight_packed and .weight_scale", f"none for {missing}")
+    shape, packed, scales = (tensors[f"{name}.{part}"] for part in _FOUR_BIT)
+    expect(shape.numel() == 2 and not shape.is_floating_point() and tuple(shape.flatten().tolist()) == (n, k),
+           f"weight_shape {[n, k]} (the model's layer)", shape.flatten().tolist())
+    expect(packed.dtype == torch.int32 and tuple(packed.shape) == (n, -(-k // 8)),
+           f"weight_packed int32 of shape {(n, -(-k // 8))}", f"{packed.dtype} {tuple(packed.shape)}")
+    expect(scales.is_floating_point() and tuple(scales.shape) == (n, int4.groups(k, group)),
+           f"weight_scale of shape {(n, int4.groups(k, group))}", f"{scales.dtype} {tuple(scales.shape)}")
+    _check_finite("weight_scale", scales, allow_nonfinite)
+    q = unpack_int4(packed, k)
+    mask = _kept_of_four_bit(q)
+    values, metadata = compress_masked(q, mask)
+    used.update(f"{name}.{part}" for part in _FOUR_BIT)
+    dtype = linear.weight.dtype if linear.weight.dtype in int4.SCALE_DTYPES else torch.bfloat16
+    bias = _bias(name, tensors, linear, used, allow_nonfinite)
+    return Int4Sparse24Linear(int4.pack((values + int4.OFFSET).to(torch.uint8)), metadata,
+                              scales.t().to(dtype).contiguous(), None if bias is None else bias.detach(),
+                              None if group == k else group)
+
+
+def _int4_group(config: dict, in_features: int) -> int:
+    """The columns of a scale, from the checkpoint's one weight scheme of 4 bits: symmetric
+    integers, per group (a multiple of 128: the kernel's stage) or per channel, columns in order."""
+    schemes = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()
+               if isinstance(group, dict)]
+    kinds = {(w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"), w.get("group_size"),
+              w.get("actorder")) for w in schemes if isinstance(w, dict)}
+    expect(len(kinds) == 1, "one weight scheme in quantization_config.config_groups", sorted(map(str, kinds)))
+    bits, kind, symmetric, strategy, group, order = kinds.pop()
+    expect(bits == 4 and kind == "int" and symmetric is True and order is None,
+           "4-bit symmetric integer weights, columns in order (no actorder), for pack-quantized 2:4",
+           f"num_bits {bits}, type {kind!r}, symmetric {symmetric}, actorder {order!r}")
+    expect(strategy == "channel" or (strategy == "group" and isinstance(group, int) and group % int4.STAGE_K == 0),
+           f"weights per channel or in groups of a multiple of {int4.STAGE_K} columns",
+           f"strategy {strategy!r}, group_size {group!r}")
+    return in_features if strategy == "channel" else min(group, in_features)
+
+
+def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """int8 [rows, columns] in -8..7 of pack-quantized int32 words (value + 8 at bits 4i of word i / 8)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.reshape(packed.shape[0], -1)[:, :columns] - int4.OFFSET).to(torch.int8)
+
+
+def _kept_of_four_bit(q: torch.Tensor) -> torch.Tensor:
+    """The 2:4 mask of 4-bit values: their non-zeros (at most two of every four: the error names
+    the first group with more), filled up to two a group with zeros, the first ones first."""
+    groups = q.reshape(q.shape[0], -1, 4) != 0
+    count = groups.sum(-1)
+    bad = (count > 2).nonzero()
+    if bad.numel():
+        row, group = (int(i) for i in bad[0])
+        expect(False, "4-bit values 2:4 (at most 2 non-zero in every group of 4 columns)",
+               f"{int(count[row, group])} at row {row}, columns {4 * group}..{4 * group + 3}")
+    # zeros to keep: each group's first (2 - count) zero positions
+    zeros_before = torch.cumsum((~groups).int(), -1)
+    filled = groups | (~groups & (zeros_before <= (2 - count).unsqueeze(-1)))
+    return filled.reshape(q.shape)
 
 
 def _check_entry(key: str, value: torch.Tensor, current: torch.Tensor, allow_nonfinite: bool) -> None:

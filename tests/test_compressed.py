@@ -18,12 +18,13 @@ from sparsegen.semi24 import format as semi24
 
 QUANTIZED = {"fp8": ("float", "float-quantized"), "int8": ("int", "int-quantized"),
              "fp8-static": ("float", "float-quantized")}
+FOUR_BIT = {"w4a16": ("group", 128), "w4a16-channel": ("channel", None)}  # llm-compressor's W4A16 schemes
 
 
 def tiny_llama(seed: int, **overrides):
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=311, **overrides)
+    config = transformers.LlamaConfig(**(dict(hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=311) | overrides))
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
@@ -59,8 +60,9 @@ def save_checkpoint(model, folder, kind: str) -> None:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.config import Sparse24BitMaskConfig
     sparsity = Sparse24BitMaskConfig(targets=["Linear"], ignore=["lm_head"])
+    quantization = "pack-quantized" if kind in FOUR_BIT else QUANTIZED[kind][1] if kind != "bf16" else None
     compressor = ModelCompressor.from_pretrained_model(
-        model, sparsity_config_or_format=sparsity, quantization_format=QUANTIZED[kind][1] if kind != "bf16" else None)
+        model, sparsity_config_or_format=sparsity, quantization_format=quantization)
     state = compressor.compress(model)
     safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     model.config.save_pretrained(str(folder))
@@ -76,14 +78,19 @@ def checkpoint(tmp_path, kind: str, **overrides):
     return tmp_path
 
 
-def decompressed(folder):
+def decompressed(folder, **overrides):
     """The checkpoint as transformers + compressed-tensors run it: the model given the
     checkpoint's quantization modules (activations quantized in its forward as the scheme
     says), then its weights decompressed to dense bf16."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
-    model = tiny_llama(1)
+    model = tiny_llama(1, **overrides)
     compressor = ModelCompressor.from_pretrained(str(folder))
+    if compressor.quantization_config is not None and compressor.quantization_config.format == "pack-quantized":
+        # 4-bit 2:4 weights are stored packed dense (no bitmask): compressed-tensors 0.14 writes them
+        # so but its decompress would read the packed weights from the sparse step's output; its
+        # quantization compressor alone unpacks them
+        compressor.sparsity_compressor = None
     if compressor.quantization_config is not None:
         apply_quantization_config(model, compressor.quantization_config)
     stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
@@ -150,6 +157,78 @@ def test_loaded_gated_mlps_are_fused_like_patched_ones(tmp_path, kind):
     ids = torch.randint(0, 311, (2, 17))
     want = logits(unfused, ids)
     assert (logits(fused, ids) - want).norm() / want.norm() < (0.05 if kind == "fp8" else 0.02)
+
+
+def four_bit_checkpoint(folder, kind: str, seed: int = 0):
+    """A W4A16 2:4 checkpoint as llm-compressor writes one (2:4 pruned, then the weights
+    quantized to 4 bits by compressed-tensors, scales as its min-max observer sets them:
+    a group's largest magnitude / 7.5), "pack-quantized" with the sparse-24-bitmask config."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    model = tiny_llama(seed, intermediate_size=384)
+    prune_in_place(model)
+    strategy, group = FOUR_BIT[kind]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", strategy=strategy, group_size=group, symmetric=True, dynamic=False))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.detach().float()
+            w = w.reshape(w.shape[0], -1, group) if group else w.unsqueeze(1)
+            module.weight_scale.data = (w.abs().amax(-1) / 7.5).clamp_min(1e-6).to(module.weight_scale.dtype)
+    save_checkpoint(model, folder, kind)
+    return folder
+
+
+@pytest.mark.parametrize("kind", sorted(FOUR_BIT))
+def test_four_bit_checkpoint_loads_into_int4_layers_as_compressed_tensors_decompresses_it(tmp_path, kind):
+    folder = four_bit_checkpoint(tmp_path, kind)
+    model = tiny_llama(2, intermediate_size=384)
+    names = sparsegen.load_compressed(model, folder, fuse=False).layers
+    assert len(names) == 14
+    reference = decompressed(folder, intermediate_size=384)
+    for name in names:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, sparsegen.Int4Sparse24Linear)
+        assert layer.group_size == (128 if kind == "w4a16" else layer.in_features)
+        assert torch.equal(layer.to_dense_weight(), reference.get_submodule(name).weight)
+    ids = torch.randint(0, 311, (3, 21))
+    ours, want = logits(model, ids), logits(reference, ids)
+    assert (ours - want).norm() / want.norm() < 1e-2
+    fused = tiny_llama(2, intermediate_size=384)  # gate and up as one layer, the gated epilogue
+    sparsegen.load_compressed(fused, folder)
+    assert isinstance(fused.model.layers[0].mlp.gate_up, sparsegen.Int4Sparse24Linear)
+    assert (logits(fused, ids) - want).norm() / want.norm() < 2e-2
+
+
+def test_unpack_int4_is_compressed_tensors_packing():
+    from compressed_tensors.compressors.quantized_compressors.pack_quantized import pack_to_int32
+    from sparsegen.compressed import unpack_int4
+    q = torch.randint(-8, 8, (37, 96), dtype=torch.int8)
+    assert torch.equal(unpack_int4(pack_to_int32(q, 4), 96), q)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s, c: s.__setitem__("model.layers.0.mlp.up_proj.weight_packed",
+                                s["model.layers.0.mlp.up_proj.weight_packed"] | 0x1111),
+     "up_proj: Expected 4-bit values 2:4 .*Got [34] at row 0"),
+    (lambda s, c: s.__setitem__("model.layers.0.mlp.up_proj.weight_scale",
+                                -s["model.layers.0.mlp.up_proj.weight_scale"]), "finite scales above 0"),
+    (lambda s, c: c["config_groups"]["group_0"]["weights"].update(group_size=64),
+     "groups of a multiple of 128 columns"),
+    (lambda s, c: c["config_groups"]["group_0"]["weights"].update(symmetric=False), "4-bit symmetric integer")])
+def test_bad_four_bit_checkpoints_are_refused_before_the_model_changes(tmp_path, change, message):
+    folder = four_bit_checkpoint(tmp_path, "w4a16")
+    stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    change(stored, config["quantization_config"])
+    safetensors_torch.save_file(stored, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    model = tiny_llama(2, intermediate_size=384)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(InputError, match=message):
+        sparsegen.load_compressed(model, folder)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_bad_bitmask_is_refused_before_the_model_changes(tmp_path):

@@ -153,3 +153,16 @@ def test_linear_and_patch_build_4_bit_layers():
     assert model[2].group_size == 512 and model[0].group_size == 128
     twin = sparsegen.dense_copy(model)
     assert relative_error(model(x), twin(x).double()) < 1e-2
+
+
+def test_gated_pair_keeps_each_projections_values_and_scales():
+    gate, _ = make_layer(n=64)
+    up, _ = make_layer(n=64)
+    fused = Int4Sparse24Linear.gated_pair(gate, up, "swiglu")
+    assert fused.epilogue == "swiglu" and fused.output_features == 64
+    assert torch.equal(fused.to_dense_weight(), epilogues.interleave_rows(gate.to_dense_weight(), up.to_dense_weight()))
+    x = torch.randn(6, 256, dtype=torch.bfloat16)
+    g = x.double() @ gate.to_dense_weight().double().t() + gate.bias.double()
+    u = x.double() @ up.to_dense_weight().double().t() + up.bias.double()
+    assert relative_error(fused(x), torch.nn.functional.silu(g) * u) < 1e-2
+    assert Int4Sparse24Linear.gated_pair(gate, make_layer(n=64, group_size=-1)[0], "swiglu") is None

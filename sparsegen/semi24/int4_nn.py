@@ -175,6 +175,26 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         layer._store(int4.pack(q), metadata, scales, bias, group)
         return layer
 
+    @classmethod
+    def gated_pair(cls, gate: "Int4Sparse24Linear", up: "Int4Sparse24Linear", epilogue: str):
+        """A gated MLP's gate and up as one layer with the gated `epilogue` (rows interleaved
+        as epilogues.interleave_rows lays them out, each keeping its 4-bit values, kept
+        positions and scales), or None for a pair that differs in shape, group, dtype or bias."""
+        same = (gate.qweight.shape == up.qweight.shape and gate.group_size == up.group_size
+                and gate.scales.dtype == up.scales.dtype and (gate.bias is None) == (up.bias is None)
+                and gate.epilogue == up.epilogue == "none")
+        if not same:
+            return None
+        both, (n, k) = epilogues.interleave_rows, (gate.out_features, gate.in_features)
+        q = both(int4.unpack(gate.qweight), int4.unpack(up.qweight))
+        positions = both(semi24.stored_positions(gate.metadata, n, k), semi24.stored_positions(up.metadata, n, k))
+        layer = cls.__new__(cls)
+        super(Int4Sparse24Linear, layer).__init__()
+        bias = None if gate.bias is None else both(gate.bias.detach(), up.bias.detach())
+        layer._store(int4.pack(q), semi24.pack_metadata(positions), both(gate.scales.t(), up.scales.t()).t().contiguous(),
+                     bias, gate.group_size)
+        return layer.fuse(epilogue)
+
     def _store(self, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int) -> None:
         self.out_features, self.in_features, self.group_size = 16 * qweight.shape[0], 32 * qweight.shape[1], group
         self.register_buffer("qweight", qweight)
