@@ -109,7 +109,7 @@ class _Plan:
 
     def __init__(self, model: nn.Module, tensors: dict, config: dict, allow_nonfinite: bool):
         names = sorted({key.rsplit(".", 1)[0] for key in tensors if key.endswith((".bitmask", ".weight_packed"))})
-        expect(names, f"2:4 layers (<name>.bitmask or, 4-bit, <name>.weight_packed tensors) in a checkpoint whose "
+        expect(names, f"2:4 layers (<name>.bitmask tensors, or 4-bit <name>.weight_packed ones) in a checkpoint whose "
                f"config says {SPARSE_FORMAT!r}", "none")
         used: set[str] = set()
         self.layers = {name: _layer(model, name, tensors, config, used, allow_nonfinite) for name in names}

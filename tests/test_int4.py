@@ -166,3 +166,11 @@ def test_gated_pair_keeps_each_projections_values_and_scales():
     u = x.double() @ up.to_dense_weight().double().t() + up.bias.double()
     assert relative_error(fused(x), torch.nn.functional.silu(g) * u) < 1e-2
     assert Int4Sparse24Linear.gated_pair(gate, make_layer(n=64, group_size=-1)[0], "swiglu") is None
+
+
+def test_the_layer_is_one_op_under_torch_compile_fullgraph():
+    """Dynamo traces the checks and calls sparsegen::sp24_w4_linear (shapes from its fake):
+    the compiled model's output is eager's, a gated epilogue's width too."""
+    model = nn.Sequential(make_layer(n=128)[0].fuse("geglu"), make_layer(k=64, n=32)[0])
+    x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x))

@@ -123,6 +123,9 @@ def test_every_kernel_a_patched_2_4_layer_warms_is_one_precompile_ships(arch):
     one_byte = ("int8", "e4m3") if arch >= 89 else ("int8",)
     layers += [scaled.ScaledSparse24Linear.from_dense(nn.Linear(256, 512).to(dtype), fmt).fuse(epilogue)
                for fmt in one_byte for dtype in (torch.bfloat16, torch.float16) for epilogue in epilogues.EPILOGUES]
+    layers += [sparsegen.Int4Sparse24Linear.from_dense(nn.Linear(256, 512).to(dtype)).fuse(epilogue)
+               for dtype in (torch.bfloat16, torch.float16) for epilogue in ("none", *epilogues.FUSED)]
     wanted = warm.likely_specs(layers, arch, 132)
+    assert {s.op for s in wanted} >= {"sp24_w4"} | ({"sp24_w4_values"} if arch >= 90 else set())
     missing = set(wanted) - set(default_specs(arch, None, None, None))
     assert len(wanted) > 100 and not missing, sorted(s.name for s in missing)

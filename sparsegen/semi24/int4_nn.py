@@ -19,7 +19,7 @@ from ..launch import calls, library, plans, runtime
 from ..layer import DenseWeightDescription, dense_linear
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
-from .specs import sp24_compress_spec, sp24_w4_spec, w4_rows_bucket
+from .specs import sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_rows_bucket
 
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,7 +65,7 @@ def _w4_product(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, b
                 out_features: int, epilogue: str) -> Tensor:
     """Y [M, out] in X's dtype (the scales'): the kernel on a GPU, the float64 reference elsewhere."""
     if not (calls.runs_16bit_kernels(x2) and x2.numel() and calls.tma_ready(qweight)):
-        return w4_reference(x2, qweight, metadata, scales, bias, group, epilogue).to(x2.dtype)
+        return w4_reference(x2, qweight, metadata, scales, bias, group, epilogue).to(x2.dtype).contiguous()
     return sp24_w4(x2, qweight, metadata, scales, bias, group, out_features, epilogue)
 
 
@@ -216,6 +216,17 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         y = w4_product(x2, self.qweight, self.metadata, self.scales, self.bias, self.group_size, self.out_features,
                        self.epilogue)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def likely_specs(self, arch: int, sm_count: int) -> list:
+        """The kernels this layer's forward likely takes at dispatch.LIKELY_ROWS tokens
+        (sparsegen.warm builds them ahead): sp24_w4's, and on Hopper the prefill route's."""
+        name = dispatch.DTYPE_NAMES[self.scales.dtype]
+        hopper = arch >= 90
+        found = [sp24_w4_spec(name, arch, rows=w4_rows_bucket(m), epilogue=self.epilogue)
+                 for m in dispatch.LIKELY_ROWS if m <= PREFILL_ROWS or not hopper]
+        if hopper:
+            found += [sp24_compress_spec(name, arch, "sp24_w4_values"), sp24_spec(name, arch, epilogue=self.epilogue)]
+        return found
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight [out, in] in the layer's dtype."""

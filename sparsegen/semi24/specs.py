@@ -297,7 +297,8 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     semi += [gated_product_spec(d, arch, geglu) for d in dtypes if d in ("bf16", "fp16") for geglu in (False, True)]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     # Int4Sparse24Linear's (W4A16), for bf16 and fp16 models, per batch-size bucket
-    semi += [sp24_w4_spec(d, arch, rows=rows) for d in dtypes if d in ("bf16", "fp16") for rows in W4_ROWS]
+    semi += [sp24_w4_spec(d, arch, rows=rows, epilogue=e) for d in dtypes if d in ("bf16", "fp16") for rows in W4_ROWS
+             for e in ("none", *epilogues.FUSED)]
     semi += [sp24_compress_spec(d, arch, "sp24_w4_values") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
 

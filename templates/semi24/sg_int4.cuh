@@ -18,28 +18,26 @@ namespace sg {
 // number plus v exactly (one unit in the last place there); fma(x, 1, -(base + 8)) leaves the
 // signed value, and fma(value, scale, -0) its product with the scale, rounded once - the
 // dequantized weight bit for bit (int4.py's dequantized).
+template <bool BF16>
+struct Int4Magic {
+  static constexpr u32 kBase = BF16 ? 0x43004300u : 0x64006400u, kOne = BF16 ? 0x3F803F80u : 0x3C003C00u,
+                       kMinusBase = BF16 ? 0xC308C308u : 0xE408E408u;
+  __device__ static u32 fma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    if constexpr (BF16)
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+};
+
 template <class Mma>
 struct Int4Bits;
-
 template <>
-struct Int4Bits<Bf16> {
-  static constexpr u32 kBase = 0x43004300u, kOne = 0x3F803F80u, kMinusBase = 0xC308C308u;
-  __device__ static u32 fma2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-  }
-};
-
+struct Int4Bits<Bf16> : Int4Magic<true> {};
 template <>
-struct Int4Bits<Fp16> {
-  static constexpr u32 kBase = 0x64006400u, kOne = 0x3C003C00u, kMinusBase = 0xE408E408u;
-  __device__ static u32 fma2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-  }
-};
+struct Int4Bits<Fp16> : Int4Magic<false> {};
 
 // Values i and i + 4 of a lane's word (nibbles i, i + 4: row g + 8(i % 2), kept columns
 // 8(i / 2) + 2q and + 1) dequantized by their row's scale, `scale2` holding it twice.
