@@ -175,8 +175,9 @@ class TrainStep:
             self.loss = self.run()
 
 
-def train(args, kind, train_data, val_data) -> dict:
-    model = build(args, kind)
+def train(args, kind, train_data, val_data, model: nn.Module | None = None) -> dict:
+    """Train `model` (default: build(args, kind)) in place; its curve, step time and final loss."""
+    model = model if model is not None else build(args, kind)
     opt = make_optimizer(model, args)
     # The 2by4 recipe's mask refresh is scheduled on the device (Sparse24TrainingLinear.step):
     # its steps replay as a graph like the others'.
