@@ -98,6 +98,9 @@ def _quantization_config(folder: pathlib.Path) -> dict:
     sparse = sparse.get("format") if isinstance(sparse, dict) else None
     expect(sparse == SPARSE_FORMAT, f"sparsity_config.format {SPARSE_FORMAT!r} (2:4 checkpoints)", repr(sparse))
     quantized = config.get("format", "dense")
+    expect(quantized != "marlin-24", "a 4-bit 2:4 checkpoint in compressed-tensors' 'pack-quantized' format "
+           "(compressed-tensors deprecated 'marlin-24' and reads it back no more: save it again with llm-compressor)",
+           repr(quantized))
     expect(quantized == "dense" or quantized in _QUANTIZED_FORMATS,
            f"quantization_config.format 'dense' or one of {sorted(_QUANTIZED_FORMATS)}", repr(quantized))
     return config

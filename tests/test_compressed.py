@@ -265,6 +265,11 @@ def test_other_formats_are_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="sparsity_config.format 'sparse-24-bitmask'.*Got 'sparse-bitmask'"):
         sparsegen.load_compressed(tiny_llama(2), folder)
+    config["quantization_config"]["sparsity_config"]["format"] = "sparse-24-bitmask"
+    config["quantization_config"]["format"] = "marlin-24"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="'pack-quantized' format .*deprecated 'marlin-24'.*Got 'marlin-24'"):
+        sparsegen.load_compressed(tiny_llama(2), folder)
     with pytest.raises(InputError, match="a checkpoint directory with config.json"):
         sparsegen.load_compressed(tiny_llama(2), tmp_path / "missing")
     with torch.device("meta"):
