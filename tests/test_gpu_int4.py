@@ -88,7 +88,7 @@ def test_compiled_and_graphed_layers_give_the_eager_output(mode):
 
 
 def test_a_patched_llama_model_follows_its_dense_copy_and_generates():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # (a test dependency: its absence is an error, not a skip)
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()

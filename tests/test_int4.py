@@ -11,6 +11,7 @@ from torch import nn
 import sparsegen
 from sparsegen.errors import InputError
 from sparsegen.jit import epilogues
+from sparsegen.semi24 import format as semi24
 from sparsegen.semi24 import int4
 from sparsegen.semi24.int4_nn import Int4Sparse24Linear, w4_reference
 
@@ -60,12 +61,20 @@ def test_quantization_rounds_to_nearest_by_the_rounded_group_scale(dtype, k, gro
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 5)])
 def test_forward_matches_float64_of_the_dequantized_weight(dtype, group_size, shape):
-    layer, _ = make_layer(k=384, n=80, group_size=group_size, dtype=dtype)
+    layer, linear = make_layer(k=384, n=80, group_size=group_size, dtype=dtype)
     x = torch.randn(*shape, 384, dtype=dtype)
     want = w4_reference(x.reshape(-1, 384), layer.qweight, layer.metadata, layer.scales, layer.bias,
                         layer.group_size, "none").reshape(*shape, 80)
-    want_too = x.double() @ layer.to_dense_weight().double().t() + layer.bias.double()
-    assert torch.allclose(want, want_too)
+    # the same product from the dense linear by the rule written out here: magnitude 2:4, then
+    # per row and group the kept values rounded to the nearest multiple of (largest / 7, in dtype)
+    pruned = linear.weight.detach().double() * semi24.magnitude_mask(linear.weight.detach())
+    group = 384 if group_size == -1 else group_size
+    by_group = pruned.reshape(80, -1, group)
+    step = (by_group.abs().amax(-1, keepdim=True) / 7).to(dtype).double()
+    weight = ((by_group / step).round().clamp(-8, 7) * step).to(dtype).double().reshape(80, 384)
+    assert torch.equal(layer.to_dense_weight().double(), weight)
+    want_too = x.double() @ weight.t() + linear.bias.double()
+    assert torch.allclose(want, want_too.reshape(want.shape))
     y = layer(x)
     assert y.dtype == dtype and y.shape == (*shape, 80)
     assert relative_error(y, want) < 1e-2

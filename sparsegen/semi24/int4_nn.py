@@ -169,11 +169,8 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         kept, metadata = tensor.prune_and_compress(w.to(dtype), method, mask)
         group = int4.group_of(group_size, w.shape[1])
         q, scales = int4.quantize(kept, group, dtype)
-        layer = cls.__new__(cls)
-        super(Int4Sparse24Linear, layer).__init__()
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        layer._store(int4.pack(q), metadata, scales, bias, group)
-        return layer
+        return cls._of_own_parts(int4.pack(q), metadata, scales, bias, group)
 
     @classmethod
     def gated_pair(cls, gate: "Int4Sparse24Linear", up: "Int4Sparse24Linear", epilogue: str):
@@ -188,12 +185,20 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         both, (n, k) = epilogues.interleave_rows, (gate.out_features, gate.in_features)
         q = both(int4.unpack(gate.qweight), int4.unpack(up.qweight))
         positions = both(semi24.stored_positions(gate.metadata, n, k), semi24.stored_positions(up.metadata, n, k))
+        bias = None if gate.bias is None else both(gate.bias.detach(), up.bias.detach())
+        scales = both(gate.scales.t(), up.scales.t()).t().contiguous()
+        return cls._of_own_parts(int4.pack(q), semi24.pack_metadata(positions), scales, bias, gate.group_size).fuse(
+            epilogue)
+
+    @classmethod
+    def _of_own_parts(cls, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None,
+                      group: int) -> "Int4Sparse24Linear":
+        """A layer of parts made here (packed, compressed and scaled by this module): __init__'s
+        checks of parts from outside skipped (they read every metadata word back)."""
         layer = cls.__new__(cls)
         super(Int4Sparse24Linear, layer).__init__()
-        bias = None if gate.bias is None else both(gate.bias.detach(), up.bias.detach())
-        layer._store(int4.pack(q), semi24.pack_metadata(positions), both(gate.scales.t(), up.scales.t()).t().contiguous(),
-                     bias, gate.group_size)
-        return layer.fuse(epilogue)
+        layer._store(qweight, metadata, scales, bias, group)
+        return layer
 
     def _store(self, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int) -> None:
         self.out_features, self.in_features, self.group_size = 16 * qweight.shape[0], 32 * qweight.shape[1], group
@@ -207,14 +212,13 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         return DenseWeightDescription((self.out_features, self.in_features), self.scales.dtype, self.scales.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        expect(isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features,
-               f"input of shape (..., {self.in_features})", tuple(getattr(x, "shape", ())) or type(x).__name__)
-        expect(x.dtype in (self.scales.dtype, torch.float32), f"input in {self.scales.dtype} (the layer's dtype) "
-               "or float32", x.dtype)
-        expect(x.device == self.scales.device, f"input on {self.scales.device} (the layer's device)", x.device)
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
-        y = w4_product(x2, self.qweight, self.metadata, self.scales, self.bias, self.group_size, self.out_features,
-                       self.epilogue)
+        scales = self._buffers["scales"]
+        if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features
+                and (x.dtype is scales.dtype or x.dtype is torch.float32) and x.device == scales.device):
+            self._explain_bad_input(x)  # (one test for the common case; messages only when wrong)
+        x2 = x.reshape(-1, self.in_features).to(scales.dtype)
+        y = w4_product(x2, self._buffers["qweight"], self._buffers["metadata"], scales, self._parameters.get("bias"),
+                       self.group_size, self.out_features, self.epilogue)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def likely_specs(self, arch: int, sm_count: int) -> list:
@@ -227,6 +231,13 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         if hopper:
             found += [sp24_compress_spec(name, arch, "sp24_w4_values"), sp24_spec(name, arch, epilogue=self.epilogue)]
         return found
+
+    def _explain_bad_input(self, x) -> None:
+        expect(isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features,
+               f"input of shape (..., {self.in_features})", tuple(getattr(x, "shape", ())) or type(x).__name__)
+        expect(x.dtype in (self.scales.dtype, torch.float32), f"input in {self.scales.dtype} (the layer's dtype) "
+               "or float32", x.dtype)
+        expect(x.device == self.scales.device, f"input on {self.scales.device} (the layer's device)", x.device)
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight [out, in] in the layer's dtype."""
