@@ -60,6 +60,17 @@ def test_a_table_of_several_runs_names_each(tmp_path, monkeypatch):
     assert "`PYTHONPATH=. python tools/bench.py --other`" in text
 
 
+def test_a_table_recorded_again_replaces_the_older_run(tmp_path, monkeypatch):
+    tables = [bench_record.Table("Compile and overheads", "Measured twice", [("v", "")]) for _ in range(2)]
+    tables[0].add(111)
+    tables[1].add(222)
+    old, new = (recorded(tmp_path, t, monkeypatch) for t in tables)
+    old["meta"]["date"], new["meta"]["date"] = "2026-11-01", "2026-11-02"
+    for runs in ([old, new], [new, old]):  # (the later date wins, whichever file comes first)
+        text = benchmarks_md.render(runs)
+        assert text.count("### Measured twice") == 1 and "| 222 |" in text and "| 111 |" not in text
+
+
 def test_sections_come_in_the_documents_order(tmp_path, monkeypatch):
     tables = [bench_record.Table(section, section, [("v", "")]) for section in reversed(bench_record.SECTIONS[1:])]
     runs = [recorded(tmp_path, t, monkeypatch) for t in tables]

@@ -103,9 +103,20 @@ def table_block(meta: dict, table: dict) -> list[str]:
     return [f"### {table['title']}", ""] + about + measured + [""] + table_lines(table) + [""]
 
 
+def current_tables(tables: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
+    """One table per (section, title): the latest run's (by date, then file order), where a
+    table was recorded again - a new measurement replaces the old, which git keeps."""
+    latest: dict[tuple, int] = {}
+    for at, (meta, table) in enumerate(tables):
+        key = (table["section"], table["title"])
+        if key not in latest or meta["date"] >= tables[latest[key]][0]["date"]:
+            latest[key] = at
+    return [tables[at] for at in sorted(latest.values())]
+
+
 def render(runs: list[dict]) -> str:
     models = [run for run in runs if "rows" in run or "host" in run]
-    tables = [(run["meta"], table) for run in runs for table in run.get("tables", [])]
+    tables = current_tables([(run["meta"], table) for run in runs for table in run.get("tables", [])])
     lines = [INTRO]
     for section in SECTIONS:
         body = model_lines(models) if section == "Whole models" and models else []
