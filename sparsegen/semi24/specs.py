@@ -162,7 +162,8 @@ def _validate_w4(spec: KernelSpec) -> None:
     _validate(spec)
 
 
-# The token counts sp24_w4_spec tells apart: decode (up to 16, 32), small batches (64, 128), prefill
+# The token counts sp24_w4_spec tells apart: decode (up to 16, up to 32), small batches (33-128),
+# prefill (more: on Hopper the 16-bit kernel's, int4_nn.prefill_on_16_bit)
 W4_ROWS = (16, 32, 128, None)
 
 
@@ -298,7 +299,7 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     # Int4Sparse24Linear's (W4A16), for bf16 and fp16 models, per batch-size bucket
     semi += [sp24_w4_spec(d, arch, rows=rows, epilogue=e) for d in dtypes if d in ("bf16", "fp16") for rows in W4_ROWS
-             for e in ("none", *epilogues.FUSED)]
+             if rows is not None or arch < 90 for e in ("none", *epilogues.FUSED)]
     semi += [sp24_compress_spec(d, arch, "sp24_w4_values") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
 
