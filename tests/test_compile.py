@@ -137,8 +137,8 @@ def mma_per_stage(spec: KernelSpec) -> int:
         return t.tile_m // 16
     if spec.instr in ("swap", "pairs"):  # a stage of 64: 4 k16 steps
         return 4
-    if spec.op in SP24_MMA_OPS:  # 4 k32 steps, each over a warp's 4 m16 x (tokens / 8) n8 tiles
-        return 4 * 4 * (t.tile_m // t.warps_n // 8)
+    if spec.op in SP24_MMA_OPS:  # 4 k32 steps (shared by the k-warps), each over a warp's 4 m16 x (tokens / 8) n8 tiles
+        return 4 // spec.param_values.get("kwarps", 1) * 4 * (t.tile_m // t.warps_n // 8)
     if spec.instr != "mma":  # each consumer warpgroup owns tile_m / groups rows, m64 at a time
         return 4 * (t.tile_m // (t.warps_m // 4) // 64)
     return 4 * (t.tile_m // t.warps_m // 16) * (spec.block[0] // t.warps_n // 8)

@@ -30,18 +30,21 @@ def layer_of(k: int, n: int, dtype, group_size=128, bias=True) -> Int4Sparse24Li
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m, k, n, splits, tile", [
-    (1, 4096, 1024, None, None), (7, 640, 336, None, None), (5, 1024, 464, 4, None),  # decode: K split
-    (33, 4096, 2048, None, None), (77, 1152, 2048, None, None), (333, 512, 1040, None, None),
-    (2049, 768, 208, None, None), (45, 512, 272, None, TileConfig(64, 1, 2, 2))])
+@pytest.mark.parametrize("m, k, n, splits, tile, kwarps", [
+    (1, 4096, 1024, None, None, None), (7, 640, 336, None, None, None), (5, 1024, 464, 4, None, None),  # K split
+    (33, 4096, 2048, None, None, None), (77, 1152, 2048, None, None, None), (333, 512, 1040, None, None, None),
+    (2049, 768, 208, None, None, None), (45, 512, 272, None, TileConfig(64, 1, 2, 2), None),
+    # k-warps: a stage's instruction steps shared by 2 warps (odd stage counts: 5, 7, 9), with and without splits
+    (3, 640, 336, 2, TileConfig(16, 4, 1, 6), 2), (13, 1152, 464, None, TileConfig(16, 2, 1, 6), 2),
+    (29, 896, 272, 3, TileConfig(32, 4, 1, 4), 2), (60, 640, 400, None, TileConfig(64, 2, 2, 4), 2)])
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.parametrize("epilogue", ["none", "gelu_tanh", "swiglu"])
-def test_kernel_dequantizes_and_applies_bias_and_epilogue(dtype, m, k, n, splits, tile, group_size, epilogue):
+def test_kernel_dequantizes_and_applies_bias_and_epilogue(dtype, m, k, n, splits, tile, kwarps, group_size, epilogue):
     layer = layer_of(k, n, dtype, group_size)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     out = torch.full((m, epilogues.output_features(epilogue, n)), float("nan"), device="cuda", dtype=dtype)
     sp24_w4(x, layer.qweight, layer.metadata, layer.scales, layer.bias, layer.group_size, n, epilogue,
-            out=out, splits=splits, tile=tile)
+            out=out, splits=splits, tile=tile, kwarps=kwarps)
     want = w4_reference(x, layer.qweight, layer.metadata, layer.scales, layer.bias, layer.group_size, epilogue)
     assert not out.isnan().any()
     assert relative_error(out, want) < 5e-3

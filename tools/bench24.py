@@ -196,7 +196,8 @@ INT4_TOKENS = (1, 8, 16, 32, 64, 2048)
 def int4_table(weights=INT4_WEIGHTS, tokens=INT4_TOKENS) -> Table:
     """The W4A16 2:4 layer (Int4Sparse24Linear, group 128) against cuBLAS bf16, the bf16 2:4
     layer and the FP8 2:4 layer (activations quantized per token), each a layer call replayed
-    from one CUDA graph over weights 3x the L2 cache (read from HBM, as a decode step does)."""
+    from one CUDA graph over as many weights as make 3x the L2 cache in the 4-bit layer's bytes
+    (every variant read from HBM, as a decode step does)."""
     table = Table("2:4 semi-structured", "4-bit 2:4 (W4A16, group 128) layer against bf16 dense, bf16 2:4 and FP8 2:4", [
         ("weight N x K", ""), ("M", ""), ("dense graph ms", ".4f"), ("bf16 2:4", "x"), ("FP8 2:4", "x"),
         ("int4 2:4", "x"), ("int4 vs FP8 2:4", "x")],
@@ -214,10 +215,21 @@ def int4_table(weights=INT4_WEIGHTS, tokens=INT4_TOKENS) -> Table:
     return table
 
 
+# Bytes a weight of the 4-bit 2:4 layer (group 128): half the values in 4 bits, the 16-bit
+# metadata's 2 bits per kept value, a 16-bit scale per 128 - the smallest layer these tables time.
+INT4_BYTES_PER_WEIGHT = 0.25 + 0.125 + 2 / 128
+
+
+def hbm_copies(n: int, k: int, bytes_per_weight: float = INT4_BYTES_PER_WEIGHT) -> int:
+    """How many N x K weights of the smallest layer timed make 3x the L2 cache (at least 2): a
+    graph replaying one call per copy reads every variant's weights from HBM."""
+    return max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // int(bytes_per_weight * n * k)))
+
+
 def _int4_peers(n: int, k: int) -> list[list]:
     """Per variant (dense, bf16 2:4, FP8 2:4, int4 2:4), layers of as many N x K weights as make
-    3x the L2 cache."""
-    copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
+    3x the L2 cache in the 4-bit layer's bytes (so that none is served from L2)."""
+    copies = hbm_copies(n, k)
     dense = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     fp8 = "e4m3" if torch.cuda.get_device_capability() >= (8, 9) else "int8"
     return [dense, [sparsegen.Sparse24Linear.from_dense(d) for d in dense],

@@ -41,6 +41,10 @@ def _no_spills(spec: Spec) -> tuple[int, str]:
     return 0, "0"
 
 
+def _one(spec: Spec) -> int:
+    return 1
+
+
 @dataclass(frozen=True)
 class Param:
     """A parameter of a layout's op beyond the fields every KernelSpec has (V:N:M's V, a
@@ -99,6 +103,9 @@ class OpRules:
     float_output: Callable[[Spec], bool] = _not_int8  # Y in a float type (epilogues need one): int8 sums are int32
     known_spills: Callable[[Spec], tuple[int, str]] = _no_spills  # (LDL/STL allowed, stack bytes pattern) the
                                                                    # SASS test accepts for a spec (tests/test_compile.py)
+    # Copies of the tile's warp grid a block runs, each taking its share of K (sp24_w4's kwarps):
+    # the block's threads are the tile's times this
+    k_warps: Callable[[Spec], int] = _one
 
     def __post_init__(self):
         for param in self.params + self.run_params:

@@ -126,8 +126,9 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        """Threads per block: the tile's warps, plus the producer warpgroup for tma."""
-        return self.tile.threads + (128 if self.instr in TMA_INSTRS else 0)
+        """Threads per block: the tile's warps (times the op's k-warps), plus the producer
+        warpgroup for tma."""
+        return self.tile.threads * self.rules.k_warps(self) + (128 if self.instr in TMA_INSTRS else 0)
 
     @property
     def rules(self) -> registry.OpRules:

@@ -38,18 +38,19 @@ def w4_reference(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, 
 
 
 @functools.lru_cache(maxsize=None)
-def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, epilogue: str, tile=None):
+def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, epilogue: str, tile=None,
+              kwarps: int | None = None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    return runtime.kernel(sp24_w4_spec(dispatch.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, epilogue=epilogue),
-                          device_index)
+    spec = sp24_w4_spec(dispatch.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, epilogue=epilogue, kwarps=kwarps)
+    return runtime.kernel(spec, device_index)
 
 
 def _plan(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, group: int, out_features: int,
-          epilogue: str, splits: int | None = None, tile=None) -> ops._Sp24Plan:
+          epilogue: str, splits: int | None = None, tile=None, kwarps: int | None = None) -> ops._Sp24Plan:
     """The launch for these operands: the 2:4 forward's grid and K splits (dispatch.grid; `splits`
     overrides), W's parts bound once; X, bias and Y bound per call."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, tile)
+    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, tile, kwarps)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits)
     split = grid[2] > 1
     sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
@@ -71,18 +72,19 @@ def _w4_product(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, b
 
 def sp24_w4(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
             out_features: int, epilogue: str = "none", out: Tensor | None = None, splits: int | None = None,
-            tile=None) -> Tensor:
+            tile=None, kwarps: int | None = None) -> Tensor:
     """The 4-bit product on CUDA operands the caller checked: Y [M, width] (`out` if given);
-    `splits` and `tile` override the dispatch's (a plan is then made for this call alone).
+    `splits`, `tile` and `kwarps` override the dispatch's (a plan is then made for this call alone).
     Prefill on Hopper takes the 16-bit 2:4 kernel (wgmma.sp) on the values dequantized for
     the call (prefill_on_16_bit)."""
     x2 = calls.rows_2d(x2)
-    if splits is None and tile is None and prefill_on_16_bit(x2.shape[0], x2.device.index or 0):
+    chosen = splits is None and tile is None and kwarps is None
+    if chosen and prefill_on_16_bit(x2.shape[0], x2.device.index or 0):
         values = w4_values(qweight, scales, group)
         return _on_16_bit_kernel(x2, values, metadata, bias, out_features, epilogue, out)
-    make = lambda: _plan(x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile)  # noqa: E731
+    make = lambda: _plan(x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile, kwarps)  # noqa: E731
     signature = (*x2.shape, x2.dtype, out_features, group, epilogue, qweight.data_ptr(), scales.data_ptr())
-    plan = _PLANS.get(metadata, signature, make) if splits is None and tile is None else make()
+    plan = _PLANS.get(metadata, signature, make) if chosen else make()
     y, _ = calls.output_for(x2, x2, out, plan.width, x2.dtype)
     plan.run(x2, None, bias, y)
     return y

@@ -160,6 +160,19 @@ def _validate_w4(spec: KernelSpec) -> None:
     expect(spec.dtype in ("bf16", "fp16"), "a 16-bit dtype (the activations') for sp24_w4", spec.dtype, SpecError)
     expect(spec.instr == "mma", "instr 'mma' (mma.sp) for sp24_w4", repr(spec.instr), SpecError)
     _validate(spec)
+    t = spec.tile
+    sums = (_kwarps(spec) - 1) * 4 * (t.tile_m // t.warps_n // 8) * 4 * t.threads * 4  # the other k-warps' f32 sums
+    expect(sums <= _w4_smem(spec), f"k-warps whose sums fit the pipeline's {_w4_smem(spec)} bytes (fewer kwarps, "
+           "more stages or fewer tokens a warp)", f"{sums} bytes for {spec.name}", SpecError)
+
+
+def _kwarps(spec: KernelSpec) -> int:
+    return spec.param_values["kwarps"]
+
+
+# sp24_w4's warps per W rows and tokens, each taking a share of a stage's instruction steps
+KWARPS = registry.Param("kwarps", 1, choices=(1, 2, 4), named_at_default=False,
+                        doc="warps sharing a tile's W rows and tokens, each a share of K (sums met in shared memory)")
 
 
 # The token counts sp24_w4_spec tells apart: decode (up to 16, up to 32), small batches (33-128),
@@ -172,7 +185,7 @@ def w4_rows_bucket(m: int) -> int | None:
 
 
 def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-                 epilogue: str = "none") -> KernelSpec:
+                 epilogue: str = "none", kwarps: int | None = None) -> KernelSpec:
     """The 4-bit 2:4 forward (mma.sp on every arch). A stage's W is a quarter of the 16-bit
     kernel's bytes, so decode tiles take few tokens and four warps of 64 W rows: on an H200
     (tools/probe_int4.py) 16 tokens x 256 rows, 6 stages, read a 4096x14336 weight at 1.9x
@@ -186,7 +199,7 @@ def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: in
                 else TileConfig(64, 2, 2, 3) if not big_smem
                 else TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3))
     return KernelSpec(op="sp24_w4", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr="mma", epilogue=epilogue)
+                      instr="mma", epilogue=epilogue, params={"kwarps": kwarps or 1})
 
 
 def gated_product_spec(dtype: str, arch: int, geglu: bool) -> KernelSpec:
@@ -309,7 +322,7 @@ registry.register(registry.Layout("semi24", (
                      epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
                      params=(SCALES, QUANTIZED_X, GROUPS), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_w4", "semi24/sp24_w4.cu.j2", _validate_w4, _w4_smem, context=_output_context,
-                     epilogues=True),
+                     epilogues=True, params=(KWARPS,), k_warps=_kwarps),
     registry.OpRules("sp24_w4_values", "semi24/sp24_w4_values.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),

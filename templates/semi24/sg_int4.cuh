@@ -73,15 +73,25 @@ struct Int4Values {
     }
   }
 
-  __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane) {
-    u32 word, s0, s1;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(smem + (row / 16) * 4 * LINE + j * LINE + 4 * lane));
+  // Rows row + g and row + g + 8's scales (g = lane / 4), each held twice: one pair a stage, as
+  // a stage's columns lie in one group.
+  struct RowScales {
+    u32 twice[2];
+  };
+
+  __device__ static RowScales row_scales(u32 smem, int row, int lane) {
+    u32 s0, s1;
     const u32 scale = smem + Q_BYTES + 2 * (row + (lane >> 2));
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(s0) : "r"(scale));
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(s1) : "r"(scale + 16));
-    const u32 scales[2] = {s0 | (s0 << 16), s1 | (s1 << 16)};  // rows g and g + 8
+    return {{s0 | (s0 << 16), s1 | (s1 << 16)}};
+  }
+
+  __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane, RowScales scales) {
+    u32 word;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(smem + (row / 16) * 4 * LINE + j * LINE + 4 * lane));
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = dequantized_pair<Mma>(word, i, scales[i & 1]);
+    for (int i = 0; i < 4; ++i) a[i] = dequantized_pair<Mma>(word, i, scales.twice[i & 1]);
   }
 };
 

@@ -34,6 +34,8 @@ struct KeptValues {
   using Source = const Elem*;
   static constexpr int BYTES = TILE_W * 128, EPC = 16 / sizeof(Elem);
 
+  struct RowScales {};  // (none: the values are the weights)
+
   __device__ static void load(u32 smem, Source values, int n0, int k0, int K, int N, int k_end) {
     for (int i = threadIdx.x; i < TILE_W * 8; i += THREADS) {
       const int row = i >> 3, c = i & 7;
@@ -43,8 +45,10 @@ struct KeptValues {
     }
   }
 
+  __device__ static RowScales row_scales(u32, int, int) { return {}; }
+
   // Rows row.. row + 15 of the tile, instruction step j of the stage.
-  __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane) {
+  __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane, RowScales) {
     ldmatrix_x4(a, swizzled(smem, row + (lane & 15), 2 * j + (lane >> 4)));
   }
 };
@@ -54,14 +58,17 @@ struct KeptValues {
 // 8 x 64 bytes), so loads and ldmatrix are shared; only the metadata doubles per step.
 // SpMma::Acc is what the instruction accumulates (int for int8), Out::Acc what the store
 // takes: the same, except SCALED (one-byte products dequantized by Scales into float Y).
+// WARPS_K > 1 splits each stage's instruction steps among that many warps of the same W rows
+// and tokens (more warps in flight for a decode tile whose W stage is small, without more
+// shared memory); their sums meet in shared memory before the store (sum_k_warps).
 template <class SpMma, class Out, class Elem, int TILE_T, int WARPS_W, int WARPS_T, int STAGES,
           class Epi = NoEpilogue, bool SCALED = false,
-          class Weights = KeptValues<Elem, 64 * WARPS_W, 32 * WARPS_W * WARPS_T>>
+          class Weights = KeptValues<Elem, 64 * WARPS_W, 32 * WARPS_W * WARPS_T>, int WARPS_K = 1>
 struct Sp24Dds {
   using Acc = typename SpMma::Acc;
   using OutAcc = typename Out::Acc;
   using OutT = typename Out::T;
-  static constexpr int THREADS = 32 * WARPS_W * WARPS_T;
+  static constexpr int TILE_THREADS = 32 * WARPS_W * WARPS_T, THREADS = TILE_THREADS * WARPS_K;
   static constexpr int TILE_W = 64 * WARPS_W, WARP_T = TILE_T / WARPS_T;
   static constexpr int MT = 4, NT = WARP_T / 8;       // m16 tiles of W and n8 tiles of X per warp
   static constexpr int EPC = 16 / sizeof(Elem);       // elements per 16-byte chunk
@@ -75,6 +82,8 @@ struct Sp24Dds {
   static constexpr int OUT_STRIDE = TILE_W + 8;        // staged output row, padded against bank conflicts
   static constexpr int OUT_VEC = 16 / sizeof(OutT);    // outputs per 16-byte store
   static_assert(WARP_T % 8 == 0 && TILE_T * OUT_STRIDE * sizeof(OutT) <= STAGES * STAGE_BYTES, "tile shape");
+  static_assert(4 % WARPS_K == 0 && (WARPS_K - 1) * MT * NT * 4 * TILE_THREADS * sizeof(Acc) <= STAGES * STAGE_BYTES,
+                "k-warps: a whole number of instruction steps each, their sums within the stages' bytes");
 
   // One stage: X[m0.., k0..k0+127] (two swizzled 128-byte halves), W's kept values for the
   // same columns (one 128-byte row each) and their metadata words. Copies past M, N or
@@ -99,17 +108,23 @@ struct Sp24Dds {
     }
   }
 
-  __device__ static void compute(u32 smem, int k0, int k_end, Acc (&acc)[MT][NT][4], int ww, int wt) {
+  // The warp's instruction steps of the stage (j = wk, wk + WARPS_K, ...); W's row scales, one
+  // per row for the whole stage, are read once.
+  __device__ static void compute(u32 smem, int k0, int k_end, Acc (&acc)[MT][NT][4], int ww, int wt, int wk) {
     const int lane = threadIdx.x & 31;
     const u32 w_smem = smem + X_BYTES, m_smem = w_smem + W_BYTES;
+    typename Weights::RowScales row_scales[MT];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {   // instruction steps
+    for (int mt = 0; mt < MT; ++mt) row_scales[mt] = Weights::row_scales(w_smem, ww * 64 + mt * 16, lane);
+#pragma unroll
+    for (int jj = 0; jj < 4 / WARPS_K; ++jj) {   // instruction steps
+      const int j = jj * WARPS_K + wk;
       if (k0 + STEP_K * j >= k_end) break;
       u32 a[MT][4], e[MT], b[NT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int row = ww * 64 + mt * 16;
-        Weights::fragment(a[mt], w_smem, row, j, lane);
+        Weights::fragment(a[mt], w_smem, row, j, lane, row_scales[mt]);
         e[mt] = sparse_metadata<STEP_K>(m_smem + (row / 16) * META_GROUP_BYTES + STEP_TILES * j * 64, lane);
       }
 #pragma unroll
@@ -127,11 +142,11 @@ struct Sp24Dds {
   // transposed into a [TILE_T][TILE_W] tile, then copied out row by row. Gated: rows g
   // (gate) and g + 8 (up) of each 16 make one of TILE_W / 2 features.
   __device__ static void store(unsigned char* smem_raw, OutAcc (&acc)[MT][NT][4], const OutT* bias, OutT* y,
-                               int m0, int n0, int M, int N, int ww, int wt) {
+                               int m0, int n0, int M, int N, int ww, int wt, int wk) {
     OutT* out = reinterpret_cast<OutT*>(smem_raw);
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < (wk == 0 ? MT : 0); ++mt)  // (k-warp 0 holds the sums)
 #pragma unroll
       for (int half = 0; half < (Epi::kGated ? 1 : 2); ++half) {
         const int f = ww * 64 + mt * 16 + g + 8 * half;
@@ -162,11 +177,11 @@ struct Sp24Dds {
   // workspace; the tile's last split writes Y (sg_split_k.cuh; the host never splits int32 sums).
   // Every thread is past compute(), so the first word of shared memory is free for the flag.
   __device__ static void add_split(OutAcc (&acc)[MT][NT][4], float* sums, int* counts, const OutT* bias, OutT* y,
-                                   unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt) {
+                                   unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt, int wk) {
     using Split = SplitK<THREADS>;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < (wk == 0 ? MT : 0); ++mt)  // (k-warp 0 holds the sums)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -213,7 +228,7 @@ struct Sp24Dds {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem = smem_ptr(smem_raw);
     const int n0 = blockIdx.x * TILE_W, m0 = blockIdx.y * TILE_T;
-    const int warp = threadIdx.x >> 5, ww = warp % WARPS_W, wt = warp / WARPS_W;
+    const int warp = threadIdx.x >> 5, ww = warp % WARPS_W, wt = warp / WARPS_W % WARPS_T, wk = warp / (WARPS_W * WARPS_T);
     const int k_begin = blockIdx.z * k_split, k_end = min(K, k_begin + k_split);
     const int stages = (k_end - k_begin + STAGE_K - 1) / STAGE_K;
     Acc acc[MT][NT][4] = {};
@@ -229,23 +244,48 @@ struct Sp24Dds {
       if (next < stages)
         load(smem + (next % STAGES) * STAGE_BYTES, k_begin + next * STAGE_K, x, values, meta, m0, n0, M, K, N, k_end);
       cp_async_commit();
-      compute(smem + (s % STAGES) * STAGE_BYTES, k_begin + s * STAGE_K, k_end, acc, ww, wt);
+      compute(smem + (s % STAGES) * STAGE_BYTES, k_begin + s * STAGE_K, k_end, acc, ww, wt, wk);
     }
+    sum_k_warps(acc, smem_raw, wk);
     if constexpr (SCALED)
-      write(rescale(acc, scales, m0, n0, M, N, ww, wt), partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
+      write(rescale(acc, scales, m0, n0, M, N, ww, wt), partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt,
+            wk);
     else
-      write(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
+      write(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt, wk);
+  }
+
+  // WARPS_K > 1: k-warps 1.. put their sums in the pipeline's (drained) buffers, k-warp 0 adds
+  // them to its own, in k-warp order (the same sums every run).
+  __device__ static void sum_k_warps(Acc (&acc)[MT][NT][4], unsigned char* smem_raw, int wk) {
+    if constexpr (WARPS_K > 1) {
+      constexpr int SUMS = MT * NT * 4;
+      Acc* shared = reinterpret_cast<Acc*>(smem_raw);
+      Acc* flat = &acc[0][0][0];
+      const int slot = threadIdx.x % TILE_THREADS;
+      cp_async_wait<0>();
+      __syncthreads();
+      if (wk > 0)
+#pragma unroll
+        for (int i = 0; i < SUMS; ++i) shared[((wk - 1) * SUMS + i) * TILE_THREADS + slot] = flat[i];
+      __syncthreads();
+      if (wk == 0)
+#pragma unroll
+        for (int r = 0; r < WARPS_K - 1; ++r)
+#pragma unroll
+          for (int i = 0; i < SUMS; ++i) flat[i] += shared[(r * SUMS + i) * TILE_THREADS + slot];
+      __syncthreads();  // the buffers are free for the store
+    }
   }
 
   __device__ static void write(OutAcc (&acc)[MT][NT][4], float* partial, int* tile_counts, const OutT* bias, OutT* y,
-                               unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt) {
+                               unsigned char* smem_raw, int m0, int n0, int M, int N, int ww, int wt, int wk) {
     if (partial) {
-      add_split(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt);
+      add_split(acc, partial, tile_counts, bias, y, smem_raw, m0, n0, M, N, ww, wt, wk);
       return;
     }
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's buffers become the output tile
-    store(smem_raw, acc, bias, y, m0, n0, M, N, ww, wt);
+    store(smem_raw, acc, bias, y, m0, n0, M, N, ww, wt, wk);
   }
 };
 
