@@ -60,17 +60,15 @@ struct Int4Values {
   static_assert(TILE_W % 64 == 0, "whole 16-byte chunks of scales");
 
   __device__ static void load(u32 smem, Source w, int n0, int k0, int K, int N, int k_end) {
-    for (int i = threadIdx.x; i < TILE_W * 2; i += THREADS) {  // 16-byte chunks, 32 per 16 rows
+    for_chunks<TILE_W * 2, THREADS>([&](int i) {  // 16-byte chunks, 32 per 16 rows
       const int rows16 = i >> 5, c = i & 31, tile_k = k0 / 32 + (c >> 3);
-      const bool ok = n0 + 16 * rows16 < N && tile_k < k_end / 32;
-      const u32* src = w.q + ((long long)(n0 / 16 + rows16) * (K / 32) + tile_k) * 32 + 4 * (c & 7);
-      cp_async16(smem + i * 16, ok ? src : w.q, ok);
-    }
-    for (int i = threadIdx.x; i < TILE_W / 8; i += THREADS) {
-      const bool ok = n0 + 8 * i < N && k0 < k_end;
-      const u16* src = w.scales + (long long)(k0 / w.group) * N + n0 + 8 * i;
-      cp_async16(smem + Q_BYTES + i * 16, ok ? src : w.scales, ok);
-    }
+      cp_async16(smem + i * 16, w.q + ((long long)(n0 / 16 + rows16) * (K / 32) + tile_k) * 32 + 4 * (c & 7),
+                 n0 + 16 * rows16 < N && tile_k < k_end / 32);
+    });
+    for_chunks<TILE_W / 8, THREADS>([&](int i) {
+      cp_async16(smem + Q_BYTES + i * 16, w.scales + (long long)(k0 / w.group) * N + n0 + 8 * i,
+                 n0 + 8 * i < N && k0 < k_end);
+    });
   }
 
   // Rows row + g and row + g + 8's scales (g = lane / 4), each held twice: one pair a stage, as

@@ -10,6 +10,18 @@
 
 namespace sg {
 
+// Chunk i = threadIdx.x, + THREADS, ... below CHUNKS: a trip count known at compile time, so
+// the loop unrolls. A chunk past a row or K copies 0 bytes (cp.async's src-size: zero-filled),
+// so its address is never dereferenced and needs no clamping.
+template <int CHUNKS, int THREADS, class Body>
+__device__ __forceinline__ void for_chunks(Body body) {
+#pragma unroll
+  for (int r = 0; r < (CHUNKS + THREADS - 1) / THREADS; ++r) {
+    const int i = threadIdx.x + r * THREADS;
+    if (CHUNKS % THREADS == 0 || i < CHUNKS) body(i);
+  }
+}
+
 // Float outputs (16-bit Y from float accumulators), rounded by Mma's conversions.
 template <class Mma>
 struct FloatOut {
@@ -37,12 +49,11 @@ struct KeptValues {
   struct RowScales {};  // (none: the values are the weights)
 
   __device__ static void load(u32 smem, Source values, int n0, int k0, int K, int N, int k_end) {
-    for (int i = threadIdx.x; i < TILE_W * 8; i += THREADS) {
+    for_chunks<TILE_W * 8, THREADS>([&](int i) {
       const int row = i >> 3, c = i & 7;
-      const bool ok = n0 + row < N && k0 + 2 * EPC * c < k_end;
-      const Elem* src = values + (long long)(n0 + row) * (K / 2) + k0 / 2 + EPC * c;
-      cp_async16(swizzled(smem, row, c), ok ? src : values, ok);
-    }
+      cp_async16(swizzled(smem, row, c), values + (long long)(n0 + row) * (K / 2) + k0 / 2 + EPC * c,
+                 n0 + row < N && k0 + 2 * EPC * c < k_end);
+    });
   }
 
   __device__ static RowScales row_scales(u32, int, int) { return {}; }
@@ -91,21 +102,20 @@ struct Sp24Dds {
   // past k_end are skipped in compute().
   __device__ static void load(u32 smem, int k0, const Elem* x, typename Weights::Source values, const int* meta,
                               int m0, int n0, int M, int K, int N, int k_end) {
-    const int tid = threadIdx.x;
-    for (int i = tid; i < TILE_T * 16; i += THREADS) {
+    for_chunks<TILE_T * 16, THREADS>([&](int i) {
       const int row = i >> 4, c = i & 15, k = k0 + EPC * c;
-      const bool ok = m0 + row < M && k < k_end;
-      cp_async16(swizzled(smem + (c >> 3) * X_HALF, row, c & 7), ok ? x + (long long)(m0 + row) * K + k : x, ok);
-    }
+      cp_async16(swizzled(smem + (c >> 3) * X_HALF, row, c & 7), x + (long long)(m0 + row) * K + k,
+                 m0 + row < M && k < k_end);
+    });
     const u32 w_smem = smem + X_BYTES;
     Weights::load(w_smem, values, n0, k0, K, N, k_end);
     const u32 m_smem = w_smem + W_BYTES;
-    for (int i = tid; i < (TILE_W / 16) * META_TILES * 4; i += THREADS) {   // chunks of 4 words
+    for_chunks<(TILE_W / 16) * META_TILES * 4, THREADS>([&](int i) {   // chunks of 4 words
       const int group = i / (META_TILES * 4), c = i % (META_TILES * 4), tile_k = k0 / 32 + (c >> 2);
-      const bool ok = n0 + 16 * group < N && tile_k < k_end / 32;
-      const int* src = meta + ((long long)(n0 / 16 + group) * (K / 32) + tile_k) * 16 + 4 * (c & 3);
-      cp_async16(m_smem + group * META_GROUP_BYTES + c * 16, ok ? src : meta, ok);
-    }
+      cp_async16(m_smem + group * META_GROUP_BYTES + c * 16,
+                 meta + ((long long)(n0 / 16 + group) * (K / 32) + tile_k) * 16 + 4 * (c & 3),
+                 n0 + 16 * group < N && tile_k < k_end / 32);
+    });
   }
 
   // The warp's instruction steps of the stage (j = wk, wk + WARPS_K, ...); W's row scales, one
