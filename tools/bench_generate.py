@@ -50,6 +50,8 @@ VARIANTS = {
     "fp8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "e4m3"}),
     "int8-dense": ("all", "int8"),
     "int8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "int8"}),
+    # 4-bit kept values, 16-bit activations (W4A16, group 128: Int4Sparse24Linear, issue 62)
+    "int4-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "int4"}),
 }
 DENSE = ("dense", "dense-merged")
 BYTE_DENSE = {"fp8-2:4": "fp8-dense", "int8-2:4": "int8-dense"}

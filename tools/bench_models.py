@@ -65,12 +65,14 @@ VARIANTS = {
     "fp8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "e4m3"}),
     "int8-dense": ("all", "int8"),
     "int8-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "int8"}),
+    # 4-bit kept values, 16-bit activations (W4A16, group 128: Int4Sparse24Linear, issue 62)
+    "int4-2:4": ("all", {"sparsity": "2:4", "weight_dtype": "int4"}),
 }
 # The same variants patched with fuse=False: activations and gated products left to PyTorch
 # (on request only, to measure what the fused epilogues give).
 VARIANTS.update({f"{name}-unfused": VARIANTS[name] for name in ("2:4", "b64d0.5", "b128d0.25", "2:4t-mlp", "b64d0.25")})
 INFERENCE_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "peer-2:4"]
-BYTE_VARIANTS = ["dense", "2:4", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4"]
+BYTE_VARIANTS = ["dense", "2:4", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4", "int4-2:4"]
 FAMILY_VARIANTS = ["dense", "2:4", "b64d0.5", "b128d0.25", "fp8-dense", "fp8-2:4", "int8-dense", "int8-2:4"]
 OPTIONAL_VARIANTS = [name for name in VARIANTS if name.endswith("-unfused")]
 TRAINING_VARIANTS = ["dense", "2:4", "2:4-mlp", "2:4t-mlp", "b64d0.5", "b64d0.25", "b128d0.25", "2:4-recipe"]

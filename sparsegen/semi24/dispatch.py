@@ -90,6 +90,10 @@ def _narrow(m: int, n: int, sm_count: int) -> bool:
 # only added atomics), and for 33-128 tokens at least 24 stages (3072 of K) a split - 4096x4096
 # at M 64 ran 0.95x dense unsplit and 0.75x in two.
 _DECODE_MIN_STAGES = {32: 1, 128: 24}
+# sp24_w4 at 33-128 tokens: K splits for one block per SM, not two - each split's float32 sums
+# (splits x M x N) outweigh a small 4-bit weight there: 4096x4096 at 64 tokens ran 0.69x
+# cuBLAS bf16 in 4 splits and 0.51x in 8 (an H200, tools/probe_int4.py)
+_W4_SMALL_BATCH_PER_SM = 1
 
 
 def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, resident: int | None = None):
@@ -98,7 +102,8 @@ def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, re
     (whole stages) in z."""
     tiles_n, tiles_m = -(-n // w_rows(spec)), -(-m // spec.tile.tile_m)
     decode = spec.instr == "tma" and rows_bucket(m) is not None
-    per_sm, min_stages = (1, _DECODE_MIN_STAGES[rows_bucket(m)]) if decode else (2, 1)
+    per_sm, min_stages = (1, _DECODE_MIN_STAGES[rows_bucket(m)]) if decode else (_W4_SMALL_BATCH_PER_SM, 1) if (
+        spec.op == "sp24_w4" and m > 32) else (2, 1)
     wanted = splits or (k_splits(tiles_n * tiles_m, k, device_index, per_sm, min_stages) if m <= 256 else 1)
     k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
     splits_k = -(-k // k_split)

@@ -19,7 +19,7 @@ from ..launch import calls, library, plans, runtime
 from ..layer import DenseWeightDescription, dense_linear
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
-from .specs import sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_rows_bucket
+from .specs import sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_narrow, w4_rows_bucket
 
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -38,10 +38,11 @@ def w4_reference(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, 
 
 
 @functools.lru_cache(maxsize=None)
-def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, epilogue: str, tile=None,
-              kwarps: int | None = None):
+def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, epilogue: str, narrow: bool,
+              tile=None, kwarps: int | None = None):
     arch = runtime.device_arch(torch.device("cuda", device_index))
-    spec = sp24_w4_spec(dispatch.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, epilogue=epilogue, kwarps=kwarps)
+    spec = sp24_w4_spec(dispatch.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, epilogue=epilogue, kwarps=kwarps,
+                        narrow=narrow)
     return runtime.kernel(spec, device_index)
 
 
@@ -50,7 +51,8 @@ def _plan(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, group: 
     """The launch for these operands: the 2:4 forward's grid and K splits (dispatch.grid; `splits`
     overrides), W's parts bound once; X, bias and Y bound per call."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, tile, kwarps)
+    narrow = w4_narrow(out_features, runtime.sm_count(device_index))
+    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, narrow, tile, kwarps)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits)
     split = grid[2] > 1
     sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
@@ -82,7 +84,7 @@ def sp24_w4(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias:
     if chosen and prefill_on_16_bit(x2.shape[0], x2.device.index or 0):
         values = w4_values(qweight, scales, group)
         return _on_16_bit_kernel(x2, values, metadata, bias, out_features, epilogue, out)
-    make = lambda: _plan(x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile, kwarps)  # noqa: E731
+    make = functools.partial(_plan, x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile, kwarps)
     signature = (*x2.shape, x2.dtype, out_features, group, epilogue, qweight.data_ptr(), scales.data_ptr())
     plan = _PLANS.get(metadata, signature, make) if chosen else make()
     y, _ = calls.output_for(x2, x2, out, plan.width, x2.dtype)
@@ -228,7 +230,8 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         (sparsegen.warm builds them ahead): sp24_w4's, and on Hopper the prefill route's."""
         name = dispatch.DTYPE_NAMES[self.scales.dtype]
         hopper = arch >= 90
-        found = [sp24_w4_spec(name, arch, rows=w4_rows_bucket(m), epilogue=self.epilogue)
+        narrow = w4_narrow(self.out_features, sm_count)
+        found = [sp24_w4_spec(name, arch, rows=w4_rows_bucket(m), epilogue=self.epilogue, narrow=narrow)
                  for m in dispatch.LIKELY_ROWS if m <= PREFILL_ROWS or not hopper]
         if hopper:
             found += [sp24_compress_spec(name, arch, "sp24_w4_values"), sp24_spec(name, arch, epilogue=self.epilogue)]

@@ -185,21 +185,45 @@ def w4_rows_bucket(m: int) -> int | None:
 
 
 def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-                 epilogue: str = "none", kwarps: int | None = None) -> KernelSpec:
+                 epilogue: str = "none", kwarps: int | None = None, narrow: bool = False) -> KernelSpec:
     """The 4-bit 2:4 forward (mma.sp on every arch). A stage's W is a quarter of the 16-bit
-    kernel's bytes, so decode tiles take few tokens and four warps of 64 W rows: on an H200
-    (tools/probe_int4.py) 16 tokens x 256 rows, 6 stages, read a 4096x14336 weight at 1.9x
-    cuBLAS bf16 for one token where the 16-bit kernel's 32 x 128, 8 stages (one block of two
-    warps per SM) gave 0.5x; 64-128 tokens take 64 x 256 tiles in two warps of tokens."""
+    kernel's bytes, so decode tiles take few tokens, and a narrow weight (w4_narrow: its 256-row
+    tiles would fill under a quarter of the SMs) takes tiles of 128 rows whose two warps of
+    rows each have a k-warp: more blocks and warps in flight. From a sweep of tiles, k-warps and
+    K splits on an H200 (tools/probe_int4.py, weights from HBM): at one token a 28672x8192 weight
+    ran 2.5x cuBLAS bf16 on 16 x 256 tiles, 4096x4096 1.6x on 16 x 128 with k-warps (1.5x
+    without); at 16 tokens 4096x4096 1.3x on those against 0.8x on 16 x 256; 17-32 tokens take
+    32 x 128 tiles with k-warps (28672x8192 1.7x, 4096x14336 1.4x against 0.9x on 32 x 256);
+    33-128 tokens 64 x 128 with k-warps where narrow (4096x14336 at 64 tokens 1.0x against
+    0.6x), else 64 x 256 (28672x8192 0.9x)."""
     big_smem = SMEM_LIMIT[arch] > 160 * 1024
     if tile is None:
-        tile = (TileConfig(16, 4, 1, 6 if big_smem else 5) if rows is not None and rows <= 16
-                else TileConfig(32, 4, 1, 5 if big_smem else 3) if rows is not None and rows <= 32
-                else TileConfig(64, 4, 2, 4 if big_smem else 2) if rows is not None
-                else TileConfig(64, 2, 2, 3) if not big_smem
-                else TileConfig(128, 4, 2, 3) if arch >= 90 else TileConfig(128, 2, 4, 3))
+        tile, chosen_kwarps = _w4_tile(rows, narrow, big_smem, arch)
+        kwarps = kwarps or chosen_kwarps
     return KernelSpec(op="sp24_w4", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
                       instr="mma", epilogue=epilogue, params={"kwarps": kwarps or 1})
+
+
+def _w4_tile(rows: int | None, narrow: bool, big_smem: bool, arch: int) -> tuple[TileConfig, int]:
+    """(tile, k-warps) of sp24_w4_spec's rules for this token bucket."""
+    if rows is not None and rows <= 16:
+        stages = 6 if big_smem else 5
+        return (TileConfig(16, 2, 1, stages), 2) if narrow else (TileConfig(16, 4, 1, stages), 1)
+    if rows is not None and rows <= 32:
+        return TileConfig(32, 2, 1, 6 if big_smem else 4), 2
+    if rows is not None:
+        stages = 4 if big_smem else 2
+        return (TileConfig(64, 2, 2, stages), 2) if narrow else (TileConfig(64, 4, 2, stages), 1)
+    if not big_smem:
+        return TileConfig(64, 2, 2, 3), 1
+    return (TileConfig(128, 4, 2, 3), 1) if arch >= 90 else (TileConfig(128, 2, 4, 3), 1)
+
+
+def w4_narrow(out_features: int, sm_count: int) -> bool:
+    """Whether a 4-bit weight of `out_features` rows takes sp24_w4's narrow decode tiles: its
+    256-row tiles would fill under a quarter of the SMs (a Llama-8B 4096-row projection on an
+    H100 or H200: 16 tiles on 132 SMs)."""
+    return 4 * -(-out_features // 256) < sm_count
 
 
 def gated_product_spec(dtype: str, arch: int, geglu: bool) -> KernelSpec:
@@ -311,8 +335,9 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     semi += [gated_product_spec(d, arch, geglu) for d in dtypes if d in ("bf16", "fp16") for geglu in (False, True)]
     semi += [sp24_quantize_spec(d, arch, src) for d in dtypes if d in BYTE_DTYPES for src in SCALED_OUTPUTS]
     # Int4Sparse24Linear's (W4A16), for bf16 and fp16 models, per batch-size bucket
-    semi += [sp24_w4_spec(d, arch, rows=rows, epilogue=e) for d in dtypes if d in ("bf16", "fp16") for rows in W4_ROWS
-             if rows is not None or arch < 90 for e in ("none", *epilogues.FUSED)]
+    semi += [sp24_w4_spec(d, arch, rows=rows, epilogue=e, narrow=narrow) for d in dtypes if d in ("bf16", "fp16")
+             for rows in W4_ROWS if rows is not None or arch < 90 for e in ("none", *epilogues.FUSED)
+             for narrow in ((False, True) if rows in (16, 128) else (False,))]
     semi += [sp24_compress_spec(d, arch, "sp24_w4_values") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
 
