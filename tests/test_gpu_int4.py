@@ -7,7 +7,7 @@ from torch import nn
 
 import sparsegen
 from sparsegen.jit import epilogues
-from sparsegen.semi24 import int4
+from sparsegen.semi24 import int4, int4_nn
 from sparsegen.semi24.int4_nn import (PREFILL_ROWS, Int4Sparse24Linear, prefill_on_16_bit, sp24_w4, w4_reference,
                                       w4_values)
 from sparsegen.jit.spec import TileConfig
@@ -104,3 +104,33 @@ def test_a_patched_llama_model_follows_its_dense_copy_and_generates():
     assert relative_error(got, want.double()) < 2e-2
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape == (2, 45)
+
+
+@torch.no_grad()
+def test_repeated_calls_take_the_lean_path_and_follow_the_weights(monkeypatch):
+    """No-grad calls launch their signature's plan (no sp24_w4 call), Y poisoned first and right
+    against float64; in-place new weights are read, a new scales tensor plans again, and float32
+    inputs take the checked path."""
+    full = []
+    real = int4_nn.sp24_w4
+    monkeypatch.setattr(int4_nn, "sp24_w4", lambda *a, **k: full.append(1) or real(*a, **k))
+    layer, other = layer_of(640, 336, torch.bfloat16), layer_of(640, 336, torch.bfloat16)
+    x = torch.randn(3, 5, 640, device="cuda", dtype=torch.bfloat16)
+
+    def error_of_call() -> float:
+        want = w4_reference(x.reshape(-1, 640), layer.qweight, layer.metadata, layer.scales, layer.bias,
+                            layer.group_size, "none")
+        torch.full((3, 5, 336), float("nan"), device="cuda", dtype=torch.bfloat16)  # the allocator's next block
+        return relative_error(layer(x).reshape(-1, 336), want)
+
+    layer(x)
+    full.clear()
+    assert error_of_call() < 5e-3 and not full
+    for name in ("qweight", "metadata", "scales"):
+        getattr(layer, name).copy_(getattr(other, name))  # in place: the planned addresses hold new weights
+    assert error_of_call() < 5e-3 and not full
+    layer.scales = other.scales * 2  # a new tensor: planned again (a stale plan would read the old scales)
+    assert error_of_call() < 5e-3
+    full.clear()
+    layer(x.float())
+    assert full

@@ -563,7 +563,9 @@ def run_case(case: Case, variants: list[str], modes: list[str], device, reps: in
 HOST_LAYERS, HOST_WIDTH, HOST_TOKENS = 24, 1024, 16
 HOST_KINDS = {"nn.Linear": lambda: nn.Linear(HOST_WIDTH, HOST_WIDTH),
               "BlockSparseLinear b64 d0.5": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, block=(64, 64), density=0.5),
-              "Sparse24Linear": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, sparsity="2:4")}
+              "Sparse24Linear": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, sparsity="2:4"),
+              "Int4Sparse24Linear": lambda: sparsegen.linear(HOST_WIDTH, HOST_WIDTH, sparsity="2:4", weight_dtype="int4",
+                                                             dtype=torch.bfloat16)}
 
 
 def host_stack(kind: str, device) -> nn.Module:

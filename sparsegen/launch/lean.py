@@ -71,13 +71,14 @@ class LeanLayer:
     allocation, 0.9 us, included) 2.1 us, against 3.4 us with the weights read as attributes
     and the checks in helpers."""
 
-    _values_in = "_parameters"  # the module dict that holds `values` (a one-byte layer's: _buffers)
+    _values_in = "_parameters"  # the module dict that holds the weight the calls are planned on
+    _values_name = "values"     # its name there (a 4-bit layer's: its buffer "qweight")
 
     def _lean_forward(self, x) -> torch.Tensor | None:
         """Y for x on the lean path, or None: the caller takes its full path."""
         if not applies(x):
             return None
-        values, bias = self.__dict__[self._values_in]["values"], self._parameters.get("bias")
+        values, bias = self.__dict__[self._values_in][self._values_name], self._parameters.get("bias")
         if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return None  # autograd records this call
@@ -107,6 +108,13 @@ class LeanLayer:
     def _forget_lean_calls(self) -> None:
         """After the layer's tensors were replaced (to(), a new layout): plan again."""
         self.__dict__.pop("_lean_calls", None)
+
+    def __setattr__(self, name: str, value) -> None:
+        """A tensor assigned to the layer (a new metadata or scales buffer, say) may be one a
+        plan points into: plan again. (Calls check only the weight's and bias's addresses.)"""
+        if isinstance(value, torch.Tensor):
+            self.__dict__.pop("_lean_calls", None)
+        super().__setattr__(name, value)
 
     def _apply(self, fn, *args, **kwargs):
         self._forget_lean_calls()

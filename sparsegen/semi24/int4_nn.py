@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .. import checkpoint
 from ..errors import expect
 from ..jit import epilogues
-from ..launch import calls, library, plans, runtime
+from ..launch import calls, lean, library, plans, runtime
 from ..layer import DenseWeightDescription, dense_linear
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
@@ -144,7 +144,7 @@ w4_product = library.eager_or_op(library.define(
     "int out_features, str epilogue) -> Tensor", _w4_product, _fake_w4_product), _w4_product)
 
 
-class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
+class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """Inference layer: `qweight` (int32 words of the kept values, int4.py's layout), `metadata`
     (mma.sp's, as Sparse24Linear's), `scales` [ceil(in / group), out] in the activations' dtype
     (bf16 or fp16), `bias`. Inputs in that dtype, or float32 (computed in it, returned in
@@ -215,7 +215,12 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     def weight(self) -> DenseWeightDescription:
         return DenseWeightDescription((self.out_features, self.in_features), self.scales.dtype, self.scales.device)
 
+    _values_in, _values_name = "_buffers", "qweight"  # (lean.LeanLayer: calls planned on the packed values)
+
     def forward(self, x: Tensor) -> Tensor:
+        y = self._lean_forward(x)  # a repeated signature: its planned launch
+        if y is not None:
+            return y
         scales = self._buffers["scales"]
         if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features
                 and (x.dtype is scales.dtype or x.dtype is torch.float32) and x.device == scales.device):
@@ -224,6 +229,23 @@ class Int4Sparse24Linear(epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
         y = w4_product(x2, self._buffers["qweight"], self._buffers["metadata"], scales, self._parameters.get("bias"),
                        self.group_size, self.out_features, self.epilogue)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _lean_call(self, x: Tensor, qweight: Tensor, bias) -> lean.LeanCall | None:
+        """lean.LeanLayer's plan of this signature: the 4-bit kernel's launch, or None where the
+        call takes the checked path (a float32, CPU or empty input, Hopper's prefill route)."""
+        scales = self._buffers["scales"]
+        if not (x.is_cuda and x.dtype is scales.dtype and x.device == scales.device and x.dim() >= 1
+                and x.shape[-1] == self.in_features and x.numel()):
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        if not (calls.runs_16bit_kernels(x2) and calls.tma_ready(qweight)) or prefill_on_16_bit(
+                x2.shape[0], x.device.index or 0):
+            return None
+        plan = _plan(x2, qweight, self._buffers["metadata"], scales, self.group_size, self.out_features, self.epilogue)
+        return lean.LeanCall(plan, x, qweight, bias)
+
+    def _after_load(self) -> None:
+        self._forget_lean_calls()
 
     def likely_specs(self, arch: int, sm_count: int) -> list:
         """The kernels this layer's forward likely takes at dispatch.LIKELY_ROWS tokens
