@@ -1,7 +1,7 @@
 """Tensor parallelism for sparsegen's layers through PyTorch's own API: ColwiseParallel and
 RowwiseParallel as torch.distributed.tensor.parallel has them, which also take every layer
-that lends its parts (layer.py's contract): Sparse24Linear, ScaledSparse24Linear and
-BlockSparseLinear (fused gated ones included), BlockEllLinear column-wise:
+that lends its parts (layer.py's contract): Sparse24Linear, ScaledSparse24Linear,
+Int4Sparse24Linear and BlockSparseLinear (fused gated ones included), BlockEllLinear column-wise:
 
     parallelize_module(model, mesh, {"model.layers.*.mlp.gate_up": sparsegen.parallel.ColwiseParallel(),
                                      "model.layers.*.mlp.down_proj": sparsegen.parallel.RowwiseParallel()})

@@ -16,10 +16,12 @@ def layers():
     dense = nn.Linear(256, 128)
     return {"2:4": sparsegen.Sparse24Linear.from_dense(dense),
             "block": sparsegen.BlockSparseLinear.from_dense(dense, block=(32, 32), density=0.5),
-            "int8": sparsegen.ScaledSparse24Linear.from_dense(dense, "int8")}
+            "int8": sparsegen.ScaledSparse24Linear.from_dense(dense, "int8"),
+            "int4": sparsegen.Int4Sparse24Linear.from_dense(dense, group_size=-1),
+            "int4 group 128": sparsegen.Int4Sparse24Linear.from_dense(dense, group_size=128)}
 
 
-@pytest.mark.parametrize("kind", ["2:4", "block", "int8"])
+@pytest.mark.parametrize("kind", ["2:4", "block", "int8", "int4"])
 @pytest.mark.parametrize("ranks, rank", [(2, 0), (2, 1), (4, 3)])
 def test_each_part_holds_exactly_its_rows_and_its_columns(kind, ranks, rank):
     layer = layers()[kind]
@@ -33,11 +35,32 @@ def test_each_part_holds_exactly_its_rows_and_its_columns(kind, ranks, rank):
     assert torch.equal(by_rows.bias.detach(), layer.bias.detach()[rows]) and by_columns.bias is None
     x = torch.randn(5, layer.in_features)
     if kind != "int8":  # (one-byte layers quantize their own columns of X per token: tested across ranks)
-        parts = [parallel._part(layer, slice(None), parallel._share(256, ranks, r, parallel._column_granule(layer),
-                                                                    ""), keep_bias=False) for r in range(ranks)]
-        summed = sum(p(x[:, parallel._share(256, ranks, r, parallel._column_granule(layer), "")])
-                     for r, p in enumerate(parts))
-        torch.testing.assert_close(summed + layer.bias.detach(), layer(x), rtol=1e-5, atol=1e-5)
+        summed_parts_match(layer, x, ranks)
+
+
+def summed_parts_match(layer, x, ranks: int) -> None:
+    """The column-wise parts' products summed, plus the bias once, are the layer's product (to
+    the rounding of each part's output: bfloat16 for a 4-bit layer)."""
+    shares = [parallel._share(layer.in_features, ranks, r, parallel._column_granule(layer), "") for r in range(ranks)]
+    parts = [parallel._part(layer, slice(None), share, keep_bias=False) for share in shares]
+    summed = sum(p(x[:, share]).float() for share, p in zip(shares, parts))
+    tol = 3e-2 if isinstance(layer, sparsegen.Int4Sparse24Linear) else 1e-5
+    torch.testing.assert_close(summed + layer.bias.detach().float(), layer(x).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("ranks, rank", [(2, 0), (2, 1)])
+def test_a_4_bit_part_keeps_its_values_positions_and_scale_groups(ranks, rank):
+    """Group 128: rows keep their scales, columns whole groups of them (a split inside a group
+    is refused); every part's weight is the whole's, exactly."""
+    layer = layers()["int4 group 128"]
+    whole = layer.to_dense_weight()
+    rows = parallel._share(128, ranks, rank, parallel._row_granule(layer), "out_features")
+    columns = parallel._share(256, ranks, rank, parallel._column_granule(layer), "in_features")
+    assert torch.equal(parallel._part(layer, rows, slice(None), keep_bias=True).to_dense_weight(), whole[rows])
+    assert torch.equal(parallel._part(layer, slice(None), columns, keep_bias=False).to_dense_weight(), whole[:, columns])
+    summed_parts_match(layer, torch.randn(3, 256), ranks)
+    with pytest.raises(InputError, match="multiple of 4 ranks x 128"):
+        parallel._share(256, 4, 0, parallel._column_granule(layer), "in_features")
 
 
 @pytest.mark.parametrize("ranks, rank", [(2, 1), (4, 2)])

@@ -16,7 +16,7 @@ from .. import checkpoint
 from ..errors import expect
 from ..jit import epilogues
 from ..launch import calls, lean, library, plans, runtime
-from ..layer import DenseWeightDescription, dense_linear
+from ..layer import DenseWeightDescription, dense_linear, in_units
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
 from .specs import sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_narrow, w4_rows_bucket
@@ -246,6 +246,28 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
 
     def _after_load(self) -> None:
         self._forget_lean_calls()
+
+    # Tensor parallelism (sparsegen.parallel): parts compute, but no TP_SHARDED - a part's scales
+    # ([groups, N]) split along another dim than its values and metadata, which one DTensor
+    # placement per layer cannot say - so a part's state_dict is refused by name.
+    def tp_granules(self) -> tuple[int, int]:
+        """Rows: whole 16-row lines; columns: whole scale groups (per channel: 64, as 2:4's)."""
+        return 16, self.group_size if self.group_size < self.in_features else 64
+
+    def tp_part(self, rows: slice, columns: slice, keep_bias: bool) -> "Int4Sparse24Linear":
+        """The layer of these weight rows and columns: its 4-bit values, kept positions and
+        scales exactly (nothing quantized again); per channel, its columns' scale is the row's."""
+        n, k = self.out_features, self.in_features
+        nibbles = int4.unpack(self.qweight)[rows, in_units(columns, 2)]
+        positions = semi24.stored_positions(self.metadata, n, k)[rows, in_units(columns, 4)]
+        per_channel = self.group_size >= k
+        scales = self.scales[:, rows] if per_channel else self.scales[in_units(columns, self.group_size), rows]
+        bias = self.bias.detach()[rows] if keep_bias and self.bias is not None else None
+        part = Int4Sparse24Linear._of_own_parts(
+            int4.pack(nibbles.contiguous()), semi24.pack_metadata(positions.contiguous()), scales.contiguous(), bias,
+            2 * nibbles.shape[1] if per_channel else self.group_size)
+        part.epilogue = self.epilogue
+        return part.train(self.training)
 
     def likely_specs(self, arch: int, sm_count: int) -> list:
         """The kernels this layer's forward likely takes at dispatch.LIKELY_ROWS tokens
