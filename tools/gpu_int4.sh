@@ -2,7 +2,8 @@
 # Issue 62's GPU work in one call: the 4-bit 2:4 GPU tests, the layer table (bench24.py --int4:
 # 1-64 and 2048 tokens) and the decode tile probe. Logs and results under $OUT.
 # Usage: SPARSEGEN_COMMIT=<hash> tools/gpu_int4.sh (INT4_TEST_TIMEOUT, INT4_BENCH_TIMEOUT, SKIP_TESTS, SKIP_BENCH,
-# SKIP_PROBE; NCU=1: Nsight Compute's view of the decode kernel on three shapes, M K N)
+# SKIP_PROBE; NCU=1: Nsight Compute's view of the decode kernel on four shapes, M K N; MODELS=1: whole-model
+# decode 8 / 32 in CUDA graphs at all 32 Llama-3-8B layers, and generate() with 4-bit 2:4)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT/results"
 source tools/device_env.sh
@@ -16,3 +17,7 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
     --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     python3 tools/ncu_case.py $case int4 128; done > "$OUT/ncu.log" 2>&1
 [ -z "${NCU:-}" ] || grep -E "sp24_w4|Throughput|Duration|Stall|Warp Cycles|Issued|Occupancy|Registers|Grid|Block Size|Shared Memory Config|Waves" "$OUT/ncu.log" | head -150
+[ -z "${MODELS:-}" ] || { timeout ${MODELS_TIMEOUT:-300} python3 tools/bench_models.py --cases llama8b32_decode8,llama8b32_decode32 \
+    --modes reduce-overhead --reps 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/results/19_models_llama8b32_int4.json" \
+    2>&1 | grep "^|"; timeout ${GEN_TIMEOUT:-150} python3 tools/bench_generate.py --families llama --modes eager \
+    --prompts 128 --batches 1,8 --new 64 --rounds 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/gen_int4.json" 2>&1 | grep "^|"; }
