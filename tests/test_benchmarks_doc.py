@@ -122,3 +122,22 @@ def test_a_cell_shows_only_its_latest_commits_runs():
     kept = benchmarks_md.current_rows([gone, old, repeat, new, newest])
     assert [(r["meta"]["commit"], [row["speedup"] for row in r["rows"]]) for r in kept] == [
         ("aaa", [1.1]), ("aaa", [1.2]), ("bbb", [1.3]), ("ccc", [1.0])]
+
+
+def test_generate_runs_merge_cell_by_cell_the_latest_run_winning():
+    """A generate() variant measured again replaces its older cell; variants only the older run
+    measured stay; the table lists both runs and says how its cells were chosen."""
+    def run(commit, *cells):
+        meta = dict(tool="bench_generate.py", gpu="G", date="2026-11-28", commit=commit, torch="t",
+                    command=f"PYTHONPATH=. python tools/bench_generate.py --{commit}")
+        raw = [dict(model="M", mode="eager", prompt=128, batch=1, new=64, variant=variant, tokens_per_s=tps,
+                    speedup=speedup, dense_copies_mb=0.0) for variant, tps, speedup in cells]
+        return dict(meta=meta, tables=[], raw=raw)
+    old = run("aaa", ("dense", 100.0, 1.0), ("2:4", 110.0, 1.1), ("b64d0.5", 95.0, 0.95))
+    new = run("bbb", ("dense", 120.0, 1.0), ("2:4", 150.0, 1.25))
+    (meta, table), = benchmarks_md.generate_tables([old, new])
+    assert [m["commit"] for m in table["runs"]] == ["bbb", "aaa"] and meta["commit"] == "aaa"
+    columns = [name for name, _ in table["columns"]]
+    row = dict(zip(columns, table["rows"][0]))
+    assert (row["dense tok/s"], row["2:4"], row["b64d0.5"]) == (120.0, 1.25, 0.95)
+    assert "latest run" in table["notes"][0]

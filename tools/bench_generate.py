@@ -376,8 +376,8 @@ def _generate_table(rows: list[dict]) -> Table:
         if mode == "static":  # what a compiled generate() costs before it runs at speed
             first = ", ".join(f"{v} {r['warmup_s']:g} s ({r['graphs']} graph)" for v, r in by.items() if "warmup_s" in r)
             table.notes.append(f"{model}, batch {batch}, prompt {prompt}: the first generate() call (Dynamo, "
-                               f"Inductor, CUDA graph records) took {first}; the models compiled in that order, "
-                               "the first paying the process's one-time compile costs.")
+                               f"Inductor, CUDA graph records) took {first}; the first model compiled in a "
+                               "process pays its one-time compile costs.")
     return table
 
 

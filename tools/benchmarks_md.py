@@ -114,9 +114,42 @@ def current_tables(tables: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
     return [tables[at] for at in sorted(latest.values())]
 
 
+def generate_tables(runs: list[dict]) -> list[tuple[dict, dict]]:
+    """bench_generate.py's generate() measurements merged cell by cell, one table per mode: per
+    (model, mode, prompt, batch, new) and variant, the latest run's row (file order), so a
+    variant measured again replaces its older figure and the rest stay; each ratio is its own
+    run's, and the table names every run its cells come from."""
+    import bench_generate  # late: it imports torch and transformers
+
+    latest: dict[tuple, tuple[dict, dict]] = {}
+    for run in runs:
+        for row in run.get("raw", []) if _generates(run) else []:
+            if "tokens_per_s" in row:
+                key = (row["model"], row["mode"], row["prompt"], row["batch"], row["new"], row["variant"])
+                latest[key] = (row, run["meta"])
+    by_mode: dict[str, list] = {}
+    for row, meta in latest.values():
+        by_mode.setdefault(row["mode"], []).append((row, meta))
+    made = []
+    for cells in by_mode.values():
+        table = bench_generate.tables_of([row for row, _ in cells])[0].as_dict()
+        table["runs"] = list({meta["commit"] + meta["command"]: meta for _, meta in cells}.values())
+        if len(table["runs"]) > 1:
+            table["notes"].insert(0, "Cells from the runs above: a variant measured again shows its latest run's "
+                                     "ratio, 'dense tok/s' the latest run's dense model; each ratio is within its run.")
+        made.append((table["runs"][-1], table))
+    return made
+
+
+def _generates(run: dict) -> bool:
+    return run["meta"].get("tool") == "bench_generate.py"
+
+
 def render(runs: list[dict]) -> str:
     models = [run for run in runs if "rows" in run or "host" in run]
-    tables = current_tables([(run["meta"], table) for run in runs for table in run.get("tables", [])])
+    tables = current_tables([(run["meta"], table) for run in runs for table in run.get("tables", [])
+                             if not (_generates(run) and table["section"] == "Whole models")])
+    tables = generate_tables(runs) + tables
     lines = [INTRO]
     for section in SECTIONS:
         body = model_lines(models) if section == "Whole models" and models else []
