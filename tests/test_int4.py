@@ -183,3 +183,21 @@ def test_the_layer_is_one_op_under_torch_compile_fullgraph():
     model = nn.Sequential(make_layer(n=128)[0].fuse("geglu"), make_layer(k=64, n=32)[0])
     x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
     torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x))
+
+
+@pytest.mark.parametrize("m, n, k, tile_rows, kwarps, splits", [
+    (1, 4096, 4096, 128, 2, 8),      # narrow: 32 tiles of 128 rows, two blocks per SM -> 8 splits
+    (16, 28672, 8192, 256, 1, 2),    # wide: 112 tiles of 256 rows -> 2 splits
+    (64, 4096, 4096, 128, 2, 4),     # 33-128 tokens: one block per SM -> 4 splits
+    (64, 28672, 8192, 256, 1, 1)])
+def test_decode_tiles_and_k_splits_follow_the_weights_width(m, n, k, tile_rows, kwarps, splits, monkeypatch):
+    """sp24_w4's rules on a 132-SM GPU (the H200 sweep's choices): narrow weights take 128-row
+    tiles with k-warps, and 33-128 tokens split K for one block per SM, not two."""
+    from sparsegen.launch import runtime
+    from sparsegen.semi24 import dispatch
+    from sparsegen.semi24.specs import sp24_w4_spec, w4_narrow, w4_rows_bucket, w_rows
+
+    monkeypatch.setattr(runtime, "sm_count", lambda index: 132)
+    spec = sp24_w4_spec("bf16", 90, rows=w4_rows_bucket(m), narrow=w4_narrow(n, 132))
+    assert (w_rows(spec), spec.param_values["kwarps"], spec.threads) == (tile_rows, kwarps, spec.tile.threads * kwarps)
+    assert dispatch.grid(spec, m, k, n, 0, None)[0] == (-(-n // tile_rows), -(-m // spec.tile.tile_m), splits)

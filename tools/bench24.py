@@ -156,10 +156,23 @@ def graph_ms(calls) -> float | None:
         return None
 
 
+# Bytes a weight of the 16-bit 2:4 layer (half the values, 2 metadata bits each) and of the
+# 4-bit one (group 128: half the values in 4 bits, the metadata, a 16-bit scale per 128): the
+# smallest layer a table times sizes its weight copies (hbm_copies).
+SP24_BYTES_PER_WEIGHT = 1 + 0.125
+INT4_BYTES_PER_WEIGHT = 0.25 + 0.125 + 2 / 128
+
+
+def hbm_copies(n: int, k: int, bytes_per_weight: float = INT4_BYTES_PER_WEIGHT) -> int:
+    """How many N x K weights of the smallest layer timed make 3x the L2 cache (at least 2): a
+    graph replaying one call per copy reads every variant's weights from HBM."""
+    return max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // int(bytes_per_weight * n * k)))
+
+
 def decode_weights(n: int, k: int) -> tuple[list, list]:
-    """bf16 N x K weights, dense and 2:4, as many as make 3x the L2 cache (at least 2): a graph
-    replaying one call per weight reads each from HBM."""
-    copies = max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // (2 * n * k)))
+    """bf16 N x K weights, dense and 2:4, as many as make 3x the L2 cache in the 2:4 weight's
+    bytes (at least 2): a graph replaying one call per weight reads each from HBM."""
+    copies = hbm_copies(n, k, SP24_BYTES_PER_WEIGHT)
     dense_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     return dense_ws, [sparsegen.to_sparse24(w) for w in dense_ws]
 
@@ -172,7 +185,8 @@ def decode_table(weights=DECODE_WEIGHTS, tokens=DECODE_TOKENS) -> Table:
     table = Table("2:4 semi-structured", "2:4 decode, 1-128 tokens, bf16, weights read from HBM", [
         ("weight N x K", ""), ("M", ""), ("dense eager ms", ".4f"), ("sparsegen eager", "x"), ("cuSPARSELt eager", "x"),
         ("dense graph ms", ".4f"), ("sparsegen graph", "x"), ("cuSPARSELt graph", "x"), ("graph: > 1.3x and > cuSPARSELt", "")],
-        "graph: calls replayed from one CUDA graph over weights 3x the L2 cache (no launch cost)")
+        "graph: calls replayed from one CUDA graph over weights 3x the L2 cache in the 2:4 weight's bytes "
+        "(no launch cost)")
     for n, k in weights:
         dense_ws, sparse = decode_weights(n, k)
         peers = [_cusparselt_weight(s.to_dense(), to_sparse_semi_structured) for s in sparse]
@@ -201,7 +215,8 @@ def int4_table(weights=INT4_WEIGHTS, tokens=INT4_TOKENS) -> Table:
     table = Table("2:4 semi-structured", "4-bit 2:4 (W4A16, group 128) layer against bf16 dense, bf16 2:4 and FP8 2:4", [
         ("weight N x K", ""), ("M", ""), ("dense graph ms", ".4f"), ("bf16 2:4", "x"), ("FP8 2:4", "x"),
         ("int4 2:4", "x"), ("int4 vs FP8 2:4", "x")],
-        "ratios: dense time / the layer's (above 1 = faster); CUDA-graph replays, weights from HBM")
+        "ratios: dense time / the layer's (above 1 = faster); CUDA-graph replays, weights from HBM; int4 vs "
+        "FP8 2:4: the FP8 layer's time / the int4 layer's")
     for n, k in weights:
         layers = _int4_peers(n, k)
         for m in tokens:
@@ -213,17 +228,6 @@ def int4_table(weights=INT4_WEIGHTS, tokens=INT4_TOKENS) -> Table:
                       None if None in (times[2], times[3]) else times[2] / times[3])
         del layers
     return table
-
-
-# Bytes a weight of the 4-bit 2:4 layer (group 128): half the values in 4 bits, the 16-bit
-# metadata's 2 bits per kept value, a 16-bit scale per 128 - the smallest layer these tables time.
-INT4_BYTES_PER_WEIGHT = 0.25 + 0.125 + 2 / 128
-
-
-def hbm_copies(n: int, k: int, bytes_per_weight: float = INT4_BYTES_PER_WEIGHT) -> int:
-    """How many N x K weights of the smallest layer timed make 3x the L2 cache (at least 2): a
-    graph replaying one call per copy reads every variant's weights from HBM."""
-    return max(2, -(-3 * torch.cuda.get_device_properties(0).L2_cache_size // int(bytes_per_weight * n * k)))
 
 
 def _int4_peers(n: int, k: int) -> list[list]:

@@ -101,9 +101,7 @@ def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, re
     than `resident` (default: one per SM), each walking tiles x, x + grid x, ...), K splits
     (whole stages) in z."""
     tiles_n, tiles_m = -(-n // w_rows(spec)), -(-m // spec.tile.tile_m)
-    decode = spec.instr == "tma" and rows_bucket(m) is not None
-    per_sm, min_stages = (1, _DECODE_MIN_STAGES[rows_bucket(m)]) if decode else (_W4_SMALL_BATCH_PER_SM, 1) if (
-        spec.op == "sp24_w4" and m > 32) else (2, 1)
+    per_sm, min_stages = _split_rule(spec, m)
     wanted = splits or (k_splits(tiles_n * tiles_m, k, device_index, per_sm, min_stages) if m <= 256 else 1)
     k_split = -(-k // (wanted * SP24_STAGE_K)) * SP24_STAGE_K
     splits_k = -(-k // k_split)
@@ -113,6 +111,15 @@ def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, re
     items = -(-tiles_n // cluster) * tiles_m
     slots = runtime.persistent_blocks(resident or runtime.sm_count(device_index)) // cluster
     return (cluster * (items if splits_k > 1 else min(items, slots)), 1, splits_k), k_split
+
+
+def _split_rule(spec, m: int) -> tuple[int, int]:
+    """(blocks per SM that K splits aim for, stages of K a split keeps at least) for M tokens."""
+    if spec.instr == "tma" and rows_bucket(m) is not None:  # wgmma.sp decode
+        return 1, _DECODE_MIN_STAGES[rows_bucket(m)]
+    if spec.op == "sp24_w4" and m > 32:
+        return _W4_SMALL_BATCH_PER_SM, 1
+    return 2, 1
 
 
 def tile_counts(spec, m: int, n: int) -> int:

@@ -67,9 +67,15 @@ _PLANS = plans.PlanCache()
 def _w4_product(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
                 out_features: int, epilogue: str) -> Tensor:
     """Y [M, out] in X's dtype (the scales'): the kernel on a GPU, the float64 reference elsewhere."""
-    if not (calls.runs_16bit_kernels(x2) and x2.numel() and calls.tma_ready(qweight)):
+    if not _on_kernel(x2, qweight):
         return w4_reference(x2, qweight, metadata, scales, bias, group, epilogue).to(x2.dtype).contiguous()
     return sp24_w4(x2, qweight, metadata, scales, bias, group, out_features, epilogue)
+
+
+def _on_kernel(x2: Tensor, qweight: Tensor) -> bool:
+    """Whether a product of these operands runs the kernels (rows to compute, CUDA 16-bit X, an
+    aligned weight) rather than the reference."""
+    return bool(x2.numel()) and calls.runs_16bit_kernels(x2) and calls.tma_ready(qweight)
 
 
 def sp24_w4(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
@@ -222,8 +228,7 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         if y is not None:
             return y
         scales = self._buffers["scales"]
-        if not (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features
-                and (x.dtype is scales.dtype or x.dtype is torch.float32) and x.device == scales.device):
+        if not self._takes(x, scales):
             self._explain_bad_input(x)  # (one test for the common case; messages only when wrong)
         x2 = x.reshape(-1, self.in_features).to(scales.dtype)
         y = w4_product(x2, self._buffers["qweight"], self._buffers["metadata"], scales, self._parameters.get("bias"),
@@ -234,12 +239,10 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         """lean.LeanLayer's plan of this signature: the 4-bit kernel's launch, or None where the
         call takes the checked path (a float32, CPU or empty input, Hopper's prefill route)."""
         scales = self._buffers["scales"]
-        if not (x.is_cuda and x.dtype is scales.dtype and x.device == scales.device and x.dim() >= 1
-                and x.shape[-1] == self.in_features and x.numel()):
+        if not (x.dtype is scales.dtype and self._takes(x, scales)):
             return None
         x2 = x.reshape(-1, self.in_features)
-        if not (calls.runs_16bit_kernels(x2) and calls.tma_ready(qweight)) or prefill_on_16_bit(
-                x2.shape[0], x.device.index or 0):
+        if not _on_kernel(x2, qweight) or prefill_on_16_bit(x2.shape[0], x.device.index or 0):
             return None
         plan = _plan(x2, qweight, self._buffers["metadata"], scales, self.group_size, self.out_features, self.epilogue)
         return lean.LeanCall(plan, x, qweight, bias)
@@ -280,6 +283,11 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         if hopper:
             found += [sp24_compress_spec(name, arch, "sp24_w4_values"), sp24_spec(name, arch, epilogue=self.epilogue)]
         return found
+
+    def _takes(self, x, scales: Tensor) -> bool:
+        """x of the layer's width, on its device, in its dtype or float32 (what forward accepts)."""
+        return (isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features
+                and (x.dtype is scales.dtype or x.dtype is torch.float32) and x.device == scales.device)
 
     def _explain_bad_input(self, x) -> None:
         expect(isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features,
