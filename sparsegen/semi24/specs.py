@@ -170,8 +170,9 @@ def _kwarps(spec: KernelSpec) -> int:
     return spec.param_values["kwarps"]
 
 
-# sp24_w4's warps per W rows and tokens, each taking a share of a stage's instruction steps
-KWARPS = registry.Param("kwarps", 1, choices=(1, 2, 4), named_at_default=False,
+# sp24_w4's warps per W rows and tokens, each taking a share of a stage's instruction steps (not
+# 4: four times a 4-warp tile is 512 threads, whose 128 registers each spill - SASS, sm_80 / sm_90)
+KWARPS = registry.Param("kwarps", 1, choices=(1, 2), named_at_default=False,
                         doc="warps sharing a tile's W rows and tokens, each a share of K (sums met in shared memory)")
 
 
