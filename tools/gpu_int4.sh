@@ -19,5 +19,5 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 [ -z "${NCU:-}" ] || grep -E "sp24_w4|Throughput|Duration|Stall|Warp Cycles|Issued|Occupancy|Registers|Grid|Block Size|Shared Memory Config|Waves" "$OUT/ncu.log" | head -150
 [ -z "${MODELS:-}" ] || { timeout ${MODELS_TIMEOUT:-300} python3 tools/bench_models.py --cases llama8b32_decode8,llama8b32_decode32 \
     --modes reduce-overhead --reps 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/results/19_models_llama8b32_int4.json" \
-    2>&1 | grep "^|"; timeout ${GEN_TIMEOUT:-150} python3 tools/bench_generate.py --families llama --modes eager \
-    --prompts 128 --batches 1,8 --new 64 --rounds 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/gen_int4.json" 2>&1 | grep "^|"; }
+    2>&1 | tee "$OUT/models.log" | grep "^|"; timeout ${GEN_TIMEOUT:-150} python3 tools/bench_generate.py --families llama --modes eager \
+    --prompts 128 --batches 1,8 --new 64 --rounds 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/gen_int4.json" 2>&1 | tee "$OUT/gen.log" | grep "^|"; }
