@@ -84,7 +84,7 @@ def test_prefill_takes_the_16_bit_kernel_on_hopper_and_the_4_bit_one_elsewhere()
 def test_compiled_and_graphed_layers_give_the_eager_output(mode):
     model = nn.Sequential(layer_of(512, 256, torch.bfloat16), nn.GELU(), layer_of(256, 128, torch.bfloat16))
     compiled = torch.compile(model, mode=None if mode == "compile" else mode, fullgraph=True)
-    for m in (1, 9, 1, 9):  # fresh inputs each call; graphs replayed
+    for m in (1, 9, 1, 9, 160):  # fresh inputs each call; graphs replayed; 160: Hopper's prefill route
         x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             assert torch.equal(compiled(x).clone(), model(x))

@@ -26,17 +26,21 @@ LAYERS = {
     "2:4": lambda bias: sparsegen.Sparse24Linear(64, 48, bias=bias),
     "scaled-e4m3": lambda bias: scaled(bias),
     "scaled-int8": lambda bias: scaled(bias, "int8"),
+    "int4": lambda bias: sparsegen.Int4Sparse24Linear.from_dense(torch.nn.Linear(128, 48, bias=bias,
+                                                                                 dtype=torch.bfloat16)),
 }
+SIXTEEN_BIT_INPUT = ("scaled-e4m3", "scaled-int8", "int4")
 # A graph input is no kernel Inductor computes: the scaled layers quantize it in their launcher
 LAUNCHERS = {"block-sparse": "sparsegen_bsr_dds", "2:4": "sparsegen_sp24_dds",
-             "scaled-e4m3": "sparsegen_sp24_scaled_linear", "scaled-int8": "sparsegen_sp24_scaled_linear"}
+             "scaled-e4m3": "sparsegen_sp24_scaled_linear", "scaled-int8": "sparsegen_sp24_scaled_linear",
+             "int4": "sparsegen_sp24_w4_linear"}
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kind", LAYERS)
 def test_compiled_graph_calls_the_launcher_into_its_own_buffer(kind, bias):
     layer = LAYERS[kind](bias)
-    x = torch.randn(3, 5, layer.in_features, dtype=torch.bfloat16 if kind.startswith("scaled") else torch.float32)
+    x = torch.randn(3, 5, layer.in_features, dtype=torch.bfloat16 if kind in SIXTEEN_BIT_INPUT else torch.float32)
     got, (source, *_) = compiled_code(layer, x)
     missing = ('' if bias else '_no_bias') + ('_no_input_scale' if kind.startswith("scaled") else '')
     assert f"extern_kernels.{LAUNCHERS[kind]}{missing}(" in source, source

@@ -9,7 +9,7 @@ import torch
 from ..launch import calls, kept_index, lean, plans, runtime
 from ..jit import registry
 from . import autograd  # noqa: F401 (defines torch.ops.sparsegen.sp24_dds, the fallback below)
-from . import grouped, ops, scaled_lean, specs
+from . import grouped, int4_nn, ops, scaled_lean, specs
 from . import scaled  # (defines torch.ops.sparsegen.sp24_scaled_dds and sp24_scaled_linear)
 
 # The launcher's plans, per weight and call signature (the graph's checks ran when it was traced).
@@ -260,4 +260,5 @@ LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
              registry.Lowering("sp24_scaled_dds", sp24_scaled_dds_into, output_dtype=lambda dtype, args: args[7],
                                own_args=_ScaledArgs),
              registry.Lowering("sp24_scaled_linear", sp24_scaled_linear_into, output_dtype=lambda dtype, args: args[7],
-                               own_args=_ScaledLinearArgs, inline=_quantized_by_inductor))
+                               own_args=_ScaledLinearArgs, inline=_quantized_by_inductor),
+             registry.Lowering("sp24_w4_linear", int4_nn.sp24_w4_linear_into, own_args=int4_nn.W4Args))

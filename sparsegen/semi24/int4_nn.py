@@ -141,6 +141,26 @@ def _on_16_bit_kernel(x2: Tensor, values: Tensor, metadata: Tensor, bias, out_fe
 _PREFILL_PLANS = plans.SignatureCache()
 
 
+def sp24_w4_linear_into(x, qweight, metadata, scales, bias, group, out_features, epilogue, *, out):
+    """sp24_w4_linear as a compiled graph calls it (registry.Lowering, semi24/compiled.py): into
+    Inductor's buffer, by the plan kept for this signature; the reference (CPU) into a copy."""
+    if _on_kernel(x, qweight) and calls.fits_in_place(out):
+        sp24_w4(x, qweight, metadata, scales, bias, group, out_features, epilogue, out=out)
+    else:
+        out.copy_(_w4_product(x, qweight, metadata, scales, bias, group, out_features, epilogue))
+
+
+class W4Args:
+    """sp24_w4_linear's arguments as the lowering reads them: x, qweight, metadata, scales,
+    bias, then group, out_features and epilogue."""
+    tensors = ("x", "qweight", "metadata", "scales", "bias")
+    optional = ("bias",)
+
+    @staticmethod
+    def out_features_and_epilogue(args: tuple) -> tuple:
+        return args[6], args[7]
+
+
 def _fake_w4_product(x2, qweight, metadata, scales, bias, group, out_features, epilogue):
     return x2.new_empty((x2.shape[0], epilogues.output_features(epilogue, out_features)))
 
