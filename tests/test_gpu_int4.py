@@ -90,6 +90,19 @@ def test_compiled_and_graphed_layers_give_the_eager_output(mode):
             assert torch.equal(compiled(x).clone(), model(x))
 
 
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_input_gradient_on_the_gpu_matches_the_cpu(mode):
+    """A training step around a frozen 4-bit layer (swiglu fused, QLoRA-style): x's gradient
+    from the GPU kernels against the CPU's float64 path."""
+    layer = layer_of(1024, 512, torch.bfloat16).fuse("swiglu")
+    x = torch.randn(37, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16)
+    (layer if mode == "eager" else torch.compile(layer))(x).backward(dy)
+    cpu_x = x.detach().cpu().requires_grad_()
+    layer.cpu()(cpu_x).backward(dy.cpu())
+    assert relative_error(x.grad.cpu(), cpu_x.grad.double()) < 2e-2
+
+
 def test_a_patched_llama_model_follows_its_dense_copy_and_generates():
     import transformers  # (a test dependency: its absence is an error, not a skip)
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=2,

@@ -201,3 +201,21 @@ def test_decode_tiles_and_k_splits_follow_the_weights_width(m, n, k, tile_rows, 
     spec = sp24_w4_spec("bf16", 90, rows=w4_rows_bucket(m), narrow=w4_narrow(n, 132))
     assert (w_rows(spec), spec.param_values["kwarps"], spec.threads) == (tile_rows, kwarps, spec.tile.threads * kwarps)
     assert dispatch.grid(spec, m, k, n, 0, None)[0] == (-(-n // tile_rows), -(-m // spec.tile.tile_m), splits)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "swiglu"])
+def test_input_gradient_of_a_frozen_4_bit_layer(epilogue, mode):
+    """Layers around a frozen 4-bit layer train (QLoRA-style): x's gradient is dP W (W
+    dequantized, dP the epilogue's gradient at the product), the layer's tensors get none."""
+    layer, _ = make_layer()
+    layer.fuse(epilogue)
+    x = torch.randn(2, 5, 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 5, epilogues.output_features(epilogue, 48), dtype=torch.float64)
+    run = layer if mode == "eager" else torch.compile(layer, fullgraph=True)
+    run(x).backward(dy.to(torch.bfloat16))
+    weight = layer.to_dense_weight().double()
+    product = (x.detach().double() @ weight.t() + layer.bias.double()).requires_grad_()
+    d_product, = torch.autograd.grad(epilogues.reference(product, epilogue), product, dy)
+    assert relative_error(x.grad, d_product @ weight) < 2e-2
+    assert not any(t.requires_grad for t in (layer.qweight, layer.scales, layer.bias))

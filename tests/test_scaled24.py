@@ -199,16 +199,17 @@ def test_bad_input_errors(call, message):
         call()
 
 
+@pytest.mark.parametrize("mode", ["eager", "compile"])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "swiglu"])
 @pytest.mark.parametrize("weight_dtype", sorted(WEIGHT_DTYPES))
-def test_input_gradient_passes_the_quantization_straight_through(epilogue, weight_dtype):
+def test_input_gradient_passes_the_quantization_straight_through(epilogue, weight_dtype, mode):
     """Layers around a frozen scaled layer train: x's gradient is dP W (W dequantized, dP the
     epilogue's gradient at the quantized product), the layer's own tensors get none."""
     layer, _ = make_layer(weight_dtype=weight_dtype)
     layer.fuse(epilogue)
     x = torch.randn(2, 5, 192, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(2, 5, layer.output_features, dtype=torch.float64)
-    layer(x).backward(dy.to(torch.bfloat16))
+    (layer if mode == "eager" else torch.compile(layer, fullgraph=True))(x).backward(dy.to(torch.bfloat16))
     product = reference(make_unfused(layer), x.detach()).requires_grad_()
     d_product, = torch.autograd.grad(epilogues.reference(product, epilogue), product, dy)
     want = d_product @ layer.to_dense_weight().double()

@@ -170,6 +170,32 @@ w4_product = library.eager_or_op(library.define(
     "int out_features, str epilogue) -> Tensor", _w4_product, _fake_w4_product), _w4_product)
 
 
+def int4_product(x: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias: Tensor | None, group: int,
+                 out_features: int, epilogue: str = "none") -> Tensor:
+    """x [..., K] (the scales' dtype or float32, computed in the scales') times the 4-bit
+    weight, bias and epilogue applied, in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).to(scales.dtype)
+    y = w4_product(x2, qweight, metadata, scales, bias, group, out_features, epilogue)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+class _InputGradient(torch.autograd.Function):
+    """int4_product, no epilogue, for an input that needs its gradient (the layer's 4-bit
+    values are frozen): trainable layers around a frozen 4-bit one, QLoRA-style. dX = dY W, W
+    dequantized for the backward, then dropped. The layer applies its epilogue after."""
+
+    @staticmethod
+    def forward(ctx, x, qweight, metadata, scales, bias, group, out_features):
+        ctx.save_for_backward(qweight, metadata, scales)
+        ctx.group = group
+        return int4_product(x, qweight, metadata, scales, bias, group, out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight = dequantized_weight(*ctx.saved_tensors, ctx.group)
+        return (dy @ weight.to(dy.dtype),) + (None,) * 6
+
+
 class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
     """Inference layer: `qweight` (int32 words of the kept values, int4.py's layout), `metadata`
     (mma.sp's, as Sparse24Linear's), `scales` [ceil(in / group), out] in the activations' dtype
@@ -247,13 +273,14 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         y = self._lean_forward(x)  # a repeated signature: its planned launch
         if y is not None:
             return y
-        scales = self._buffers["scales"]
-        if not self._takes(x, scales):
+        buffers = self._buffers
+        if not self._takes(x, buffers["scales"]):
             self._explain_bad_input(x)  # (one test for the common case; messages only when wrong)
-        x2 = x.reshape(-1, self.in_features).to(scales.dtype)
-        y = w4_product(x2, self._buffers["qweight"], self._buffers["metadata"], scales, self._parameters.get("bias"),
-                       self.group_size, self.out_features, self.epilogue)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        args = (x, buffers["qweight"], buffers["metadata"], buffers["scales"], self._parameters.get("bias"),
+                self.group_size, self.out_features, self.epilogue)
+        if torch.is_grad_enabled() and x.requires_grad:  # layers around it train (QLoRA-style): x's gradient
+            return epilogues.differentiable(_InputGradient.apply(*args[:-1]), self.epilogue)
+        return int4_product(*args)
 
     def _lean_call(self, x: Tensor, qweight: Tensor, bias) -> lean.LeanCall | None:
         """lean.LeanLayer's plan of this signature: the 4-bit kernel's launch, or None where the

@@ -139,28 +139,19 @@ def scaled_product(x: Tensor, values: Tensor, metadata: Tensor, w_scale: Tensor,
 
 
 class _InputGradient(torch.autograd.Function):
-    """scaled_product for an input that needs its gradient (the layer's own tensors are frozen
-    bytes and never get one): trainable layers around a frozen quantized one (QLoRA-style).
-    The gradient passes the activations' quantization straight through: dX = dP (w_scale W),
-    dP the gradient before the epilogue, whose product is computed again for it."""
+    """scaled_product, no epilogue, for an input that needs its gradient (the layer's own tensors
+    are frozen bytes and never get one): trainable layers around a frozen quantized one
+    (QLoRA-style). The gradient passes the activations' quantization straight through:
+    dX = dY (w_scale W). The layer applies its epilogue after, as autograd records it."""
 
     @staticmethod
-    def forward(ctx, x, values, metadata, w_scale, bias, input_scale, epilogue):
-        ctx.save_for_backward(x, values, metadata, w_scale, bias, input_scale)
-        ctx.epilogue = epilogue
-        return scaled_product(x, values, metadata, w_scale, bias, input_scale, epilogue)
+    def forward(ctx, x, values, metadata, w_scale, bias, input_scale):
+        ctx.save_for_backward(values, metadata, w_scale)
+        return scaled_product(x, values, metadata, w_scale, bias, input_scale)
 
     @staticmethod
     def backward(ctx, dy):
-        x, values, metadata, w_scale, bias, input_scale = ctx.saved_tensors
-        d_product = dy
-        if ctx.epilogue != "none":
-            with torch.enable_grad():
-                product = scaled_product(x.detach(), values, metadata, w_scale, bias, input_scale).float()
-                product.requires_grad_()
-                d_product, = torch.autograd.grad(epilogues.reference(product, ctx.epilogue), product, dy.float())
-        weight = dequantized(values, metadata, w_scale).to(x.dtype)
-        return (d_product.to(x.dtype) @ weight,) + (None,) * 6
+        return (dy @ dequantized(*ctx.saved_tensors).to(dy.dtype),) + (None,) * 5
 
 
 class ScaledSparse24Linear(lean.LeanLayer, WeightLike, epilogues.Fusable, checkpoint.CheckedLoad, nn.Module):
@@ -276,7 +267,7 @@ class ScaledSparse24Linear(lean.LeanLayer, WeightLike, epilogues.Fusable, checkp
         _check_input(x, self.values, self.in_features)
         args = (x, self.values, self.metadata, self.weight_scale, self.bias, self.input_scale, self.epilogue)
         if torch.is_grad_enabled() and x.requires_grad:  # layers around it train: x's gradient
-            return _InputGradient.apply(*args)
+            return epilogues.differentiable(_InputGradient.apply(*args[:-1]), self.epilogue)
         return scaled_product(*args)
 
     def _launched(self, x) -> Tensor | None:
