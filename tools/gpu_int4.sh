@@ -3,7 +3,9 @@
 # 1-64 and 2048 tokens) and the decode tile probe. Logs and results under $OUT.
 # Usage: SPARSEGEN_COMMIT=<hash> tools/gpu_int4.sh (INT4_TEST_TIMEOUT, INT4_BENCH_TIMEOUT, SKIP_TESTS, SKIP_BENCH,
 # SKIP_PROBE; NCU=1: Nsight Compute's view of the decode kernel on four shapes, M K N; MODELS=1: whole-model
-# decode 8 / 32 in CUDA graphs at all 32 Llama-3-8B layers, and generate() with 4-bit 2:4)
+# decode 8 / 32 in CUDA graphs at all 32 Llama-3-8B layers, and generate() with 4-bit 2:4; PROFILE=1: GPU time
+# by kernel kind of a 32-layer decode step (PROFILE_CASE, default llama8b32_decode8), compiled, dense / 2:4 / FP8 / 4-bit;
+# COMPILE=1: the 4-layer decode 8 / 32 under plain torch.compile, dense / FP8 2:4 / 4-bit 2:4)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT/results"
 source tools/device_env.sh
@@ -21,3 +23,9 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
     --modes reduce-overhead --reps 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/results/19_models_llama8b32_int4.json" \
     2>&1 | tee "$OUT/models.log" | grep "^|"; timeout ${GEN_TIMEOUT:-150} python3 tools/bench_generate.py --families llama --modes eager \
     --prompts 128 --batches 1,8 --new 64 --rounds 3 --variants dense,2:4,fp8-2:4,int4-2:4 --json "$OUT/gen_int4.json" 2>&1 | tee "$OUT/gen.log" | grep "^|"; }
+[ -z "${PROFILE:-}" ] || timeout ${PROFILE_TIMEOUT:-200} python3 tools/profile_gpu_time.py --case ${PROFILE_CASE:-llama8b32_decode8} \
+  --mode compile --top 12 --json "$OUT/results/19_profile_decode.json" dense 2:4 fp8-2:4 int4-2:4 2>&1 | tee "$OUT/profile.log" \
+  | grep -v "Warn\|warn"
+[ -z "${COMPILE:-}" ] || timeout ${COMPILE_TIMEOUT:-200} python3 tools/bench_models.py --cases llama8b_decode8,llama8b_decode32 \
+  --modes compile --reps 3 --variants dense,fp8-2:4,int4-2:4 --json "$OUT/results/19_models_llama8b_int4_compile.json" 2>&1 \
+  | tee "$OUT/compile.log" | grep "^|"
