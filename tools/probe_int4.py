@@ -1,7 +1,7 @@
 """Time the 4-bit 2:4 kernel's decode tiles, k-warps and K splits against cuBLAS bf16 (CUDA-graph
 replays over weights 3x the L2 cache in the 4-bit layer's bytes, as bench24.py --int4 times
 layers): which sp24_w4 configuration reads the weight fastest at 1-64 tokens.
-GPU: PYTHONPATH=. python tools/probe_int4.py [--quick]"""
+GPU: PYTHONPATH=. python tools/probe_int4.py [--quick] [--weights 28672x4096,6144x4096] [--tokens 1,8,16]"""
 from __future__ import annotations
 
 import sys
@@ -60,5 +60,12 @@ def _timed(base, x, layers, n, tile, kwarps, splits):
     return (base / t if t else 0.0, label(tile, kwarps), str(splits))
 
 
+def _option(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 if __name__ == "__main__":
-    main(tokens=(1, 16) if "--quick" in sys.argv else (1, 16, 32, 64))
+    shapes = _option("--weights", "28672x8192,14336x4096,4096x14336,4096x4096")
+    tokens = _option("--tokens", "1,16" if "--quick" in sys.argv else "1,16,32,64")
+    main(tuple(tuple(int(d) for d in shape.split("x")) for shape in shapes.split(",")),
+         tuple(int(m) for m in tokens.split(",")))
