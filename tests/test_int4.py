@@ -188,11 +188,13 @@ def test_the_layer_is_one_op_under_torch_compile_fullgraph():
 @pytest.mark.parametrize("m, n, k, tile_rows, kwarps, splits", [
     (1, 4096, 4096, 128, 2, 8),      # narrow: 32 tiles of 128 rows, two blocks per SM -> 8 splits
     (16, 28672, 8192, 256, 1, 2),    # wide: 112 tiles of 256 rows -> 2 splits
+    (8, 1024, 4096, 128, 2, 8),      # narrow k/v: 8 tiles; 33 would split K in one-stage slices -> 8 (4 stages each)
     (64, 4096, 4096, 128, 2, 4),     # 33-128 tokens: one block per SM -> 4 splits
     (64, 28672, 8192, 256, 1, 1)])
 def test_decode_tiles_and_k_splits_follow_the_weights_width(m, n, k, tile_rows, kwarps, splits, monkeypatch):
     """sp24_w4's rules on a 132-SM GPU (the H200 sweep's choices): narrow weights take 128-row
-    tiles with k-warps, and 33-128 tokens split K for one block per SM, not two."""
+    tiles with k-warps, 1-32 tokens keep 4 stages a split, and 33-128 tokens split K for one
+    block per SM, not two."""
     from sparsegen.launch import runtime
     from sparsegen.semi24 import dispatch
     from sparsegen.semi24.specs import sp24_w4_spec, w4_narrow, w4_rows_bucket, w_rows

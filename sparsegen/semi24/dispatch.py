@@ -94,6 +94,12 @@ _DECODE_MIN_STAGES = {32: 1, 128: 24}
 # (splits x M x N) outweigh a small 4-bit weight there: 4096x4096 at 64 tokens ran 0.69x
 # cuBLAS bf16 in 4 splits and 0.51x in 8 (an H200, tools/probe_int4.py)
 _W4_SMALL_BATCH_PER_SM = 1
+# sp24_w4 at 1-32 tokens: a split keeps 4 stages (512 of K) at least. A k/v projection's
+# 1024x4096 weight makes 8 tiles, which two blocks per SM split into 32 one-stage slices of
+# float32 sums; in 8 splits it ran 1.03x cuBLAS bf16 at 8 tokens (0.82x in 32), 0.89x at 16
+# (0.57x), 0.54x at 32 (0.30x) (an H200, tools/probe_int4.py --weights 1024x4096). Wider
+# weights split 8 ways or fewer anyway.
+_W4_DECODE_MIN_STAGES = 4
 
 
 def grid(spec, m: int, k: int, n: int, device_index: int, splits: int | None, resident: int | None = None):
@@ -117,8 +123,8 @@ def _split_rule(spec, m: int) -> tuple[int, int]:
     """(blocks per SM that K splits aim for, stages of K a split keeps at least) for M tokens."""
     if spec.instr == "tma" and rows_bucket(m) is not None:  # wgmma.sp decode
         return 1, _DECODE_MIN_STAGES[rows_bucket(m)]
-    if spec.op == "sp24_w4" and m > 32:
-        return _W4_SMALL_BATCH_PER_SM, 1
+    if spec.op == "sp24_w4":
+        return (_W4_SMALL_BATCH_PER_SM, 1) if m > 32 else (2, _W4_DECODE_MIN_STAGES)
     return 2, 1
 
 
