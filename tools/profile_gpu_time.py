@@ -30,7 +30,11 @@ NAME_WIDTH = 100  # of a kernel's name, in the lists
 
 
 def kind_of(kernel: str) -> str:
+    """A kernel's kind by its name. Inductor's Triton kernels first: their names list the ops
+    they fuse, which may be ours (`triton_poi_fused_..._sp24_dds_...` reads a product's output)."""
     name = kernel.lower()
+    if name.startswith("triton_"):
+        return "Triton (Inductor)"
     return next((kind for kind, marks in KINDS if any(mark in name for mark in marks)), "other")
 
 
