@@ -116,7 +116,8 @@ def test_layers_are_made_from_faces_only_through_the_contract_check():
 
 def test_the_shipped_layouts_are_declared_as_plugins_are():
     """pyproject.toml names each shipped layout's specs module in the entry-point group, as a
-    plugin's does (sparsegen loads them by name, so a checkout needs no installed metadata)."""
+    plugin's does; they load through those entries (made alike in a checkout with no installed
+    metadata)."""
     import tomllib
 
     from sparsegen.jit import registry
@@ -124,3 +125,26 @@ def test_the_shipped_layouts_are_declared_as_plugins_are():
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     declared = project["project"]["entry-points"][registry.ENTRY_POINTS]
     assert declared == {name: f"sparsegen.{name}.specs" for name in registry.LAYOUTS}
+
+
+def test_shipped_layouts_load_through_entry_points_and_the_plugins_check(monkeypatch):
+    """The shipped layouts load as plugins do (registry._load_entry: the entry's module must
+    register a layout of the entry's name), a failure raising; another package's entry of a
+    shipped name is never taken for ours."""
+    from importlib import metadata
+
+    from sparsegen.errors import SpecError
+    from sparsegen.jit import registry
+
+    assert [(e.name, e.value) for e in registry._shipped_entry_points()] == [
+        (name, f"sparsegen.{name}.specs") for name in registry.LAYOUTS]
+    foreign = metadata.EntryPoint("bsr", "elsewhere.specs", registry.ENTRY_POINTS)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: (foreign,))
+    registry._shipped_entry_points.cache_clear()
+    try:
+        assert registry._shipped_entry_points()[0].value == "sparsegen.bsr.specs"
+    finally:
+        registry._shipped_entry_points.cache_clear()
+    silent = metadata.EntryPoint("semi24-again", "sparsegen.semi24.specs", registry.ENTRY_POINTS)
+    with pytest.raises(SpecError, match="register a layout named 'semi24-again'"):
+        registry._load_entry(silent)

@@ -331,15 +331,27 @@ _FAILED: dict[str, str] = {}
 
 
 def _load() -> None:
-    """Import each layout's specs module once (they register themselves as they load): the
-    shipped ones, then every installed plugin's - one that fails is set aside with a warning
-    naming it, and the others load."""
-    for name in LAYOUTS:
-        if name not in _REGISTERED:
-            importlib.import_module(f"sparsegen.{name}.specs")
+    """Load each layout once through its entry point (its specs module registers it): the
+    shipped ones first - an error there raises, the core needs them - then every installed
+    plugin's, one that fails set aside with a warning naming it while the others load."""
+    for entry in _shipped_entry_points():
+        if entry.name not in _REGISTERED:
+            _load_entry(entry)
     for entry in _plugin_entry_points():
         if entry.name not in _REGISTERED and entry.name not in _FAILED:
             _load_plugin(entry)
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_entry_points() -> tuple:
+    """The shipped layouts' entry points as sparsegen's pyproject.toml declares them (a plugin's
+    declare theirs the same way); in a checkout run from PYTHONPATH, with no metadata installed,
+    the same entries made here. Another package's entry of a shipped name is never taken."""
+    from importlib.metadata import EntryPoint, entry_points
+
+    ours = {f"sparsegen.{name}.specs" for name in LAYOUTS}
+    declared = {entry.name: entry for entry in entry_points(group=ENTRY_POINTS) if entry.value in ours}
+    return tuple(declared.get(name) or EntryPoint(name, f"sparsegen.{name}.specs", ENTRY_POINTS) for name in LAYOUTS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -349,11 +361,17 @@ def _plugin_entry_points() -> tuple:
     return tuple(entry for entry in entry_points(group=ENTRY_POINTS) if entry.name not in LAYOUTS)
 
 
+def _load_entry(entry) -> None:
+    """Import a layout's entry point and check that it registered a layout of the entry's name:
+    the one check every layout passes, shipped or plugin."""
+    entry.load()
+    expect(entry.name in _REGISTERED, f"its module {entry.value} to register a layout named {entry.name!r}",
+           f"layouts {sorted(_REGISTERED)}", SpecError)
+
+
 def _load_plugin(entry) -> None:
     try:
-        entry.load()
-        expect(entry.name in _REGISTERED, f"its module {entry.value} to register a layout named {entry.name!r}",
-               f"layouts {sorted(_REGISTERED)}", SpecError)
+        _load_entry(entry)
     except Exception as error:  # (a broken plugin never breaks the others, or the shipped layouts)
         _FAILED[entry.name] = f"{type(error).__name__}: {error}"
         warnings.warn(f"sparsegen: the layout plugin {entry.name!r} ({entry.value}) did not load: "
