@@ -165,7 +165,11 @@ def largest_per_kind(specs):
 # sp24_w4's k-warps (two warps a tile share each stage's steps): a decode and a small-batch tile per arch
 KWARPS_SPECS = [s for s in DEFAULT_SPECS if s.op == "sp24_w4" and s.param_values["kwarps"] > 1 and s.dtype == "bf16"
                 and s.epilogue == "none" and s.tile.tile_m in (16, 64)]
-SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.rules.tensor_cores]) + ACC_SPECS + KWARPS_SPECS
+# sp24_w4's grouped launches (q, k and v of one X), each decode tile per arch, those KWARPS_SPECS lacks
+W4_GROUPED_SPECS = [s for s in DEFAULT_SPECS if s.op == "sp24_w4" and s.param_values["groups"] > 1
+                    and s.dtype == "bf16" and s not in KWARPS_SPECS]
+SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.rules.tensor_cores]) + ACC_SPECS + KWARPS_SPECS + \
+    W4_GROUPED_SPECS
 # How each instruction family moves a stage into shared memory, as SASS spells it.
 STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG",
               "pairs": "UTMALDG"}

@@ -90,6 +90,67 @@ def test_compiled_and_graphed_layers_give_the_eager_output(mode):
             assert torch.equal(compiled(x).clone(), model(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 77, 128])
+@pytest.mark.parametrize("k, widths, group_size", [(4096, (1024, 256, 256), 128), (640, (512, 128), 128),
+                                                    (896, (256, 128, 384), -1), (1024, (8192, 512, 512), 128)])
+def test_grouped_launch_writes_each_weights_columns(dtype, m, k, widths, group_size):
+    """One sp24_w4 launch over 2-3 weights of one X (a compiled graph's q, k and v): Y's columns
+    weight after weight, each against float64 of its own dequantized weight, Y poisoned first."""
+    layers = [layer_of(k, n, dtype, group_size, bias=False) for n in widths]
+    weights = [(layer.qweight, layer.metadata, layer.scales) for layer in layers]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert int4_nn.w4_group_plan(x, weights, layers[0].group_size) is not None  # (the grouped kernel, no fallback)
+    out = torch.full((m, sum(widths)), float("nan"), device="cuda", dtype=dtype)
+    int4_nn.sp24_w4_group_into(x, *(t for weight in weights for t in weight), layers[0].group_size, out=out)
+    at = 0
+    for layer, n in zip(layers, widths):
+        want = w4_reference(x, layer.qweight, layer.metadata, layer.scales, None, layer.group_size, "none")
+        assert relative_error(out[:, at:at + n], want) < 5e-3, (at, n)
+        at += n
+
+
+def test_grouped_launch_falls_back_where_a_weight_ends_inside_a_tile():
+    """A first weight of 144 rows ends inside a 128- or 256-row tile: each product into its columns."""
+    layers = [layer_of(512, n, torch.bfloat16, bias=False) for n in (144, 128)]
+    weights = [(layer.qweight, layer.metadata, layer.scales) for layer in layers]
+    x = torch.randn(9, 512, device="cuda", dtype=torch.bfloat16)
+    assert int4_nn.w4_group_plan(x, weights, 128) is None
+    out = torch.full((9, 272), float("nan"), device="cuda", dtype=torch.bfloat16)
+    int4_nn.sp24_w4_group_into(x, *(t for weight in weights for t in weight), 128, out=out)
+    want = torch.cat([w4_reference(x, *w, None, 128, "none") for w in weights], dim=1)
+    assert relative_error(out, want) < 5e-3
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_attention_projections_run_as_one_grouped_launch(mode):
+    """q, k and v of a norm's output in a compiled graph: one grouped launch (the generated code
+    calls it), outputs as eager mode's within the norm's rounding, graphs replayed."""
+    from torch._inductor.utils import run_and_get_code
+
+    class Projections(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.RMSNorm(1024, device="cuda", dtype=torch.bfloat16)
+            self.q, self.k, self.v = (layer_of(1024, n, torch.bfloat16, bias=False) for n in (1024, 256, 256))
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.q(y), self.k(y), self.v(y)
+
+    model = Projections()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    with torch.no_grad():
+        x = torch.randn(2, 1, 1024, device="cuda", dtype=torch.bfloat16)
+        got, sources = run_and_get_code(compiled, x)
+        assert any("sparsegen_sp24_w4_group(" in source for source in sources), sources
+        for tokens in (1, 8, 1, 8):  # (fresh inputs; graphs replayed)
+            x = torch.randn(2, tokens, 1024, device="cuda", dtype=torch.bfloat16)
+            for out, want in zip(compiled(x), model(x)):
+                torch.testing.assert_close(out.clone(), want, atol=1e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("mode", ["eager", "default"])
 def test_input_gradient_on_the_gpu_matches_the_cpu(mode):
     """A training step around a frozen 4-bit layer (swiglu fused, QLoRA-style): x's gradient

@@ -269,3 +269,43 @@ def test_grouped_layers_with_a_dynamic_token_count():
         for inputs, outputs in ((x, got), (later, step(later))):
             for out, want in zip(outputs, model(inputs)):
                 torch.testing.assert_close(out, want, atol=BF16_NORM_STEP, rtol=2e-2)
+
+
+def int4_layer(bias=False, group_size=128):
+    return lambda k, n: sparsegen.Int4Sparse24Linear.from_dense(
+        torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16), group_size)
+
+
+@pytest.mark.parametrize("group_size", [128, None])
+def test_4_bit_layers_reading_one_input_are_one_grouped_launch(group_size):
+    """4-bit q, k and v of one norm's output: one sp24_w4_group launch, each layer a view of
+    its columns; the outputs those of eager mode (the norm's rounding aside)."""
+    model = Projections(int4_layer(group_size=group_size), hidden=256)
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert source.count("extern_kernels.sparsegen_sp24_w4_group(") == 1, source
+    assert "sparsegen_sp24_w4_linear" not in source and "torch.ops.sparsegen" not in source
+    with torch.no_grad():
+        for out, want in zip(got, model(x)):
+            torch.testing.assert_close(out, want, atol=BF16_NORM_STEP, rtol=2e-2)
+
+
+def test_4_bit_layers_with_bias_or_another_group_keep_their_own_launches():
+    """The grouped kernel adds no bias and reads one scale group: such layers launch alone."""
+    model = Projections(int4_layer(bias=True), hidden=256)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    got, (source, *_) = compiled_code(model, x)
+    assert "sparsegen_sp24_w4_group" not in source and source.count("extern_kernels.sparsegen_sp24_w4_linear(") == 3
+    mixed = Projections(int4_layer(), hidden=256)
+    mixed.v = int4_layer(group_size=None)(256, 64)
+    got, (source, *_) = compiled_code(mixed, x)
+    assert source.count("extern_kernels.sparsegen_sp24_w4_group(") == 1  # q and k
+    assert source.count("extern_kernels.sparsegen_sp24_w4_linear_no_bias(") == 1, source  # v
+
+
+def test_4_bit_grouping_stops_at_the_grouped_kernels_rows():
+    from sparsegen.semi24 import compiled, int4_nn
+
+    assert compiled._w4_worth_grouping(torch.device("cuda", 0), int4_nn.PREFILL_ROWS, 4096, [4096, 1024], None)
+    assert not compiled._w4_worth_grouping(torch.device("cuda", 0), int4_nn.PREFILL_ROWS + 1, 4096, [4096], None)
+    assert compiled._w4_worth_grouping(torch.device("cuda", 0), None, 4096, [4096, 1024], None)

@@ -46,7 +46,8 @@ def _grouped_by_inductor(args: tuple, lower: dict, graph):
         return None
     x = args[0]
     operands = [t for _, other in group for t in (other[1], other[2])]
-    return _grouped(lower, graph, group, [x, *operands], False, ops.sp24_output_dtype(x.get_dtype()))
+    return _grouped(lower, graph, group, [x, *operands], ops.sp24_output_dtype(x.get_dtype()),
+                    [_values_rows(other) for _, other in group], constants=(False, "none"))
 
 
 def _groups_with(args: tuple, other: tuple) -> bool:
@@ -170,7 +171,8 @@ def _quantized_by_inductor(args: tuple, lower: dict, graph):
     group = _group(graph, args, _scaled_groups_with)
     if len(group) > 1:
         operands = [t for _, other in group for t in (other[1], other[2], other[3])]
-        return _grouped(lower, graph, group, [q, x_scale, *operands], True, out_dtype)
+        return _grouped(lower, graph, group, [q, x_scale, *operands], out_dtype,
+                        [_values_rows(other) for _, other in group], constants=(True, "none"))
     product = lower[torch.ops.sparsegen.sp24_scaled_dds.default]
     return product(q, values, metadata, x_scale, w_scale, bias, epilogue, out_dtype)
 
@@ -203,9 +205,15 @@ def _same_weight_kind(values, other) -> bool:
     return values.get_dtype() == other.get_dtype() and values.get_size()[1] == other.get_size()[1]
 
 
-def _group(graph, args: tuple, groups_with) -> list:
+def _values_rows(args: tuple) -> int:
+    """A 2:4 product's Y width: its values' rows (each grouped call checks the width is that)."""
+    return int(args[1].get_size()[0])
+
+
+def _group(graph, args: tuple, groups_with, width=_values_rows, worth=grouped.worth_grouping) -> list:
     """[(node, args)] of the calls that share this call's launch (this call first), at most
-    specs.MAX_GROUPS of them; this call alone where grouped.worth_grouping says no."""
+    specs.MAX_GROUPS of them; this call alone where `worth` (device, rows, K, widths, dtype)
+    says no. `width`: a call's Y width from its arguments."""
     found = [(node, args if other is None else other) for node, other in graph.siblings()]
     found = [found[0]] + [(node, other) for node, other in found[1:] if groups_with(args, other)]
     found = found[:specs.MAX_GROUPS]
@@ -215,23 +223,24 @@ def _group(graph, args: tuple, groups_with) -> list:
         rows = int(math.prod(leading))
     except TypeError:  # (symbolic: decided per call by the launcher)
         rows = None
-    widths = [int(other[1].get_size()[0]) for _, other in found]
-    if len(found) > 1 and grouped.worth_grouping(x.get_device(), rows, int(k), widths, values.get_dtype()):
+    widths = [width(other) for _, other in found]
+    if len(found) > 1 and worth(x.get_device(), rows, int(k), widths, values.get_dtype()):
         return found
     graph.decide(graph.node, None)  # (lowered now, on its own: a later call's group leaves it out)
     return found[:1]
 
 
-def _grouped(lower: dict, graph, group: list, inputs: list, scaled_: bool, out_dtype):
-    """One grouped launch (sp24_group_into) for every call of `group`, on X as rows (the kernel's
-    2-D operand: a layer's [batch, tokens, K] input is a view), each call then a view of its
-    columns in X's shape; this call's view returned, the others' kept for their lowering."""
-    aten, widths = torch.ops.aten, [int(other[1].get_size()[0]) for _, other in group]
+def _grouped(lower: dict, graph, group: list, inputs: list, out_dtype, widths: list[int],
+             launcher: str = "sp24_group", constants: tuple = ()):
+    """One grouped launch (the Lowering's `launcher`, given its `constants` after the tensors)
+    for every call of `group`, on X as rows (the kernel's 2-D operand: a layer's [batch, tokens,
+    K] input is a view), each call then a view of its columns in X's shape; this call's view
+    returned, the others' kept for their lowering."""
+    aten = torch.ops.aten
     x = inputs[0]
     *leading, k = x.get_size()
     rows = lower[aten.view.default](x, [-1, k]) if len(leading) != 1 else x
-    y = graph.extern("sp24_group", [rows, *inputs[1:]], (scaled_, "none"), out_dtype,
-                     [rows.get_size()[0], sum(widths)])
+    y = graph.extern(launcher, [rows, *inputs[1:]], constants, out_dtype, [rows.get_size()[0], sum(widths)])
     at = 0
     for (node, _), width in zip(group, widths):
         columns = lower[aten.slice.Tensor](y, -1, at, at + width)
@@ -254,6 +263,33 @@ def _as(lower: dict, t, dtype):
     return lower[torch.ops.prims.convert_element_type.default](t, dtype)
 
 
+def _w4_grouped_by_inductor(args: tuple, lower: dict, graph):
+    """4-bit sp24_w4_linear calls that read one x (q, k and v) as one grouped launch
+    (int4_nn.sp24_w4_group_into); None for a call with no such neighbour (its own launcher)."""
+    decided = graph.decided()
+    if decided is not None:
+        return decided
+    group = _group(graph, args, _w4_groups_with, width=lambda call: call[6], worth=_w4_worth_grouping)
+    if len(group) < 2:
+        return None
+    operands = [t for _, other in group for t in other[1:4]]
+    return _grouped(lower, graph, group, [args[0], *operands], args[3].get_dtype(),
+                    [other[6] for _, other in group], "sp24_w4_group", (args[5],))
+
+
+def _w4_groups_with(args: tuple, other: tuple) -> bool:
+    """Whether another sp24_w4_linear call can share this one's launch: no bias or epilogue in
+    either, the same scale group, scales' dtype and K."""
+    return (args[4] is None and other[4] is None and args[7] == other[7] == "none" and args[5] == other[5]
+            and args[3].get_dtype() == other[3].get_dtype() and args[1].get_size()[1] == other[1].get_size()[1])
+
+
+def _w4_worth_grouping(device: torch.device, rows, k: int, widths: list[int], dtype) -> bool:
+    """Group 4-bit products on any GPU (sp24_w4 is mma.sp) and the CPU, but not at more rows than
+    the grouped kernel takes (int4_nn.groups_on_kernel): one by one, each would cost a copy."""
+    return rows is None or rows <= int4_nn.PREFILL_ROWS
+
+
 LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
                               output_dtype=lambda dtype, args: ops.sp24_output_dtype(dtype), inline=_grouped_by_inductor,
                               more_launchers=(("sp24_group", sp24_group_into),)),
@@ -261,4 +297,6 @@ LOWERINGS = (registry.Lowering("sp24_dds", sp24_dds_into,
                                own_args=_ScaledArgs),
              registry.Lowering("sp24_scaled_linear", sp24_scaled_linear_into, output_dtype=lambda dtype, args: args[7],
                                own_args=_ScaledLinearArgs, inline=_quantized_by_inductor),
-             registry.Lowering("sp24_w4_linear", int4_nn.sp24_w4_linear_into, own_args=int4_nn.W4Args))
+             registry.Lowering("sp24_w4_linear", int4_nn.sp24_w4_linear_into, own_args=int4_nn.W4Args,
+                               inline=_w4_grouped_by_inductor,
+                               more_launchers=(("sp24_w4_group", int4_nn.sp24_w4_group_into),)))

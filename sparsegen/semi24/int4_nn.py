@@ -19,7 +19,7 @@ from ..launch import calls, lean, library, plans, runtime
 from ..layer import DenseWeightDescription, dense_linear, in_units
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
-from .specs import sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_narrow, w4_rows_bucket
+from .specs import MAX_GROUPS, sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_narrow, w4_rows_bucket, w_rows
 
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -39,10 +39,10 @@ def w4_reference(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, 
 
 @functools.lru_cache(maxsize=None)
 def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, epilogue: str, narrow: bool,
-              tile=None, kwarps: int | None = None):
+              tile=None, kwarps: int | None = None, groups: int = 1):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     spec = sp24_w4_spec(dispatch.DTYPE_NAMES[dtype], arch, tile, rows=rows_bucket, epilogue=epilogue, kwarps=kwarps,
-                        narrow=narrow)
+                        narrow=narrow, groups=groups)
     return runtime.kernel(spec, device_index)
 
 
@@ -148,6 +148,58 @@ def sp24_w4_linear_into(x, qweight, metadata, scales, bias, group, out_features,
         sp24_w4(x, qweight, metadata, scales, bias, group, out_features, epilogue, out=out)
     else:
         out.copy_(_w4_product(x, qweight, metadata, scales, bias, group, out_features, epilogue))
+
+
+def w4_group_plan(x2: Tensor, weights: list[tuple], group: int) -> ops._Sp24Plan | None:
+    """The plan of one sp24_w4 launch over several 4-bit weights [(qweight, metadata, scales)]
+    of one X (a compiled graph's q, k and v projections), Y's columns weight after weight; None
+    where it does not apply (see groups_on_kernel, or a weight but the last ending inside a tile)."""
+    if not groups_on_kernel(x2, weights, group):
+        return None
+    (m, k), device_index = x2.shape, x2.device.index or 0
+    widths = [16 * q.shape[0] for q, _, _ in weights]
+    n = sum(widths)
+    narrow = w4_narrow(n, runtime.sm_count(device_index))
+    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), "none", narrow, None, None, len(weights))
+    if any(width % w_rows(kern.spec) for width in widths[:-1]):
+        return None
+    grid, k_split = dispatch.grid(kern.spec, m, k, n, device_index, None)
+    sums, counters = (grid[2] * m * n, dispatch.tile_counts(kern.spec, m, n)) if grid[2] > 1 else (0, 0)
+    starts = [sum(widths[:g]) for g in range(1, len(widths))]
+    pointers = (0, *(t.data_ptr() for weight in weights for t in weight), 0, 0, 0, 0)  # X, weights, bias, Y, sums
+    launch = runtime.PackedLaunch(kern, grid, (), pointers, (m, k, n, k_split, group, *starts))
+    return ops._Sp24Plan(kern, launch, (), sums, counters, n)
+
+
+def groups_on_kernel(x2: Tensor, weights: list[tuple], group: int) -> bool:
+    """What the grouped kernel takes: 2-D X of at most PREFILL_ROWS rows in its weights' scales'
+    dtype on a GPU, 2 to MAX_GROUPS weights of X's K and one scale group, every part aligned."""
+    return (x2.dim() == 2 and 0 < x2.shape[0] <= PREFILL_ROWS and 1 < len(weights) <= MAX_GROUPS
+            and all(_on_kernel(x2, q) and scales.dtype == x2.dtype and 32 * q.shape[1] == x2.shape[1]
+                    and scales.shape[0] == int4.groups(x2.shape[1], group)
+                    and calls.tma_ready(metadata) and calls.tma_ready(scales) for q, metadata, scales in weights))
+
+
+_GROUP_PLANS = plans.PlanCache()
+
+
+def sp24_w4_group_into(*args, out):
+    """Grouped 4-bit products as a compiled graph calls them (semi24/compiled.py): args are X
+    (2-D), each weight's qweight, metadata and scales, then the scale group; Y [M, sum of the
+    weights' rows] in `out`. One launch where w4_group_plan applies, else each product into its columns."""
+    *tensors, group = args
+    x, weights = tensors[0], [tuple(tensors[at:at + 3]) for at in range(1, len(tensors), 3)]
+    signature = (x.shape, x.dtype, group, *(t.data_ptr() for weight in weights for t in weight))
+    plan = _GROUP_PLANS.get(weights[0][1], signature, lambda: w4_group_plan(x, weights, group))
+    x_address, y_address = x.data_ptr(), out.data_ptr()
+    if plan is not None and lean.runs_into(plan, x, out, x_address | y_address):
+        plan.run_at(x_address, 0, y_address)
+        return
+    at = 0
+    for q, metadata, scales in weights:
+        n = 16 * q.shape[0]
+        sp24_w4_linear_into(x, q, metadata, scales, None, group, n, "none", out=out[..., at:at + n])
+        at += n
 
 
 class W4Args:

@@ -49,7 +49,7 @@ QUANTIZED_X = registry.Param("quantize", 0, choices=(0, 1), named_at_default=Fal
                                  "<= 64 tokens (one token tile): a decode step's layer in one launch")
 MAX_GROUPS = 3  # a grouped product's weights: an attention's q, k and v projections
 GROUPS = registry.Param("groups", 1, choices=tuple(range(1, MAX_GROUPS + 1)), named_at_default=False,
-                        doc="sp24_dds on wgmma.sp (tma) only: how many weights of one X a launch multiplies, "
+                        doc="sp24_dds on wgmma.sp (tma), and sp24_w4: how many weights of one X a launch multiplies, "
                             "Y's columns weight after weight (every weight but the last a whole number of tiles: "
                             "the caller checks); a compiled graph's q, k and v projections in one launch")
 SOURCE = registry.Param("src", 1, choices=tuple(SCALED_OUTPUTS),
@@ -131,8 +131,12 @@ def _validate(spec: KernelSpec) -> None:
     expect(not quantizes_x(spec) or (_scales(spec) and tma and t.cluster == 1 and t.tile_m <= 64),
            "scales, instr 'tma', cluster 1 and tile_m <= 64 for quantize", f"{spec.instr!r}, {t.tag}, scales "
            f"{_scales(spec)}", SpecError)
-    expect(groups(spec) == 1 or (tma and not quantizes_x(spec)), "instr 'tma' and no quantize for groups > 1",
+    expect(groups(spec) == 1 or ((tma or spec.op == "sp24_w4") and not quantizes_x(spec)),
+           "instr 'tma' (sp24_w4: any) and no quantize for groups > 1",
            f"{spec.instr!r}, quantize {spec.param_values.get('quantize', 0)}", SpecError)
+    expect(groups(spec) == 1 or spec.op != "sp24_w4" or spec.epilogue == "none",
+           "no epilogue for a grouped sp24_w4 (its weights' rows are Y's columns one after another)",
+           spec.epilogue, SpecError)
     if spec.instr == "tma":  # consumer warpgroups of 64 W rows; tile_m tokens are wgmma's N
         expect(t.warps_n == 1 and t.warps_m % 4 == 0 and t.tile_m <= 256 and t.tile_m % 8 == 0,
                "warps_n = 1, whole warpgroups (warps_m % 4 == 0) and tile_m <= 256 for tma",
@@ -186,7 +190,7 @@ def w4_rows_bucket(m: int) -> int | None:
 
 
 def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: int | None = None,
-                 epilogue: str = "none", kwarps: int | None = None, narrow: bool = False) -> KernelSpec:
+                 epilogue: str = "none", kwarps: int | None = None, narrow: bool = False, groups: int = 1) -> KernelSpec:
     """The 4-bit 2:4 forward (mma.sp on every arch). A stage's W is a quarter of the 16-bit
     kernel's bytes, so decode tiles take few tokens, and a narrow weight (w4_narrow: its 256-row
     tiles would fill under a quarter of the SMs) takes tiles of 128 rows whose two warps of
@@ -202,7 +206,7 @@ def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: in
         tile, chosen_kwarps = _w4_tile(rows, narrow, big_smem, arch)
         kwarps = kwarps or chosen_kwarps
     return KernelSpec(op="sp24_w4", block=SP24_BLOCK, dtype=dtype, trans="nt", arch=arch, tile=tile,
-                      instr="mma", epilogue=epilogue, params={"kwarps": kwarps or 1})
+                      instr="mma", epilogue=epilogue, params={"kwarps": kwarps or 1, "groups": groups})
 
 
 def _w4_tile(rows: int | None, narrow: bool, big_smem: bool, arch: int) -> tuple[TileConfig, int]:
@@ -339,6 +343,9 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     semi += [sp24_w4_spec(d, arch, rows=rows, epilogue=e, narrow=narrow) for d in dtypes if d in ("bf16", "fp16")
              for rows in W4_ROWS if rows is not None or arch < 90 for e in ("none", *epilogues.FUSED)
              for narrow in ((False, True) if rows in (16, 128) else (False,))]
+    # and a compiled decode step's q, k and v projections in one launch (int4_nn.w4_group_plan), per bucket
+    semi += [sp24_w4_spec(d, arch, rows=rows, narrow=narrow, groups=MAX_GROUPS) for d in dtypes if d in ("bf16", "fp16")
+             for rows in (16, 32) for narrow in ((False, True) if rows == 16 else (False,))]
     semi += [sp24_compress_spec(d, arch, "sp24_w4_values") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
 
@@ -348,7 +355,7 @@ registry.register(registry.Layout("semi24", (
                      epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
                      params=(SCALES, QUANTIZED_X, GROUPS), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_w4", "semi24/sp24_w4.cu.j2", _validate_w4, _w4_smem, context=_output_context,
-                     epilogues=True, params=(KWARPS,), k_warps=_kwarps),
+                     epilogues=True, params=(KWARPS, GROUPS), k_warps=_kwarps),
     registry.OpRules("sp24_w4_values", "semi24/sp24_w4_values.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),

@@ -9,6 +9,8 @@
 // lane's fragment is one 32-bit shared load, no ldmatrix, and a stage of 16 rows is 512
 // contiguous bytes. Scales: the activations' type, [groups][N], one per row and group of
 // `group` columns (whole stages of 128 columns, or all of K): a stage reads one row of them.
+// A grouped launch (sp24_w4.cu.j2) hands each block its own weight's pointers, offset back by the
+// rows before it, so that the rows of Y's columns index them as they index one weight.
 #pragma once
 #include "sp24_dds.cuh"
 
@@ -54,6 +56,7 @@ struct Int4Values {
     const u32* q;
     const u16* scales;
     int group;
+    int scale_stride;  // a row of scales: the weight's N (a grouped launch's weights each their own)
   };
   static constexpr int LINE = 128, Q_BYTES = TILE_W * 32;  // per stage: 4 lines per 16 rows
   static constexpr int BYTES = Q_BYTES + TILE_W * 2;      // and a scale per row
@@ -66,7 +69,7 @@ struct Int4Values {
                  n0 + 16 * rows16 < N && tile_k < k_end / 32);
     });
     for_chunks<TILE_W / 8, THREADS>([&](int i) {
-      cp_async16(smem + Q_BYTES + i * 16, w.scales + (long long)(k0 / w.group) * N + n0 + 8 * i,
+      cp_async16(smem + Q_BYTES + i * 16, w.scales + (long long)(k0 / w.group) * w.scale_stride + n0 + 8 * i,
                  n0 + 8 * i < N && k0 < k_end);
     });
   }

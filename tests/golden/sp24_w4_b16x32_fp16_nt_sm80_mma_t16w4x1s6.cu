@@ -19,11 +19,10 @@ struct SpMma {
 
 using Weights = sg::Int4Values<sg::Fp16, 256, 128>;
 using Kernel = sg::Sp24Dds<SpMma, sg::FloatOut<sg::Fp16>, unsigned short, 16, 4, 1, 6, sg::Epilogue<sg::Identity, false>, false, Weights, 1>;
-
 extern "C" __global__ void __launch_bounds__(128)
 sp24_w4_b16x32_fp16_nt_sm80_mma_t16w4x1s6(const unsigned short* __restrict__ x, const sg::u32* __restrict__ q, const int* __restrict__ metadata,
            const sg::u16* __restrict__ scales, const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
            float* __restrict__ partial, int* __restrict__ tile_counts, int M, int K, int N, int k_split, int group) {
-  Kernel::run(x, Weights::Source{q, scales, group}, metadata, sg::Scales{nullptr, nullptr}, bias, y, partial,
+  Kernel::run(x, Weights::Source{q, scales, group, N}, metadata, sg::Scales{nullptr, nullptr}, bias, y, partial,
               tile_counts, M, K, N, k_split);
 }
