@@ -309,3 +309,19 @@ def test_4_bit_grouping_stops_at_the_grouped_kernels_rows():
     assert compiled._w4_worth_grouping(torch.device("cuda", 0), int4_nn.PREFILL_ROWS, 4096, [4096, 1024], None)
     assert not compiled._w4_worth_grouping(torch.device("cuda", 0), int4_nn.PREFILL_ROWS + 1, 4096, [4096], None)
     assert compiled._w4_worth_grouping(torch.device("cuda", 0), None, 4096, [4096, 1024], None)
+
+
+def test_4_bit_grouped_layers_with_a_dynamic_token_count():
+    """Symbolic rows at lowering: grouped all the same, the launcher deciding per call; two
+    token counts, one graph, eager mode's outputs."""
+    model = Projections(int4_layer(), hidden=256)
+    torch._dynamo.reset()
+    with torch.no_grad(), config.patch(force_disable_caches=True):
+        step = torch.compile(model, dynamic=True)
+        x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
+        got, (source, *_) = run_and_get_code(step, x)
+        assert source.count("extern_kernels.sparsegen_sp24_w4_group(") == 1, source
+        later = torch.randn(3, 11, 256, dtype=torch.bfloat16)
+        for inputs, outputs in ((x, got), (later, step(later))):
+            for out, want in zip(outputs, model(inputs)):
+                torch.testing.assert_close(out, want, atol=BF16_NORM_STEP, rtol=2e-2)
