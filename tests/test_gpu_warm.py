@@ -1,5 +1,5 @@
 """Kernels warmed by patch() on the GPU: once the background builds finish, a patched gated
-MLP and its one-byte twin run decode, small-batch and prefill forwards without compiling
+MLP and its one-byte and 4-bit twins run decode, small-batch and prefill forwards without compiling
 anything more, and compute what they computed before (pytest -m gpu)."""
 import pytest
 import torch
@@ -21,7 +21,8 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-@pytest.mark.parametrize("settings", [{"sparsity": "2:4"}, {"sparsity": "2:4", "weight_dtype": "e4m3"}])
+@pytest.mark.parametrize("settings", [{"sparsity": "2:4"}, {"sparsity": "2:4", "weight_dtype": "e4m3"},
+                                      {"sparsity": "2:4", "weight_dtype": "int4"}])
 def test_after_patch_the_forwards_compile_nothing(settings, monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path / "cache"))
     cache.clear_memory()
@@ -36,7 +37,7 @@ def test_after_patch_the_forwards_compile_nothing(settings, monkeypatch, tmp_pat
     monkeypatch.setattr(compiler, "compile_cubin", refuse)
     reference = sparsegen.dense_copy(model).double()
     with torch.no_grad():
-        for tokens in (1, 7, 64, 100, 2048):
+        for tokens in (1, 7, 32, 64, 100, 2048):
             x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
             y, want = model(x).double(), reference(x.double())
             assert (y - want).norm() / want.norm() < 6e-2

@@ -61,9 +61,12 @@ def test_a_2_4_layers_likely_kernels_cover_decode_to_prefill(arch):
     layer = sparsegen.linear(256, 512, sparsity="2:4").to(torch.bfloat16).fuse("swiglu")
     specs = layer.likely_specs(arch, 132)
     assert {s.epilogue for s in specs} == {"swiglu"} and {s.arch for s in specs} == {arch}
-    for m in dispatch.LIKELY_ROWS:
+    for m in TOKEN_COUNTS:  # (every token count a forward may see: the kernel its dispatch takes)
         rows, narrow = dispatch.rows_bucket(m), dispatch._narrow(m, 512, 132)
-        assert sp24_spec("bf16", arch, rows=rows, narrow=narrow, epilogue="swiglu") in specs
+        assert sp24_spec("bf16", arch, rows=rows, narrow=narrow, epilogue="swiglu") in specs, m
+
+
+TOKEN_COUNTS = [*range(1, 40), 63, 64, 65, 100, 127, 128, 129, 300, 2048, 5000]
 
 
 def test_a_one_byte_layer_warms_its_quantization_too():
@@ -129,3 +132,39 @@ def test_every_kernel_a_patched_2_4_layer_warms_is_one_precompile_ships(arch):
     assert {s.op for s in wanted} >= {"sp24_w4"} | ({"sp24_w4_values"} if arch >= 90 else set())
     missing = set(wanted) - set(default_specs(arch, None, None, None))
     assert len(wanted) > 100 and not missing, sorted(s.name for s in missing)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("out_features", [512, 28672])
+def test_a_4_bit_layers_likely_kernels_are_those_its_forward_takes_at_any_token_count(arch, out_features):
+    """For every token count a forward may see, the kernel it launches (sp24_w4's bucket and
+    width, or Hopper's 16-bit prefill route) is one patch builds ahead: 32 sequences of decode
+    took a kernel built on first use before (17-32 tokens, a bucket of its own)."""
+    from sparsegen.semi24 import int4_nn
+    from sparsegen.semi24.specs import sp24_w4_spec, w4_narrow, w4_rows_bucket
+
+    layer = sparsegen.Int4Sparse24Linear.from_dense(nn.Linear(256, out_features, dtype=torch.bfloat16)).fuse("gelu")
+    specs = set(layer.likely_specs(arch, 132))
+    for m in TOKEN_COUNTS:
+        if arch >= 90 and m > int4_nn.PREFILL_ROWS:
+            rows, narrow = dispatch.rows_bucket(m), dispatch._narrow(m, out_features, 132)
+            taken = sp24_spec("bf16", arch, rows=rows, narrow=narrow, epilogue="gelu")
+        else:
+            taken = sp24_w4_spec("bf16", arch, rows=w4_rows_bucket(m), epilogue="gelu",
+                                 narrow=w4_narrow(out_features, 132))
+        assert taken in specs, (m, taken.name)
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_a_one_byte_layers_likely_kernels_are_those_its_forward_takes_at_any_token_count(arch):
+    """The scaled product's kernel per token count (and, on Hopper, up to ops.QUANTIZING_ROWS
+    tokens, the one that quantizes X itself) is among those patch builds ahead."""
+    from sparsegen.semi24 import ops
+
+    layer = scaled.ScaledSparse24Linear.from_dense(nn.Linear(256, 512, dtype=torch.bfloat16), "e4m3").fuse("gelu")
+    specs, code = set(layer.likely_specs(arch, 132)), dispatch.SCALED_CODES[torch.bfloat16]
+    for m in TOKEN_COUNTS:
+        rows, narrow = dispatch.rows_bucket(m), dispatch._narrow(m, 512, 132)
+        assert sp24_spec("e4m3", arch, rows=rows, narrow=narrow, epilogue="gelu", scales=code) in specs, m
+        if arch == 90 and m <= ops.QUANTIZING_ROWS:
+            assert sp24_spec("e4m3", arch, rows=rows, epilogue="gelu", scales=code, quantize=1) in specs, m

@@ -19,7 +19,8 @@ from ..launch import calls, lean, library, plans, runtime
 from ..layer import DenseWeightDescription, dense_linear, in_units
 from . import dispatch, int4, ops, tensor
 from . import format as semi24
-from .specs import MAX_GROUPS, sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_narrow, w4_rows_bucket, w_rows
+from .specs import (MAX_GROUPS, W4_ROWS, sp24_compress_spec, sp24_spec, sp24_w4_spec, w4_narrow, w4_rows_bucket,
+                    w_rows)
 
 _ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -372,13 +373,14 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         return part.train(self.training)
 
     def likely_specs(self, arch: int, sm_count: int) -> list:
-        """The kernels this layer's forward likely takes at dispatch.LIKELY_ROWS tokens
-        (sparsegen.warm builds them ahead): sp24_w4's, and on Hopper the prefill route's."""
+        """The kernels this layer's forward takes at any token count (sparsegen.warm builds them
+        ahead): sp24_w4's for each of its token buckets, and on Hopper the prefill route's. (Per
+        bucket, not at dispatch.LIKELY_ROWS: those skip sp24_w4's 17-32, a decode of 32 sequences.)"""
         name = dispatch.DTYPE_NAMES[self.scales.dtype]
         hopper = arch >= 90
         narrow = w4_narrow(self.out_features, sm_count)
-        found = [sp24_w4_spec(name, arch, rows=w4_rows_bucket(m), epilogue=self.epilogue, narrow=narrow)
-                 for m in dispatch.LIKELY_ROWS if m <= PREFILL_ROWS or not hopper]
+        found = [sp24_w4_spec(name, arch, rows=rows, epilogue=self.epilogue, narrow=narrow)
+                 for rows in W4_ROWS if rows is not None or not hopper]
         if hopper:
             found += [sp24_compress_spec(name, arch, "sp24_w4_values"), sp24_spec(name, arch, epilogue=self.epilogue)]
         return found
