@@ -192,6 +192,19 @@ class FixedRowsProduct:
         (m, k), width = x2.shape, values.shape[0] * values.shape[2]
         return dataclasses.replace(plan, dense=dense, dense_eager=dense and calls.dense_outside_graphs(m, k, width))
 
+    def likely_specs(self, values, rest: tuple, arch: int) -> list:
+        """The kernels a forward with these arguments after bias (op args, out_features,
+        epilogue) takes at any token count: the small-batch one and the other (sparsegen.warm
+        builds them ahead); none for values of a dtype without kernels."""
+        name = calls.DTYPE_NAMES.get(values.dtype)
+        if name is None:
+            return []
+        call = self._call(rest)
+        compiled_in, _ = self._split_params(call)
+        block = tuple(values.shape[2:])
+        return [gathered_specs.forward_spec(self.op, block, name, arch, dict(compiled_in), rows=rows,
+                                            epilogue=call.epilogue) for rows in (1, None)]
+
     def _split_params(self, call: Call) -> tuple[tuple, tuple]:
         """(the parameters compiled into the kernel, as (name, value); the values it takes at launch)."""
         compiled_in = tuple(pair for pair in zip(self.args.ints, call.params) if pair[0] in self._compiled_in)
@@ -382,6 +395,11 @@ class FixedRowsLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, ch
 
     def _product(self, x, values, bias) -> torch.Tensor:
         return self.PRODUCT(x, values, bias, *self.op_args(), self.out_features, self.epilogue)
+
+    def likely_specs(self, arch: int, sm_count: int) -> list:
+        """The kernels this layer's forward takes (sparsegen.warm builds them ahead when patch
+        makes the layer), every layout of the kit's alike."""
+        return self.PRODUCT.likely_specs(self.values, (*self.op_args(), self.out_features, self.epilogue), arch)
 
     def _differentiable_product(self, x, values, bias) -> torch.Tensor:
         """x W^T + b, before the layer's epilogue, with gradients (the kit applies the epilogue)."""

@@ -12,6 +12,9 @@ import sparsegen
 from sparsegen import warm
 from sparsegen.jit import cache, compiler
 from sparsegen.semi24 import dispatch, scaled
+from sparsegen.bdiag.nn import BlockDiagonalLinear
+from sparsegen.bell.nn import BlockEllLinear
+from sparsegen.launch import calls
 from sparsegen.semi24.specs import sp24_spec
 
 
@@ -168,3 +171,56 @@ def test_a_one_byte_layers_likely_kernels_are_those_its_forward_takes_at_any_tok
         assert sp24_spec("e4m3", arch, rows=rows, narrow=narrow, epilogue="gelu", scales=code) in specs, m
         if arch == 90 and m <= ops.QUANTIZING_ROWS:
             assert sp24_spec("e4m3", arch, rows=rows, epilogue="gelu", scales=code, quantize=1) in specs, m
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 64), (128, 128)])
+def test_a_block_sparse_layers_likely_kernels_are_those_its_forward_takes(arch, block):
+    """Patch builds a block-sparse layer's kernels ahead as it does 2:4's (it built none): for
+    every token count the forward's kernel (decode's up to 64 tokens, then the other), each
+    variant a call may pick (pairs, clusters), and the dense path's scatter kernel - all of
+    them kernels precompile ships, so an installed kernel package covers a first call."""
+    from sparsegen.bsr import specs as bsr_specs
+    from sparsegen.jit.spec import default_specs
+
+    layer = sparsegen.linear(256, 512, block=block, density=0.5).to(torch.bfloat16).fuse("gelu")
+    specs = layer.likely_specs(arch, 132)
+    for m in TOKEN_COUNTS:  # (ops._bsr_plan: dispatch.forward_kernel, then dispatch.swap_variant)
+        taken = bsr_specs.forward_spec(block, "bf16", arch, rows=1 if m <= 64 else None, epilogue="gelu")
+        assert set(bsr_specs.call_variants(taken)) <= set(specs), m
+    assert bsr_specs.scatter_spec(block, "bf16", arch) in specs
+    assert not set(specs) - set(default_specs(arch, None, None, None))
+    assert sparsegen.linear(64, 64, block=(16, 16), density=0.5).double().likely_specs(arch, 132) == []
+
+
+def test_warm_starts_a_patched_block_sparse_models_kernels(monkeypatch):
+    started = []
+    monkeypatch.setattr(cache, "build_soon", lambda specs: started.extend(specs) or len(specs))
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(torch.bfloat16)
+    sparsegen.patch(model, {r"0|2": {"block": (32, 32), "density": 0.5}})
+    started.clear()  # (what patch itself started, where a GPU is)
+    warm.warm(list(model.modules()), gpu=(90, 132))
+    assert {s.op for s in started} == {"bsr_dds", "bsr_scatter"}
+    assert set(started) == set(model[0].likely_specs(90, 132))  # (two layers of one kind: built once)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("make", [
+    lambda: BlockEllLinear(256, 512, block=(32, 32), density=0.5, dtype=torch.bfloat16).fuse("gelu"),
+    lambda: BlockDiagonalLinear(256, 512, nblocks=4, dtype=torch.float16)], ids=["bell", "bdiag"])
+def test_a_kit_layers_likely_kernels_are_those_its_forward_takes(arch, make):
+    """The kit's layouts (and so a plugin's) are warmed as the shipped ones: for every token
+    count, the kernel gathered._plan takes (the small-batch one up to SMALL_ROWS tokens, its
+    layout's compiled-in parameters, the epilogue) is among the layer's likely kernels."""
+    from sparsegen.jit import gathered_specs
+
+    layer = make()
+    specs, product = layer.likely_specs(arch, 132), layer.PRODUCT
+    call = product._call((*layer.op_args(), layer.out_features, layer.epilogue))
+    compiled_in = dict(product._split_params(call)[0])
+    for m in TOKEN_COUNTS:
+        taken = gathered_specs.forward_spec(product.op, layer.block, calls.DTYPE_NAMES[layer.values.dtype], arch,
+                                            compiled_in, rows=1 if m <= gathered_specs.SMALL_ROWS else None,
+                                            epilogue=layer.epilogue)
+        assert taken in specs, m
+    assert {s.arch for s in specs} == {arch} and len(specs) == 2

@@ -13,6 +13,7 @@ from ..errors import expect, fraction, positive_int
 from ..layer import SparseLinearForward, dense_linear, finish_part, in_units, layer_dtype, weight_part
 from . import format as bsr
 from . import ops
+from .specs import call_variants, forward_spec, scatter_spec
 from .autograd import INDEX_NAMES, IndexTensors, block_sparse_linear, forward_product
 
 
@@ -97,6 +98,16 @@ class BlockSparseLinear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, 
     def _product(self, x, values, bias) -> torch.Tensor:
         return forward_product(x, values, bias, self.row_offsets, self.col_indices, self.flat_index, self.block,
                                self.out_features, self.epilogue)
+
+    def likely_specs(self, arch: int, sm_count: int) -> list:
+        """The kernels this layer's forward takes at any token count (sparsegen.warm builds them
+        ahead when patch makes the layer): decode's (64 tokens or fewer) and larger calls', each
+        with the variants a call may pick (specs.call_variants), and the dense path's scatter."""
+        name = calls.DTYPE_NAMES.get(self.values.dtype)
+        if name is None:
+            return []
+        forward = [forward_spec(self.block, name, arch, rows=rows, epilogue=self.epilogue) for rows in (1, None)]
+        return [v for spec in forward for v in call_variants(spec)] + [scatter_spec(self.block, name, arch)]
 
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
         calls.check_inputs(x, values, bias, self.in_features)

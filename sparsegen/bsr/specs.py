@@ -233,6 +233,17 @@ def has_call_variants(spec: KernelSpec) -> bool:
     return spec.instr in SWAP_INSTRS and spec.block[0] == 64
 
 
+def call_variants(spec: KernelSpec) -> list[KernelSpec]:
+    """The kernels dispatch.swap_variant may pick for a call of `spec` (itself among them): for
+    the swap family at 64-row blocks, swap or pairs of block rows (pairs stays pairs), each
+    alone or in clusters of two; any other kernel is its only variant."""
+    if not has_call_variants(spec):
+        return [spec]
+    instrs = ("pairs",) if spec.instr == "pairs" else ("swap", "pairs")
+    return [dataclasses.replace(spec, instr=instr, tile=dataclasses.replace(spec.tile, cluster=cluster))
+            for instr in instrs for cluster in (1, 2)]
+
+
 def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     """Every square block plus common rectangles (or `blocks`): forward (with the epilogues
     sparsegen.patch fuses), backward and the dense path's scatter."""
