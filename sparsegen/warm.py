@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import env
+from .errors import SparsegenError
 from .jit import cache
 
 
@@ -31,6 +32,18 @@ def warm(layers: list[nn.Module], gpu: tuple[int, int] | None = None) -> int:
 def likely_specs(layers: list[nn.Module], arch: int, sm_count: int) -> list:
     specs = []
     for layer in layers:
-        ask = getattr(layer, "likely_specs", None)
-        specs += ask(arch, sm_count) if callable(ask) else []
+        specs += _asked(layer, arch, sm_count)
     return list(dict.fromkeys(specs))
+
+
+def _asked(layer: nn.Module, arch: int, sm_count: int) -> list:
+    """The layer's likely kernels, or none where it has no answer - or one that names a kernel
+    no spec allows (a block shape without kernels on this arch, say): building ahead is a head
+    start, never a reason for patch to fail; the forward meets any such error itself."""
+    ask = getattr(layer, "likely_specs", None)
+    if not callable(ask):
+        return []
+    try:
+        return list(ask(arch, sm_count))
+    except SparsegenError:
+        return []

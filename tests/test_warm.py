@@ -224,3 +224,15 @@ def test_a_kit_layers_likely_kernels_are_those_its_forward_takes(arch, make):
                                             epilogue=layer.epilogue)
         assert taken in specs, m
     assert {s.arch for s in specs} == {arch} and len(specs) == 2
+
+
+def test_a_layer_whose_kernels_cannot_be_named_ahead_is_passed_over(monkeypatch):
+    """Warming is a head start: a layer whose likely_specs names no valid kernel (SpecError) is
+    passed over, the others warm, and patch does not fail."""
+    from sparsegen.errors import SpecError
+
+    class Odd(nn.Module):
+        def likely_specs(self, arch, sm_count):
+            raise SpecError("no kernel for this block on this arch")
+    good = sparsegen.linear(128, 256, sparsity="2:4").to(torch.float16)
+    assert warm.likely_specs([Odd(), good], 90, 132) == list(dict.fromkeys(good.likely_specs(90, 132)))
