@@ -135,6 +135,11 @@ def sixteen_bit_layer(bias=False):
     return lambda k, n: sparsegen.Sparse24Linear(k, n, bias=bias, dtype=torch.bfloat16)
 
 
+def int4_layer(bias=False, group_size=128):
+    return lambda k, n: sparsegen.Int4Sparse24Linear.from_dense(
+        torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16), group_size)
+
+
 @pytest.mark.parametrize("weight_dtype", ["e4m3", "int8"])
 def test_layers_reading_one_input_are_one_grouped_launch(weight_dtype):
     """q, k and v: one quantization of the norm's output, one launch, each layer a view of its
@@ -255,25 +260,23 @@ def test_grouped_layers_train_under_compile_as_in_eager_mode():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # (float32 sums in another order)
 
 
-def test_grouped_layers_with_a_dynamic_token_count():
+@pytest.mark.parametrize("make, hidden, launcher", [(sixteen_bit_layer(), 128, "sp24_group"),
+                                                   (int4_layer(), 256, "sp24_w4_group")], ids=["16-bit", "4-bit"])
+def test_grouped_layers_with_a_dynamic_token_count(make, hidden, launcher):
     """Dynamic shapes: the row count is symbolic at lowering, so the group is decided per call by
     the launcher; two token counts, one graph, eager mode's outputs."""
-    model = Projections(sixteen_bit_layer()).to(torch.bfloat16)
+    model = Projections(make, hidden=hidden).to(torch.bfloat16)
     torch._dynamo.reset()
     with torch.no_grad(), config.patch(force_disable_caches=True):
         step = torch.compile(model, dynamic=True)
-        x = torch.randn(2, 5, 128, dtype=torch.bfloat16)
+        x = torch.randn(2, 5, hidden, dtype=torch.bfloat16)
         got, (source, *_) = run_and_get_code(step, x)
-        assert source.count("extern_kernels.sparsegen_sp24_group(") == 1, source
-        later = torch.randn(3, 11, 128, dtype=torch.bfloat16)  # (the same graph: no second compile)
+        assert source.count(f"extern_kernels.sparsegen_{launcher}(") == 1, source
+        later = torch.randn(3, 11, hidden, dtype=torch.bfloat16)  # (the same graph: no second compile)
         for inputs, outputs in ((x, got), (later, step(later))):
             for out, want in zip(outputs, model(inputs)):
                 torch.testing.assert_close(out, want, atol=BF16_NORM_STEP, rtol=2e-2)
 
-
-def int4_layer(bias=False, group_size=128):
-    return lambda k, n: sparsegen.Int4Sparse24Linear.from_dense(
-        torch.nn.Linear(k, n, bias=bias, dtype=torch.bfloat16), group_size)
 
 
 @pytest.mark.parametrize("group_size", [128, None])
@@ -310,18 +313,3 @@ def test_4_bit_grouping_stops_at_the_grouped_kernels_rows():
     assert not compiled._w4_worth_grouping(torch.device("cuda", 0), int4_nn.PREFILL_ROWS + 1, 4096, [4096], None)
     assert compiled._w4_worth_grouping(torch.device("cuda", 0), None, 4096, [4096, 1024], None)
 
-
-def test_4_bit_grouped_layers_with_a_dynamic_token_count():
-    """Symbolic rows at lowering: grouped all the same, the launcher deciding per call; two
-    token counts, one graph, eager mode's outputs."""
-    model = Projections(int4_layer(), hidden=256)
-    torch._dynamo.reset()
-    with torch.no_grad(), config.patch(force_disable_caches=True):
-        step = torch.compile(model, dynamic=True)
-        x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
-        got, (source, *_) = run_and_get_code(step, x)
-        assert source.count("extern_kernels.sparsegen_sp24_w4_group(") == 1, source
-        later = torch.randn(3, 11, 256, dtype=torch.bfloat16)
-        for inputs, outputs in ((x, got), (later, step(later))):
-            for out, want in zip(outputs, model(inputs)):
-                torch.testing.assert_close(out, want, atol=BF16_NORM_STEP, rtol=2e-2)
