@@ -1,5 +1,5 @@
 """Kernels warmed by patch() on the GPU: once the background builds finish, a patched gated
-MLP and its one-byte and 4-bit twins run decode, small-batch and prefill forwards without compiling
+MLP and its one-byte, 4-bit, block-sparse and block-ELL twins run decode, small-batch and prefill forwards without compiling
 anything more, and compute what they computed before (pytest -m gpu)."""
 import pytest
 import torch
@@ -22,7 +22,8 @@ class MLP(nn.Module):
 
 
 @pytest.mark.parametrize("settings", [{"sparsity": "2:4"}, {"sparsity": "2:4", "weight_dtype": "e4m3"},
-                                      {"sparsity": "2:4", "weight_dtype": "int4"}])
+                                      {"sparsity": "2:4", "weight_dtype": "int4"}, {"block": (64, 64), "density": 0.5},
+                                      {"sparsity": "block-ell", "block": (32, 32), "density": 0.5}])
 def test_after_patch_the_forwards_compile_nothing(settings, monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path / "cache"))
     cache.clear_memory()
