@@ -23,7 +23,9 @@ SPARSE = {"2:4": lambda i, o: sparsegen.Sparse24Linear(i, o, **BF16),
           "b32": lambda i, o: sparsegen.linear(i, o, block=(32, 32), density=0.5, **BF16),
           "b64": lambda i, o: sparsegen.linear(i, o, block=(64, 64), density=0.25, **BF16),
           "bell": lambda i, o: BlockEllLinear(i, o, block=(32, 32), density=0.5, **BF16),
-          "bdiag": lambda i, o: sparsegen.linear(i, o, sparsity="block-diagonal", nblocks=4, **BF16)}
+          "bdiag": lambda i, o: sparsegen.linear(i, o, sparsity="block-diagonal", nblocks=4, **BF16),
+          "fp8-2:4": lambda i, o: sparsegen.ScaledSparse24Linear.from_dense(nn.Linear(i, o, **BF16), "e4m3"),
+          "int4-2:4": lambda i, o: sparsegen.Int4Sparse24Linear.from_dense(nn.Linear(i, o, **BF16))}
 WIDTH, HIDDEN = 512, 1024
 BATCHES = [2 ** i for i in range(9)]  # 1 ... 256 tokens, a graph each
 
@@ -74,6 +76,24 @@ def test_one_graph_per_batch_size_replayed_in_random_order(kind):
         first, second = replayed(graph, static_in, out, x), replayed(graph, static_in, out, x)
         assert torch.equal(first, second)  # the same bits replay after replay
         assert relative_error(first, model(x)) < 2e-2  # eager: the same up to rounding
+
+
+@pytest.mark.parametrize("kind", SPARSE)
+@torch.no_grad()
+def test_reduce_overhead_records_graphs_without_skipping_them(kind):
+    """torch.compile(mode="reduce-overhead") over every layer kind: Inductor records CUDA graphs
+    (no cudagraph skip: no CPU tensor, no mutated input, no op it cannot capture), replays them
+    for fresh inputs, and computes eager mode's outputs up to rounding."""
+    from torch._dynamo.utils import counters
+
+    model = mlp(kind)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for tokens in (1, 8, 1, 8, 64):
+        x = torch.randn(tokens, WIDTH, **BF16)
+        assert relative_error(compiled(x).clone(), model(x)) < 2e-2, tokens
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
 def train_step(model, optimizer, x, target):
