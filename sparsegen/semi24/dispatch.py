@@ -128,6 +128,12 @@ def _split_rule(spec, m: int) -> tuple[int, int]:
     return 2, 1
 
 
+def split_space(spec, grid: tuple[int, int, int], m: int, n: int) -> tuple[int, int]:
+    """(float32 split-K sums, int32 tile counters) a launch on `grid` needs: a slice of partial
+    sums per split (templates/common/sg_split_k.cuh) and its counters; none unsplit."""
+    return (grid[2] * m * n, tile_counts(spec, m, n)) if grid[2] > 1 else (0, 0)
+
+
 def tile_counts(spec, m: int, n: int) -> int:
     """Arrival counters a split-K launch needs: at most one per token tile, W tile (its
     column count padded to whole clusters) and 64 features of it."""

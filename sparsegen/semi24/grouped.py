@@ -50,8 +50,8 @@ def group_plan(x2: torch.Tensor, weights: list[tuple], epilogue: str, code: int)
         return None  # (a weight ending inside a tile)
     grid, k_split = dispatch.grid(kern.spec, m, k, n, device_index, dispatch.wanted_splits(None, dtype, code),
                                   kern.resident_blocks)
-    sums, counters = (grid[2] * m * n, dispatch.tile_counts(kern.spec, m, n)) if grid[2] > 1 else (0, 0)
-    return ops._Sp24Plan(kern, _grouped_launch(kern, grid, k_split, x2, weights, n), (), sums, counters, n)
+    return ops._Sp24Plan(kern, _grouped_launch(kern, grid, k_split, x2, weights, n), (),
+                         *dispatch.split_space(kern.spec, grid, m, n), n)
 
 
 def _dense_by_itself(values: torch.Tensor, m: int, k: int, device_index: int) -> bool:

@@ -47,19 +47,24 @@ def w4_kernel(dtype: torch.dtype, device_index: int, rows_bucket: int | None, ep
     return runtime.kernel(spec, device_index)
 
 
-def _plan(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, group: int, out_features: int,
-          epilogue: str, splits: int | None = None, tile=None, kwarps: int | None = None) -> ops._Sp24Plan:
-    """The launch for these operands: the 2:4 forward's grid and K splits (dispatch.grid; `splits`
-    overrides), W's parts bound once; X, bias and Y bound per call."""
+def _plan(x2: Tensor, weights: list[tuple], group: int, epilogue: str = "none", splits: int | None = None,
+          tile=None, kwarps: int | None = None) -> ops._Sp24Plan:
+    """The launch over 4-bit weights [(qweight, metadata, scales)] of one X, Y's columns weight
+    after weight (one weight: a layer's product; 2-3: a grouped one, w4_group_plan): the 2:4
+    forward's grid and K splits (dispatch.grid; `splits` overrides), W's parts bound once; X,
+    bias and Y bound per call. The grouped kernel's parameters are the single one's, each
+    weight's parts in turn, with where each weight but the first starts in Y last."""
     (m, k), device_index = x2.shape, x2.device.index or 0
-    narrow = w4_narrow(out_features, runtime.sm_count(device_index))
-    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, narrow, tile, kwarps)
-    grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits)
-    split = grid[2] > 1
-    sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
-    pointers = (0, qweight.data_ptr(), metadata.data_ptr(), scales.data_ptr(), 0, 0, 0, 0)
-    launch = runtime.PackedLaunch(kern, grid, (), pointers, (m, k, out_features, k_split, group))
-    return ops._Sp24Plan(kern, launch, (), sums, counters, epilogues.output_features(epilogue, out_features))
+    widths = [16 * q.shape[0] for q, _, _ in weights]
+    n = sum(widths)
+    narrow = w4_narrow(n, runtime.sm_count(device_index))
+    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), epilogue, narrow, tile, kwarps, len(weights))
+    grid, k_split = dispatch.grid(kern.spec, m, k, n, device_index, splits)
+    starts = [sum(widths[:g]) for g in range(1, len(widths))]
+    pointers = (0, *(t.data_ptr() for weight in weights for t in weight), 0, 0, 0, 0)  # X, W, bias, Y, sums
+    launch = runtime.PackedLaunch(kern, grid, (), pointers, (m, k, n, k_split, group, *starts))
+    return ops._Sp24Plan(kern, launch, (), *dispatch.split_space(kern.spec, grid, m, n),
+                         epilogues.output_features(epilogue, n))
 
 
 _PLANS = plans.PlanCache()
@@ -91,7 +96,7 @@ def sp24_w4(x2: Tensor, qweight: Tensor, metadata: Tensor, scales: Tensor, bias:
     if chosen and prefill_on_16_bit(x2.shape[0], x2.device.index or 0):
         values = w4_values(qweight, scales, group)
         return _on_16_bit_kernel(x2, values, metadata, bias, out_features, epilogue, out)
-    make = functools.partial(_plan, x2, qweight, metadata, scales, group, out_features, epilogue, splits, tile, kwarps)
+    make = functools.partial(_plan, x2, [(qweight, metadata, scales)], group, epilogue, splits, tile, kwarps)
     signature = (*x2.shape, x2.dtype, out_features, group, epilogue, qweight.data_ptr(), scales.data_ptr())
     plan = _PLANS.get(metadata, signature, make) if chosen else make()
     y, _ = calls.output_for(x2, x2, out, plan.width, x2.dtype)
@@ -157,19 +162,9 @@ def w4_group_plan(x2: Tensor, weights: list[tuple], group: int) -> ops._Sp24Plan
     where it does not apply (see groups_on_kernel, or a weight but the last ending inside a tile)."""
     if not groups_on_kernel(x2, weights, group):
         return None
-    (m, k), device_index = x2.shape, x2.device.index or 0
-    widths = [16 * q.shape[0] for q, _, _ in weights]
-    n = sum(widths)
-    narrow = w4_narrow(n, runtime.sm_count(device_index))
-    kern = w4_kernel(x2.dtype, device_index, w4_rows_bucket(m), "none", narrow, None, None, len(weights))
-    if any(width % w_rows(kern.spec) for width in widths[:-1]):
-        return None
-    grid, k_split = dispatch.grid(kern.spec, m, k, n, device_index, None)
-    sums, counters = (grid[2] * m * n, dispatch.tile_counts(kern.spec, m, n)) if grid[2] > 1 else (0, 0)
-    starts = [sum(widths[:g]) for g in range(1, len(widths))]
-    pointers = (0, *(t.data_ptr() for weight in weights for t in weight), 0, 0, 0, 0)  # X, weights, bias, Y, sums
-    launch = runtime.PackedLaunch(kern, grid, (), pointers, (m, k, n, k_split, group, *starts))
-    return ops._Sp24Plan(kern, launch, (), sums, counters, n)
+    plan = _plan(x2, weights, group)
+    tile_rows = w_rows(plan.kern.spec)
+    return None if any(16 * q.shape[0] % tile_rows for q, _, _ in weights[:-1]) else plan
 
 
 def groups_on_kernel(x2: Tensor, weights: list[tuple], group: int) -> bool:
@@ -344,7 +339,7 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         x2 = x.reshape(-1, self.in_features)
         if not _on_kernel(x2, qweight) or prefill_on_16_bit(x2.shape[0], x.device.index or 0):
             return None
-        plan = _plan(x2, qweight, self._buffers["metadata"], scales, self.group_size, self.out_features, self.epilogue)
+        plan = _plan(x2, [(qweight, self._buffers["metadata"], scales)], self.group_size, self.epilogue)
         return lean.LeanCall(plan, x, qweight, bias)
 
     def _after_load(self) -> None:

@@ -340,8 +340,7 @@ def _sp24_plan(x2: torch.Tensor, values, metadata, out_features: int, splits, ti
     kern = dispatch.forward_kernel(values.dtype, device_index, dispatch.rows_bucket(m), tile, instr,
                         dispatch.narrow_tiles(m, out_features, device_index), epilogue, scales, quantize)
     grid, k_split = dispatch.grid(kern.spec, m, k, out_features, device_index, splits, kern.resident_blocks)
-    split = grid[2] > 1  # a slice of partial sums per split (templates/common/sg_split_k.cuh)
-    sums, counters = (grid[2] * m * out_features, dispatch.tile_counts(kern.spec, m, out_features)) if split else (0, 0)
+    sums, counters = dispatch.split_space(kern.spec, grid, m, out_features)
     dense = calls.kernel_left_to_dispatch(tile, instr) and _cublas_wins(values.dtype, device_index, out_features, k, m)
     return _Sp24Plan(kern, *_sp24_launch(kern, grid, k_split, x2, values, metadata, out_features), sums,
                      counters, epilogues.output_features(epilogue, out_features), dense,
