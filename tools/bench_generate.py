@@ -244,11 +244,21 @@ import sys, time, torch
 sys.path.insert(0, {tools!r})
 import sparsegen, bench_generate as bg
 from sparsegen.jit import compiler
-compiled, nvrtc_compile = [], compiler.compile_cubin
-def counted(source, name, *rest):  # the kernels NVRTC compiled while the clock ran
-    compiled.append(name)
-    return nvrtc_compile(source, name, *rest)
-compiler.compile_cubin = counted
+from sparsegen.jit import cache
+compiled, nvrtc_compile, waits, build = [], compiler.compile_cubin, [], cache.build
+def counted(source, name, *rest):  # the kernels NVRTC compiled while the clock ran, and when
+    start = time.perf_counter()
+    try:
+        return nvrtc_compile(source, name, *rest)
+    finally:
+        compiled.append((name, start, time.perf_counter()))
+def waited(spec):  # where the caller's thread waited for a kernel, and how long
+    start = time.perf_counter()
+    try:
+        return build(spec)
+    finally:
+        waits.append((spec.name, start, time.perf_counter()))
+compiler.compile_cubin, cache.build = counted, waited
 family, variant, tokens = bg.FAMILIES[{family!r}], {variant!r}, {tokens}
 model = bg.build(family, {layers}, torch.device("cuda"), torch.bfloat16)
 ids = bg.prompt_ids(1, tokens, "cuda") if tokens > 1 else bg.prompt_ids(32, 1, "cuda")
@@ -277,27 +287,33 @@ else:
 patched = time.perf_counter()
 forward()
 print("SECONDS", time.perf_counter() - begin, patched - begin, len(compiled))
+if {trace}:  # the timeline: each NVRTC compile and each wait of the caller over 1 ms, from the clock's start
+    for kind, events in (("compile", compiled), ("wait", waits)):
+        for name, start, end in sorted(events, key=lambda e: e[1]):
+            if end - start > 1e-3:
+                print(f"TRACE {{kind:8s}} {{start - begin:7.3f}} -> {{end - begin:7.3f}} s  {{name}}")
+    print(f"TRACE patch ends {{patched - begin:.3f}} s")
 """
 
 
 def cold_seconds(family: str, variant: str, tokens: int, layers: int, warm: bool = True,
-                 profile: bool = False, kernels: str | None = None) -> tuple[float, float, int]:
+                 profile: bool = False, kernels: str | None = None, trace: bool = False) -> tuple[float, float, int]:
     """(patch + first forward, patch alone, kernels NVRTC compiled meanwhile) in a fresh process
     with an empty kernel cache (dense: the first forward alone), the model built and CUDA
     started before the clock; warm=False: without patch's background builds (SPARSEGEN_WARM=0);
     kernels: a folder on the path holding the sparsegen_kernels package (else none is used);
     profile: cProfile's view of patch and of the first forward printed too (the seconds then
-    include its cost)."""
+    include its cost); trace: the timeline of NVRTC compiles and of the waits for kernels printed."""
     with tempfile.TemporaryDirectory() as cache:
         script = COLD_SCRIPT.format(tools=str(Path(__file__).parent), family=family, variant=variant,
-                                    tokens=tokens, layers=layers, profile=profile)
+                                    tokens=tokens, layers=layers, profile=profile, trace=trace)
         env = dict(os.environ, SPARSEGEN_CACHE_DIR=cache, SPARSEGEN_WARM="1" if warm else "0",
                    SPARSEGEN_SHIPPED_KERNELS="1" if kernels else "0")
         if kernels:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (kernels, env.get("PYTHONPATH")) if p)
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("SECONDS")]
-    if profile:
+    if profile or trace:
         print(f"## cold {family} {variant} {tokens} tokens\n{done.stdout}", flush=True)
     if not lines:
         raise RuntimeError(f"cold run of {variant} failed: {done.stderr[-2000:]}")
@@ -318,7 +334,7 @@ def cold_rows(args, save) -> None:
                 # (without background builds: only where there is no kernels package to compare with)
                 more = {} if args.cold_kernels else dict(
                     unwarmed_s=cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0])
-                measured = cold_seconds(family.name, variant, tokens, args.layers)
+                measured = cold_seconds(family.name, variant, tokens, args.layers, trace=args.cold_trace)
                 rows = [_cold_row(family, label, variant, dense, measured, **more)]
                 if args.cold_kernels:
                     rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense, cold_seconds(
@@ -424,6 +440,8 @@ def main(argv=None) -> None:
                         "sparsegen_kernels package in DIR (e.g. pip install --target DIR its wheel)")
     parser.add_argument("--cold-profile", action="store_true",
                         help="with --cold: cProfile's view of each cold prefill instead of timings")
+    parser.add_argument("--cold-trace", action="store_true",
+                        help="with --cold: each sparse variant's timeline of NVRTC compiles and waits printed")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--report", type=Path, nargs="+", help="tabulate these result files instead")

@@ -4,7 +4,7 @@
 # the last GPU the GPU tests of the decode work, cold first calls and the static-cache run.
 # Logs and results under $OUT. Usage: tools/gpu_generate.sh (GEN_NEW, GEN_ROUNDS, GEN_PROMPTS, GEN_BATCHES; SKIP_TESTS,
 # SKIP_TIMINGS, SKIP_COLD, SKIP_STATIC, SKIP_PROFILE, AFTER_TIMINGS, MODELS_CASES; COLD_PROFILE=variants for cProfile's view
-# of a cold call; COLD_KERNELS=1: the cold calls also with the sparsegen_kernels package, its bundle precompiled here)
+# of a cold call; COLD_TRACE=1: the cold calls' timelines of compiles and waits; COLD_KERNELS=1: the cold calls also with the sparsegen_kernels package, its bundle precompiled here)
 set -uo pipefail
 OUT=${OUT:-out}; R=$OUT/results; mkdir -p "$R"
 source tools/device_env.sh
@@ -41,8 +41,8 @@ last=$((gpus - 1))
     python3 -m sparsegen precompile --arch sm_90 --bundle /tmp/sgk/sparsegen_kernels/sm_90 2>&1 | grep -v "kernel/s\|it/s" | tail -2; }
   [ -z "${COLD_PROFILE:-}" ] || timeout 200 python3 tools/bench_generate.py --cold "$COLD_PROFILE" --cold-profile \
      "${kernels[@]}" --families ${COLD_FAMILIES:-gemma} > "$OUT/cold_profile.log" 2>&1
-  [ -n "${SKIP_COLD:-}" ] || timeout ${COLD_TIMEOUT:-200} python3 tools/bench_generate.py --cold ${COLD_VARIANTS:-2:4,fp8-2:4} "${kernels[@]}" \
-     --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | grep -v Warn | tail -12
+  [ -n "${SKIP_COLD:-}" ] || timeout ${COLD_TIMEOUT:-200} python3 tools/bench_generate.py --cold ${COLD_VARIANTS:-2:4,fp8-2:4} "${kernels[@]}" ${COLD_TRACE:+--cold-trace} \
+     --families ${COLD_FAMILIES:-gemma} --json "$R/16_generate_cold.json" 2>&1 | tee "$OUT/cold.log" | grep -v "Warn\|^TRACE" | tail -12
   [ -n "${SKIP_STATIC:-}" ] || timeout ${STATIC_TIMEOUT:-150} python3 tools/bench_generate.py --modes static --families llama --prompts 128 --batches 8 --new 64 --rounds 3 --layers ${STATIC_LAYERS:-4} \
      --variants dense,2:4,b128d0.25,fp8-2:4 --json "$R/17_generate_static.json" 2>&1 | grep "^|"
   [ -n "${SKIP_PROFILE:-}" ] || timeout ${PROFILE_TIMEOUT:-120} python3 tools/bench_generate.py --profile "${PROFILE_ITEMS:-gemma:fp8-2:4,gemma:2:4}" --batches ${PROFILE_BATCH:-32} \
