@@ -15,7 +15,7 @@ from sparsegen.semi24 import dispatch, scaled
 from sparsegen.bdiag.nn import BlockDiagonalLinear
 from sparsegen.bell.nn import BlockEllLinear
 from sparsegen.launch import calls
-from sparsegen.semi24.specs import sp24_spec
+from sparsegen.semi24.specs import sp24_compress_spec, sp24_spec
 
 
 def test_a_background_build_is_waited_for_not_repeated(nvrtc_calls):
@@ -57,6 +57,38 @@ def test_a_failed_background_build_raises_in_the_foreground(monkeypatch):
     cache.build_soon([spec])
     with pytest.raises(sparsegen.SparsegenError, match="NVRTC said no"):
         cache.build(spec)
+
+
+def test_a_kernel_at_hand_is_taken_and_one_that_is_not_is_built_in_the_background(nvrtc_calls):
+    """cache.at_hand_or_soon: the caller learns without waiting whether a CUBIN is there;
+    where it is not, its build starts once, and afterwards (memory or disk) it is at hand."""
+    spec = sp24_compress_spec("bf16", 80, "sp24_compress")
+    build = cache.at_hand_or_soon(spec)
+    assert build is not None
+    assert cache.at_hand_or_soon(spec) in (build, None)  # (the same build, or done by now)
+    build.result(timeout=300)
+    assert cache.at_hand_or_soon(spec) is None
+    cache.clear_memory()
+    assert cache.at_hand_or_soon(spec) is None  # (the disk cache's)
+    assert nvrtc_calls == [spec.name]
+
+
+def test_patch_packs_with_pytorch_ops_until_the_compress_kernel_is_built(monkeypatch):
+    """dispatch.prune_kernel_at_hand: False (the build started) until the build ends, then
+    True; the decision is remembered per (op, dtype, device) so later layers ask nothing."""
+    monkeypatch.setattr(dispatch.runtime, "device_arch", lambda device: 80)
+    monkeypatch.setattr(dispatch, "_prune_builds", {})
+    release, real = threading.Event(), compiler.compile_cubin
+
+    def slow(source, name, target, headers):
+        release.wait(60)
+        return real(source, name, target, headers)
+    monkeypatch.setattr(compiler, "compile_cubin", slow)
+    assert not dispatch.prune_kernel_at_hand("sp24_compress", torch.float16, 0)
+    assert not dispatch.prune_kernel_at_hand("sp24_compress", torch.float16, 0)
+    release.set()
+    dispatch._prune_builds[("sp24_compress", torch.float16, 0)].result(timeout=300)
+    assert dispatch.prune_kernel_at_hand("sp24_compress", torch.float16, 0)
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -272,6 +272,13 @@ def patch():
     torch.cuda.synchronize()
 
 
+marks = []  # (the trace's view of the forward: when each decoder layer and the head began)
+if {trace}:
+    for name, module in model.named_modules():
+        if name == "lm_head" or name.rpartition(".")[0].endswith("layers"):
+            module.register_forward_pre_hook(lambda m, args, name=name: marks.append((name, time.perf_counter())))
+
+
 def forward():
     with torch.no_grad():
         model(ids)
@@ -292,6 +299,8 @@ if {trace}:  # the timeline: each NVRTC compile and each wait of the caller over
         for name, start, end in sorted(events, key=lambda e: e[1]):
             if end - start > 1e-3:
                 print(f"TRACE {{kind:8s}} {{start - begin:7.3f}} -> {{end - begin:7.3f}} s  {{name}}")
+    for name, at in marks:
+        print(f"TRACE forward  {{at - begin:7.3f}} s  {{name}} begins")
     print(f"TRACE patch ends {{patched - begin:.3f}} s")
 """
 
@@ -329,7 +338,8 @@ def cold_rows(args, save) -> None:
         cold_seconds(family.name, "dense", 1, args.layers)
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
             # dense's first forward, the faster of two fresh processes (one ran 4x its usual time)
-            dense = min(cold_seconds(family.name, "dense", tokens, args.layers)[0] for _ in range(2))
+            dense = min(cold_seconds(family.name, "dense", tokens, args.layers, trace=args.cold_trace)[0]
+                        for _ in range(2))
             for variant in args.cold:
                 # (without background builds: only where there is no kernels package to compare with)
                 more = {} if args.cold_kernels else dict(
