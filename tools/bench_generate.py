@@ -276,7 +276,12 @@ marks = []  # (the trace's view of the forward: when each decoder layer and the 
 if {trace}:
     for name, module in model.named_modules():
         if name == "lm_head" or name.rpartition(".")[0].endswith("layers"):
-            module.register_forward_pre_hook(lambda m, args, name=name: marks.append((name, time.perf_counter())))
+            module.register_forward_pre_hook(lambda m, args, name=name: marks.append((name + " begins", time.perf_counter())))
+    def caught_up(m, args):  # (the trace alone: whether the GPU is behind the host when the head begins)
+        torch.cuda.synchronize()
+        marks.append(("the GPU caught up", time.perf_counter()))
+    model.lm_head.register_forward_pre_hook(caught_up)
+    model.lm_head.register_forward_hook(lambda m, args, out: marks.append(("lm_head ends", time.perf_counter())))
 
 
 def forward():
@@ -300,7 +305,7 @@ if {trace}:  # the timeline: each NVRTC compile and each wait of the caller over
             if end - start > 1e-3:
                 print(f"TRACE {{kind:8s}} {{start - begin:7.3f}} -> {{end - begin:7.3f}} s  {{name}}")
     for name, at in marks:
-        print(f"TRACE forward  {{at - begin:7.3f}} s  {{name}} begins")
+        print(f"TRACE forward  {{at - begin:7.3f}} s  {{name}}")
     print(f"TRACE patch ends {{patched - begin:.3f}} s")
 """
 
