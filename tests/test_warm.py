@@ -15,7 +15,7 @@ from sparsegen.semi24 import dispatch, scaled
 from sparsegen.bdiag.nn import BlockDiagonalLinear
 from sparsegen.bell.nn import BlockEllLinear
 from sparsegen.launch import calls
-from sparsegen.semi24.specs import sp24_compress_spec, sp24_spec
+from sparsegen.semi24.specs import sp24_spec
 
 
 def test_a_background_build_is_waited_for_not_repeated(nvrtc_calls):
@@ -25,6 +25,19 @@ def test_a_background_build_is_waited_for_not_repeated(nvrtc_calls):
     assert nvrtc_calls == [spec.name]
     assert cache.build_soon([spec]) == 0  # (in memory now)
     assert built.cubin == cache.build(spec).cubin and not cache.build(spec).compiled
+
+
+def test_specs_asked_for_again_cost_no_digest(monkeypatch, nvrtc_calls):
+    """patch warms layer by layer: a spec an earlier layer asked for reads no templates again
+    (until clear_memory, which forgets them with the kernels)."""
+    from sparsegen.jit import codegen
+    reads, real = [], codegen.generator_texts
+    monkeypatch.setattr(codegen, "generator_texts", lambda: reads.append(1) or real())
+    spec = sp24_spec("fp16", 80, rows=16)
+    assert cache.build_soon([spec]) == 1 and cache.build_soon([spec]) == 0 and len(reads) == 1
+    cache.build(spec)
+    cache.clear_memory()
+    assert cache.build_soon([spec]) == 1 and len(reads) == 3  # (build() read them once too)
 
 
 def test_a_build_not_started_yet_is_taken_over(monkeypatch):
@@ -57,38 +70,6 @@ def test_a_failed_background_build_raises_in_the_foreground(monkeypatch):
     cache.build_soon([spec])
     with pytest.raises(sparsegen.SparsegenError, match="NVRTC said no"):
         cache.build(spec)
-
-
-def test_a_kernel_at_hand_is_taken_and_one_that_is_not_is_built_in_the_background(nvrtc_calls):
-    """cache.at_hand_or_soon: the caller learns without waiting whether a CUBIN is there;
-    where it is not, its build starts once, and afterwards (memory or disk) it is at hand."""
-    spec = sp24_compress_spec("bf16", 80, "sp24_compress")
-    build = cache.at_hand_or_soon(spec)
-    assert build is not None
-    assert cache.at_hand_or_soon(spec) in (build, None)  # (the same build, or done by now)
-    build.result(timeout=300)
-    assert cache.at_hand_or_soon(spec) is None
-    cache.clear_memory()
-    assert cache.at_hand_or_soon(spec) is None  # (the disk cache's)
-    assert nvrtc_calls == [spec.name]
-
-
-def test_patch_packs_with_pytorch_ops_until_the_compress_kernel_is_built(monkeypatch):
-    """dispatch.prune_kernel_at_hand: False (the build started) until the build ends, then
-    True; the decision is remembered per (op, dtype, device) so later layers ask nothing."""
-    monkeypatch.setattr(dispatch.runtime, "device_arch", lambda device: 80)
-    monkeypatch.setattr(dispatch, "_prune_builds", {})
-    release, real = threading.Event(), compiler.compile_cubin
-
-    def slow(source, name, target, headers):
-        release.wait(60)
-        return real(source, name, target, headers)
-    monkeypatch.setattr(compiler, "compile_cubin", slow)
-    assert not dispatch.prune_kernel_at_hand("sp24_compress", torch.float16, 0)
-    assert not dispatch.prune_kernel_at_hand("sp24_compress", torch.float16, 0)
-    release.set()
-    dispatch._prune_builds[("sp24_compress", torch.float16, 0)].result(timeout=300)
-    assert dispatch.prune_kernel_at_hand("sp24_compress", torch.float16, 0)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -268,3 +249,47 @@ def test_a_layer_whose_kernels_cannot_be_named_ahead_is_passed_over(monkeypatch)
             raise SpecError("no kernel for this block on this arch")
     good = sparsegen.linear(128, 256, sparsity="2:4").to(torch.float16)
     assert warm.likely_specs([Odd(), good], 90, 132) == list(dict.fromkeys(good.likely_specs(90, 132)))
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.o_proj = nn.Linear(64, 64), nn.Linear(64, 64)
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
+        self.act_fn = nn.SiLU()
+
+
+class _Fc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.act = nn.Linear(64, 128), nn.GELU()
+
+
+def test_patch_starts_each_layers_builds_as_it_is_made_and_fused_ones_at_the_end(monkeypatch):
+    """A cold patch's forward waited for kernels whose builds began once every layer was made:
+    each layer's start as soon as it exists (before the next is made); a layer an activation
+    may still fuse into (its epilogue, so its kernels, change) starts with the rest at the end."""
+    from sparsegen import patching
+    events, real_build = [], patching._build
+
+    def building(module, settings, from_dense, name):
+        events.append(("make", name))
+        return real_build(module, settings, from_dense, name)
+
+    def warming(layers, gpu=None):
+        events.append(("warm", sorted(layer.epilogue for layer in layers)))
+        return 0
+    monkeypatch.setattr(patching, "_build", building)
+    monkeypatch.setattr(warm, "warm", warming)
+    model = nn.ModuleDict(dict(attn=_Attention(), mlp=_GatedMLP(), fc=_Fc())).half()
+    sparsegen.patch(model, {r"\w+_proj|c_fc": {"sparsity": "2:4"}})
+    assert events == [("make", "attn.q_proj"), ("warm", ["none"]), ("make", "attn.o_proj"), ("warm", ["none"]),
+                      ("make", "mlp.down_proj"), ("warm", ["none"]),
+                      ("make", "fc.c_fc"),  # (gelu may fuse into it: not yet)
+                      ("make", "mlp.gate_proj"), ("warm", ["none", "swiglu"]),  # (the gated pair and down_proj)
+                      ("warm", ["gelu", "none", "none", "none", "swiglu"])]  # (all, the fused one among them)

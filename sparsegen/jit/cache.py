@@ -115,13 +115,20 @@ _pool_lock = threading.Lock()
 _pool: list = []  # [the queue, its threads]
 
 
+_asked: set = set()  # the specs build_soon was given (until clear_memory): a repeat costs no digest
+
+
 def build_soon(specs: list[KernelSpec]) -> int:
     """Start building `specs` on background threads (those not in memory yet, each once), so
     that a later build() of one finds it done or waits only for what is left of it. Errors
     are left for build() to raise. Returns how many were started."""
+    new = [spec for spec in dict.fromkeys(specs) if spec not in _asked]
+    if not new:
+        return 0  # (patch asks layer by layer: most layers repeat an earlier one's shape)
     texts = codegen.generator_texts()
     started = 0
-    for spec in dict.fromkeys(specs):
+    for spec in new:
+        _asked.add(spec)
         origin = bundle.origin_digest(spec, texts)
         alias = alias_key(origin)
         if alias in _memory or alias in _pending:
@@ -162,44 +169,21 @@ def _build_in_background(spec: KernelSpec, origin: str, alias: str) -> None:
         _pending.pop(alias, None)
 
 
-def at_hand_or_soon(spec: KernelSpec) -> Future | None:
-    """None where spec's CUBIN is at hand - in memory, a kernel bundle or the disk cache (then
-    kept in memory) - else the Future of its background build (started here if none runs), for
-    a caller that has another way to do the work meanwhile rather than wait for NVRTC."""
-    origin = bundle.origin_digest(spec, codegen.generator_texts())
-    alias = alias_key(origin)
-    if alias in _memory:
-        return None
-    if alias not in _pending and _found(spec, origin, alias) is None:
-        _pending[alias] = _submit(_build_in_background, spec, origin, alias)
-    return _pending.get(alias)  # (None if that build has finished meanwhile)
-
-
 def _build(spec: KernelSpec, origin: str, alias: str) -> Built:
-    found = _found(spec, origin, alias)
-    if found is not None:
-        return found
-    if env.disable_disk_cache():
-        return _remember(alias, _compile(spec, *_source(spec)))
-    store = _store()
-    built = _build_on_disk(store, spec)
-    store.write(ALIASES, alias, built.key.encode())
-    return _remember(alias, built)
-
-
-def _found(spec: KernelSpec, origin: str, alias: str) -> Built | None:
-    """The CUBIN without compiling: memory, a bundle, or the disk cache through its alias."""
     if alias in _memory:
         return Built(spec, *_memory[alias], compiled=False)
     if env.disable_disk_cache():
-        return None
+        return _remember(alias, _compile(spec, *_source(spec)))
     bundled = bundle.lookup(spec, origin)
     if bundled is not None:
         return _remember(alias, Built(spec, "bundle:" + hashlib.sha256(bundled).hexdigest(), bundled, False))
     store = _store()
     key = _read_alias(store, alias)
     cubin = _read_kernel(store, key, spec.name) if key else None
-    return _remember(alias, Built(spec, key, cubin, False)) if cubin is not None else None
+    built = Built(spec, key, cubin, False) if cubin is not None else _build_on_disk(store, spec)
+    if built.key != key:  # a write on every hit would cost a new process milliseconds
+        store.write(ALIASES, alias, built.key.encode())
+    return _remember(alias, built)
 
 
 def _source(spec: KernelSpec) -> tuple[str, dict[str, str], str]:
@@ -234,6 +218,7 @@ def _remember(alias: str, built: Built) -> Built:
 
 def clear_memory() -> None:
     _memory.clear()
+    _asked.clear()
 
 
 def info() -> dict:

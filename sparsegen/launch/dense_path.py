@@ -77,8 +77,6 @@ def copy_of(key: torch.Tensor, values: torch.Tensor, build, *inputs) -> torch.Te
         return entry.weight
     changes = 0 if entry is None else entry.changes + 1
     captured = None if entry is None else entry.captured
-    if key.is_cuda:
-        _cublas_ready(key.device)
     if captured is not None:  # a graph reads it: rebuilt where it is, even once trained
         with torch.no_grad():
             captured.copy_(_built(build, inputs, values, key.device))
@@ -139,9 +137,12 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def _built(build, inputs: tuple, values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    what = (f"the dense copy of a sparse weight (stored values {list(values.shape)} {values.dtype}) that cuBLAS "
-            "runs where this GPU's crossover table says the kernel loses; unset SPARSEGEN_DENSE_FALLBACK turns it off")
-    with allocating(what):
+    what = (f"the dense copy of a sparse weight (stored values {list(values.shape)} {values.dtype}), and the "
+            "workspace of the cuBLAS that runs it where this GPU's crossover table says the kernel loses; unset "
+            "SPARSEGEN_DENSE_FALLBACK turns it off")
+    with allocating(what):  # (the handle's workspace too: a first cuBLAS call on a full GPU fails making it)
+        if device.type == "cuda":
+            _cublas_ready(device)
         return outside_graphs.run(_without_grad, (build, *inputs), device)
 
 

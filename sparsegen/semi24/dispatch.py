@@ -7,7 +7,6 @@ import functools
 
 import torch
 
-from ..jit import cache
 from ..launch import calls, runtime
 from .specs import SCALED_CODES, gated_product_spec, sp24_compress_spec, sp24_quantize_spec, sp24_spec, w_rows
 
@@ -153,22 +152,6 @@ def quantize_kernel(dtype: torch.dtype, source: torch.dtype, device_index: int):
 def prune_kernel(op: str, dtype: torch.dtype, device_index: int):
     arch = runtime.device_arch(torch.device("cuda", device_index))
     return runtime.kernel(sp24_compress_spec(DTYPE_NAMES[dtype], arch, op), device_index)
-
-
-_prune_builds: dict = {}  # (op, dtype, device index): the Future of its background build, or None
-
-
-def prune_kernel_at_hand(op: str, dtype: torch.dtype, device_index: int) -> bool:
-    """Whether prune_kernel(op, ...) needs no wait for NVRTC: its CUBIN is in memory, a bundle or
-    the disk cache, or its build has finished. Else the build runs in the background (started
-    here the first time) and the caller packs with PyTorch ops meanwhile - the same bits - so
-    a first patch() does not wait for the compile (issue 58: a cold first call)."""
-    key = (op, dtype, device_index)
-    if key not in _prune_builds:
-        arch = runtime.device_arch(torch.device("cuda", device_index))
-        _prune_builds[key] = cache.at_hand_or_soon(sp24_compress_spec(DTYPE_NAMES[dtype], arch, op))
-    build = _prune_builds[key]
-    return build is None or build.done()
 
 
 @functools.lru_cache(maxsize=None)

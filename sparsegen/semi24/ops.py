@@ -385,11 +385,6 @@ def _rows_or_columns(w: torch.Tensor, mask: torch.Tensor | None):
     return w, mask, 1, w.shape[0]
 
 
-def compress_kernel_at_hand(w: torch.Tensor) -> bool:
-    """Whether sp24_compress for w's dtype runs without waiting for NVRTC (dispatch.prune_kernel_at_hand)."""
-    return dispatch.prune_kernel_at_hand("sp24_compress", w.dtype, w.device.index or 0)
-
-
 def sp24_compress(w: torch.Tensor, mask: torch.Tensor | None = None,
                   mvue_seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N, K/2], metadata [N/16, K/32, 16] int32) of a 16-bit CUDA weight pruned

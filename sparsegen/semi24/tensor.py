@@ -103,17 +103,10 @@ def on_kernels(w: torch.Tensor) -> bool:
     return ops.runs_prune_kernels(w) and env.compress_kernel()
 
 
-def packs_on_kernel_now(w: torch.Tensor) -> bool:
-    """on_kernels, with the sp24_compress kernel built: until its first build ends (in the
-    background), PyTorch ops pack instead - the same bits (tests/test_gpu_sp24.py checks) - so
-    a cold patch() never waits for NVRTC."""
-    return on_kernels(w) and ops.compress_kernel_at_hand(w)
-
-
 def compress_masked(w: torch.Tensor, mask: torch.Tensor):
     """(values, metadata) of w at a mask already known to be 2:4 (no check, no host sync):
     the training layers' per-step path."""
-    if packs_on_kernel_now(w):
+    if on_kernels(w):
         return ops.sp24_compress(w.detach(), mask)
     return semi24.compress(w.detach().contiguous(), mask.contiguous())
 
@@ -140,8 +133,7 @@ def prune_and_compress(w: torch.Tensor, method: str = "magnitude", mask=None, ge
     w = w.detach()
     if mask is None:
         semi24.check_method(method)
-    # (an MVUE sample or a transposable mask is the kernel's own: PyTorch's draws another)
-    if not on_kernels(w) or (mask is not None or method == "magnitude") and not packs_on_kernel_now(w):
+    if not on_kernels(w):
         pruned, keep = semi24.prune(w, method, mask, generator)
         return semi24.compress(pruned.contiguous(), keep.to(w.device).contiguous())
     if mask is not None:
