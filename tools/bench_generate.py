@@ -342,6 +342,8 @@ def cold_rows(args, save) -> None:
         # program paid ~1 s more (sdpa's kernels loaded from disk), whichever variant it ran.
         cold_seconds(family.name, "dense", 1, args.layers)
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
+            if label.split()[0] not in args.cold_calls:
+                continue
             # dense's first forward, the faster of two fresh processes (one ran 4x its usual time)
             dense = min(cold_seconds(family.name, "dense", tokens, args.layers, trace=args.cold_trace)[0]
                         for _ in range(2))
@@ -455,6 +457,7 @@ def main(argv=None) -> None:
                         "sparsegen_kernels package in DIR (e.g. pip install --target DIR its wheel)")
     parser.add_argument("--cold-profile", action="store_true",
                         help="with --cold: cProfile's view of each cold prefill instead of timings")
+    parser.add_argument("--cold-calls", default="prefill,decode", help="with --cold: which first calls to time")
     parser.add_argument("--cold-trace", action="store_true",
                         help="with --cold: each sparse variant's timeline of NVRTC compiles and waits printed")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU")
