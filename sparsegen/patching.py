@@ -55,32 +55,15 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     _check_roles(plan, rules, strict)
     gated = _gated_mlps(model, plan) if fuse else []
     paired = {name for mlp in gated for name in mlp.projections}
-    built = {}
-    for name, module, settings in plan:
-        if name not in paired:
-            built[name] = _build(module, settings, from_dense, name)
-            _warm_now(built[name], fuse and _may_take_activation(name))
+    built = {name: _build(module, settings, from_dense, name) for name, module, settings in plan if name not in paired}
     for name, layer in built.items():
         _replace(model, name, layer)
     for mlp in gated:
         _replace(model, mlp.name, mlp.build(from_dense))
-        _warm_now(model.get_submodule(mlp.name))
     if fuse:
         _fuse_activations(model, built)
-    warm.warm([m for m in model.modules() if _is_sparse_layer(m)])  # (the fused ones; the rest are under way)
+    warm.warm([m for m in model.modules() if _is_sparse_layer(m)])
     return Patched(plan, gated)
-
-
-def _warm_now(module: nn.Module, epilogue_may_change: bool = False) -> None:
-    """Start building a new layer's kernels while the next layers are made (on a cold patch the
-    first forward waited for kernels whose builds began only once every layer was made); not
-    for one an activation may still fuse into: its kernels are other ones."""
-    if not epilogue_may_change:
-        warm.warm([m for m in module.modules() if _is_sparse_layer(m)])
-
-
-def _may_take_activation(name: str) -> bool:
-    return name.rpartition(".")[2] in {linear for linear, _ in FUSED_ACTIVATIONS}
 
 
 class Patched(list):

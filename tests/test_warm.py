@@ -27,19 +27,6 @@ def test_a_background_build_is_waited_for_not_repeated(nvrtc_calls):
     assert built.cubin == cache.build(spec).cubin and not cache.build(spec).compiled
 
 
-def test_specs_asked_for_again_cost_no_digest(monkeypatch, nvrtc_calls):
-    """patch warms layer by layer: a spec an earlier layer asked for reads no templates again
-    (until clear_memory, which forgets them with the kernels)."""
-    from sparsegen.jit import codegen
-    reads, real = [], codegen.generator_texts
-    monkeypatch.setattr(codegen, "generator_texts", lambda: reads.append(1) or real())
-    spec = sp24_spec("fp16", 80, rows=16)
-    assert cache.build_soon([spec]) == 1 and cache.build_soon([spec]) == 0 and len(reads) == 1
-    cache.build(spec)
-    cache.clear_memory()
-    assert cache.build_soon([spec]) == 1 and len(reads) == 3  # (build() read them once too)
-
-
 def test_a_build_not_started_yet_is_taken_over(monkeypatch):
     """With every background thread busy, build() compiles a queued spec itself at once
     instead of waiting behind the queue."""
@@ -249,47 +236,3 @@ def test_a_layer_whose_kernels_cannot_be_named_ahead_is_passed_over(monkeypatch)
             raise SpecError("no kernel for this block on this arch")
     good = sparsegen.linear(128, 256, sparsity="2:4").to(torch.float16)
     assert warm.likely_specs([Odd(), good], 90, 132) == list(dict.fromkeys(good.likely_specs(90, 132)))
-
-
-class _Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_proj, self.o_proj = nn.Linear(64, 64), nn.Linear(64, 64)
-
-
-class _GatedMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
-        self.act_fn = nn.SiLU()
-
-
-class _Fc(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.c_fc, self.act = nn.Linear(64, 128), nn.GELU()
-
-
-def test_patch_starts_each_layers_builds_as_it_is_made_and_fused_ones_at_the_end(monkeypatch):
-    """A cold patch's forward waited for kernels whose builds began once every layer was made:
-    each layer's start as soon as it exists (before the next is made); a layer an activation
-    may still fuse into (its epilogue, so its kernels, change) starts with the rest at the end."""
-    from sparsegen import patching
-    events, real_build = [], patching._build
-
-    def building(module, settings, from_dense, name):
-        events.append(("make", name))
-        return real_build(module, settings, from_dense, name)
-
-    def warming(layers, gpu=None):
-        events.append(("warm", sorted(layer.epilogue for layer in layers)))
-        return 0
-    monkeypatch.setattr(patching, "_build", building)
-    monkeypatch.setattr(warm, "warm", warming)
-    model = nn.ModuleDict(dict(attn=_Attention(), mlp=_GatedMLP(), fc=_Fc())).half()
-    sparsegen.patch(model, {r"\w+_proj|c_fc": {"sparsity": "2:4"}})
-    assert events == [("make", "attn.q_proj"), ("warm", ["none"]), ("make", "attn.o_proj"), ("warm", ["none"]),
-                      ("make", "mlp.down_proj"), ("warm", ["none"]),
-                      ("make", "fc.c_fc"),  # (gelu may fuse into it: not yet)
-                      ("make", "mlp.gate_proj"), ("warm", ["none", "swiglu"]),  # (the gated pair and down_proj)
-                      ("warm", ["gelu", "none", "none", "none", "swiglu"])]  # (all, the fused one among them)

@@ -115,20 +115,13 @@ _pool_lock = threading.Lock()
 _pool: list = []  # [the queue, its threads]
 
 
-_asked: set = set()  # the specs build_soon was given (until clear_memory): a repeat costs no digest
-
-
 def build_soon(specs: list[KernelSpec]) -> int:
     """Start building `specs` on background threads (those not in memory yet, each once), so
     that a later build() of one finds it done or waits only for what is left of it. Errors
     are left for build() to raise. Returns how many were started."""
-    new = [spec for spec in dict.fromkeys(specs) if spec not in _asked]
-    if not new:
-        return 0  # (patch asks layer by layer: most layers repeat an earlier one's shape)
     texts = codegen.generator_texts()
     started = 0
-    for spec in new:
-        _asked.add(spec)
+    for spec in dict.fromkeys(specs):
         origin = bundle.origin_digest(spec, texts)
         alias = alias_key(origin)
         if alias in _memory or alias in _pending:
@@ -218,7 +211,6 @@ def _remember(alias: str, built: Built) -> Built:
 
 def clear_memory() -> None:
     _memory.clear()
-    _asked.clear()
 
 
 def info() -> dict:
