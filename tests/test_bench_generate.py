@@ -47,3 +47,28 @@ def test_merged_gated_mlps_compute_the_models_own():
     ids = torch.randint(3, 1000, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, model(ids).logits)
+
+
+def test_cold_cells_are_the_median_process_of_dense_and_of_each_variant(monkeypatch):
+    """Fresh processes differ by up to ~0.1 s: dense and each variant are timed alike (the median
+    of --cold-rounds processes), not dense's best against a variant's one try."""
+    tool = load("bench_generate")
+    times = {"dense": iter([9.0, 0.30, 0.50, 0.40] + [0.3] * 9), "2:4": iter([0.70, 0.55, 0.90] + [0.6] * 9)}
+
+    def cold_seconds(family, variant, tokens, layers, **how):
+        return next(times[variant]), 0.1, 5
+    monkeypatch.setattr(tool, "cold_seconds", cold_seconds)
+    saved = []
+    args = tool.argparse.Namespace(families=[tool.FAMILIES["llama"]], cold_calls="prefill", cold_rounds=3,
+                                   cold=["2:4"], cold_kernels="k", cold_trace=False, layers=2)
+    tool.cold_rows(args, saved.extend)
+    row = saved[0]
+    assert (row["dense_first_s"], row["first_s"], row["x_dense"]) == (0.4, 0.7, 1.75)  # (9.0: the page-cache warm-up)
+    assert tool.median_run([(3.0, "a"), (1.0, "b"), (2.0, "c"), (4.0, "d")]) == (2.0, "c")
+
+
+def test_the_cold_script_is_python_with_each_of_its_views():
+    tool = load("bench_generate")
+    for profile, trace in ((False, False), (True, False), (False, True)):
+        compile(tool.COLD_SCRIPT.format(tools=str(TOOLS), family="phi3", variant="2:4", tokens=1, layers=2,
+                                        profile=profile, trace=trace), "cold", "exec")

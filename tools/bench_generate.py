@@ -344,20 +344,26 @@ def cold_rows(args, save) -> None:
         for tokens, label in ((2048, "prefill 1 x 2048"), (1, "decode 32 (one token each)")):
             if label.split()[0] not in args.cold_calls:
                 continue
-            # dense's first forward, the faster of two fresh processes (one ran 4x its usual time)
-            dense = min(cold_seconds(family.name, "dense", tokens, args.layers, trace=args.cold_trace)[0]
-                        for _ in range(2))
+
+            def timed(variant: str, **how) -> tuple:
+                # (fresh processes differ by up to ~0.1 s: dense and each variant alike, the median process)
+                return median_run([cold_seconds(family.name, variant, tokens, args.layers, **how)
+                                   for _ in range(args.cold_rounds)])
+            dense = timed("dense", trace=args.cold_trace)[0]
             for variant in args.cold:
                 # (without background builds: only where there is no kernels package to compare with)
-                more = {} if args.cold_kernels else dict(
-                    unwarmed_s=cold_seconds(family.name, variant, tokens, args.layers, warm=False)[0])
-                measured = cold_seconds(family.name, variant, tokens, args.layers, trace=args.cold_trace)
-                rows = [_cold_row(family, label, variant, dense, measured, **more)]
+                more = {} if args.cold_kernels else dict(unwarmed_s=timed(variant, warm=False)[0])
+                rows = [_cold_row(family, label, variant, dense, timed(variant, trace=args.cold_trace), **more)]
                 if args.cold_kernels:
-                    rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense, cold_seconds(
-                        family.name, variant, tokens, args.layers, kernels=args.cold_kernels)))
+                    rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense,
+                                          timed(variant, kernels=args.cold_kernels)))
                 print("\n".join(map(json.dumps, rows)), flush=True)
                 save(rows)
+
+
+def median_run(runs: list[tuple]) -> tuple:
+    """The run (seconds, ...) whose seconds are the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
 
 
 def _cold_row(family, label: str, variant: str, dense_s: float, measured: tuple, **more) -> dict:
@@ -422,7 +428,8 @@ def _cold_table(rows: list[dict]) -> Table:
                    ("patch + first forward s", ".3f"), ("of which patch s", ".3f"), ("times dense's", ".2f"),
                    ("kernels compiled", "")] + [("without background builds s", ".3f")] * unwarmed,
                   about="A fresh process each (tools/bench_generate.py --cold): the model built on the GPU and CUDA "
-                        "started before the clock; dense: its first forward alone, the faster of two processes. "
+                        "started before the clock; dense: its first forward alone; each cell the median of --cold-rounds "
+                        "processes (runs before 2026-11-29: dense the faster of two, a variant one process). "
                         "'kernels installed': with the sparsegen_kernels package (tools/build_kernels.py; "
                         "--cold-kernels) on the path; "
                         "'kernels compiled': by NVRTC before the first forward returned.")
@@ -457,6 +464,8 @@ def main(argv=None) -> None:
                         "sparsegen_kernels package in DIR (e.g. pip install --target DIR its wheel)")
     parser.add_argument("--cold-profile", action="store_true",
                         help="with --cold: cProfile's view of each cold prefill instead of timings")
+    parser.add_argument("--cold-rounds", type=int, default=3,
+                        help="with --cold: fresh processes per cell, dense and each variant alike (the median counts)")
     parser.add_argument("--cold-calls", default="prefill,decode", help="with --cold: which first calls to time")
     parser.add_argument("--cold-trace", action="store_true",
                         help="with --cold: each sparse variant's timeline of NVRTC compiles and waits printed")
