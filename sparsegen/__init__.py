@@ -9,7 +9,9 @@ included.
 """
 import importlib
 import importlib.util
+import threading
 
+from . import env
 from .errors import CompileError, ConfigError, InputError, LaunchError, SparsegenError, SpecError
 
 __version__ = "0.1.0"
@@ -28,6 +30,31 @@ __all__ = ["BlockSparseLinear", "linear", "patch", "dense_copy", "GatedMLP", "to
            "SparsegenError", "SpecError", "CompileError", "InputError", "ConfigError", "LaunchError",
            "UntrustedPathError", "Sparse24Linear", "ScaledSparse24Linear", "Int4Sparse24Linear", "load_compressed", "Sparse24Tensor",
            "Sparse24TrainingLinear", "to_sparse24", "masked_decay_", "dense_finetune_", "__version__"]
+
+
+def _load_nvrtc() -> None:
+    try:
+        from cuda.bindings import nvrtc
+
+        nvrtc.nvrtcVersion()  # (the library itself loads at the first call)
+    except Exception:  # (none installed, or broken: the first build says so)
+        pass
+
+
+def _load_nvrtc_soon() -> None:
+    """Loading NVRTC costs a new process ~0.1 s, which the first kernel build - during patch,
+    with an empty cache - would wait for: a daemon thread loads it from here on, while the user
+    builds or loads a model (sparsegen.warm). Nothing waits for it; SPARSEGEN_WARM=0 turns it
+    off, and a malformed value is left for patch to report."""
+    try:
+        if not env.warm_kernels():
+            return
+    except ConfigError:
+        return
+    threading.Thread(target=_load_nvrtc, name="sparsegen-nvrtc", daemon=True).start()
+
+
+_load_nvrtc_soon()
 
 
 def load() -> None:

@@ -53,6 +53,7 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
     plan = _plan(model, rules)
     _check_roles(plan, rules, strict)
+    warm.warm_cublas(model, skip={name for name, _, _ in plan})
     gated = _gated_mlps(model, plan) if fuse else []
     paired = {name for mlp in gated for name in mlp.projections}
     built = {name: _build(module, settings, from_dense, name) for name, module, settings in plan if name not in paired}

@@ -3,8 +3,16 @@ layer which kernels its forward likely takes (`likely_specs(arch, sm_count)`: it
 epilogue and the batch sizes a model sees, from decode to prefill) and starts building them,
 deduplicated across layers of one shape, on background threads (jit.cache.build_soon). A
 forward that needs one waits only for what is left of its build. Needs a GPU to know the
-arch; SPARSEGEN_WARM=0 turns it off (kernels are then built at first use, as before)."""
+arch; SPARSEGEN_WARM=0 turns it off (kernels are then built at first use, as before).
+
+Two costs of a cold first call come before any kernel is known, and are paid on short
+background threads instead (same switch): loading NVRTC, from `import sparsegen` on, while the
+user builds or loads a model (sparsegen/__init__.py), and setting up cuBLAS for the dense layers a
+patched model keeps, during patch (warm_cublas: the head would otherwise set it up in the middle
+of the first forward, where the dense model sets it up in its first layer)."""
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -47,3 +55,30 @@ def _asked(layer: nn.Module, arch: int, sm_count: int) -> list:
         return list(ask(arch, sm_count))
     except SparsegenError:
         return []
+
+
+def warm_cublas(model: nn.Module, skip: set[str] = frozenset()) -> threading.Thread | None:
+    """Set up cuBLAS for the model's dense linear layers on CUDA - those not named in `skip`
+    (the ones patch replaces) - on a short thread: one small product per (device, dtype), with
+    and without a bias (cuBLAS and cuBLASLt). None when there are none or warming is off. torch
+    keeps a pool of cuBLAS handles per device: a thread's goes back to it when the thread ends,
+    and the next thread to ask - the forward's - takes it set up, its workspace with it."""
+    kinds = {(m.weight.device, m.weight.dtype) for name, m in model.named_modules()
+             if type(m) is nn.Linear and name not in skip and m.weight.is_cuda and m.weight.dtype.is_floating_point}
+    if not kinds or not env.warm_kernels():
+        return None
+    thread = threading.Thread(target=_products, args=(sorted(kinds, key=str),), name="sparsegen-cublas", daemon=True)
+    thread.start()
+    return thread
+
+
+def _products(kinds: list) -> None:
+    try:
+        with torch.no_grad():
+            for device, dtype in kinds:
+                with torch.cuda.device(device):
+                    x, w = (torch.zeros(n, 64, device=device, dtype=dtype) for n in (8, 64))
+                    torch.nn.functional.linear(x, w)
+                    torch.nn.functional.linear(x, w, w[0])
+    except Exception:  # (a full GPU, say: a head start only; the forward meets any error itself)
+        pass

@@ -42,3 +42,19 @@ def test_after_patch_the_forwards_compile_nothing(settings, monkeypatch, tmp_pat
             x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
             y, want = model(x).double(), reference(x.double())
             assert (y - want).norm() / want.norm() < 6e-2
+
+
+def test_patch_sets_up_cublas_for_the_dense_head_on_a_thread_the_forward_then_uses():
+    """patch's cuBLAS thread (warm.warm_cublas) ends and hands its handle back: the head's
+    product on the caller's thread afterwards matches float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(), nn.Linear(256, 1000)).to("cuda", torch.bfloat16)
+    thread = sparsegen.warm.warm_cublas(model, skip={"0.gate_proj", "0.up_proj", "0.down_proj"})
+    assert thread is not None
+    thread.join(60)
+    assert not thread.is_alive()
+    x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    head = model[1]
+    expected = x.double() @ head.weight.double().T + head.bias.double()
+    with torch.no_grad():
+        torch.testing.assert_close(head(x).double(), expected, rtol=2e-2, atol=2e-2)

@@ -98,6 +98,47 @@ def test_patch_warms_without_a_gpu_only_when_asked(monkeypatch):
     assert warm.warm(list(model.modules()), gpu=(80, 108)) > 0
 
 
+@pytest.mark.parametrize("setting, loads", [(None, True), ("0", False), ("maybe", False)])
+def test_import_starts_loading_nvrtc_unless_warming_is_off(setting, loads):
+    """`import sparsegen` starts a daemon thread that loads NVRTC (the first build's ~0.1 s in a
+    new process); SPARSEGEN_WARM=0 starts none, and a malformed value does not break the import
+    (patch reports it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import threading, sparsegen\nnames = [t.name for t in threading.enumerate()]\n"
+              "loader = [t for t in threading.enumerate() if t.name == 'sparsegen-nvrtc']\n"
+              "[t.join(60) for t in loader]\nprint(names, [t.daemon for t in loader])\n"
+              "from cuda.bindings import nvrtc\nprint('loaded' if loader else 'none')\n")
+    environ = {key: value for key, value in os.environ.items() if key != "SPARSEGEN_WARM"}
+    if setting is not None:
+        environ["SPARSEGEN_WARM"] = setting
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environ)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("'sparsegen-nvrtc'" in done.stdout) is loads, done.stdout
+    assert ("[True]" in done.stdout) is loads  # a daemon: never holds the process at exit
+
+
+def test_warm_cublas_takes_only_the_dense_linears_patch_leaves_on_a_gpu(monkeypatch):
+    """Nothing to set up on the CPU, nor for linears patch replaces, nor when warming is off."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    assert warm.warm_cublas(model) is None  # (CPU weights)
+    if torch.cuda.is_available():
+        model.cuda()
+        assert warm.warm_cublas(model, skip={"0", "1"}) is None
+        monkeypatch.setenv("SPARSEGEN_WARM", "0")
+        assert warm.warm_cublas(model) is None
+
+
+def test_patch_asks_for_cublas_for_the_linears_it_leaves_dense(monkeypatch):
+    asked = []
+    monkeypatch.setattr(warm, "warm_cublas", lambda model, skip: asked.append(set(skip)))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.Linear(64, 32)).half()
+    sparsegen.patch(model, {r"0|2": {"sparsity": "2:4"}})
+    assert asked == [{"0", "2"}]
+
+
 def test_a_process_that_exits_does_not_wait_for_queued_builds(tmp_path):
     """The background threads are daemons: a script that patches and ends is not held until
     every queued kernel is built (40 here, about half a minute of NVRTC on one thread)."""
