@@ -24,6 +24,7 @@ template <bool BF16>
 struct Int4Magic {
   static constexpr u32 kBase = BF16 ? 0x43004300u : 0x64006400u, kOne = BF16 ? 0x3F803F80u : 0x3C003C00u,
                        kMinusBase = BF16 ? 0xC308C308u : 0xE408E408u;
+  static constexpr u32 kBaseBytes = BF16 ? 0x43434343u : 0x64646464u;  // kBase's high byte, for prmt
   __device__ static u32 fma2(u32 a, u32 b, u32 c) {
     u32 d;
     if constexpr (BF16)
@@ -48,6 +49,32 @@ __device__ __forceinline__ u32 dequantized_pair(u32 word, int i, u32 scale2) {
   using Bits = Int4Bits<Mma>;
   const u32 shifted = ((word >> (4 * i)) & 0x000F000Fu) | Bits::kBase;
   return Bits::fma2(Bits::fma2(shifted, Bits::kOne, Bits::kMinusBase), scale2, 0x80008000u);
+}
+
+// All four pairs of a lane's word, a[i] = dequantized_pair(word, i, scale2[i % 2]) bit for bit,
+// in fewer instructions: the even nibbles (0, 2, 4, 6) and the odd ones masked into the low
+// halves of bytes once, then each pair is one byte permute (prmt) of two of those bytes with
+// the base's high byte - where shifting each pair into place took a shift, a mask and the mask
+// constant moved into a register again (a LOP3 takes one immediate).
+template <u32 SELECTOR>
+__device__ __forceinline__ u32 byte_permute(u32 low, u32 high) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(low), "r"(high), "n"(SELECTOR));
+  return d;
+}
+
+template <class Mma>
+__device__ __forceinline__ void dequantized_word(u32 (&a)[4], u32 word, const u32 (&scale2)[2]) {
+  using Bits = Int4Bits<Mma>;
+  u32 base_bytes;
+  asm("mov.b32 %0, %1;\n" : "=r"(base_bytes) : "n"(Bits::kBaseBytes));
+  const u32 even = word & 0x0F0F0F0Fu, odd = (word >> 4) & 0x0F0F0F0Fu;  // nibbles 0, 2, 4, 6 / 1, 3, 5, 7
+  // pair i: nibbles i and i + 4, bytes i / 2 and i / 2 + 2 of `even` (i even) or `odd`
+  const u32 shifted[4] = {byte_permute<0x4240>(even, base_bytes), byte_permute<0x4240>(odd, base_bytes),
+                          byte_permute<0x4341>(even, base_bytes), byte_permute<0x4341>(odd, base_bytes)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    a[i] = Bits::fma2(Bits::fma2(shifted[i], Bits::kOne, Bits::kMinusBase), scale2[i & 1], 0x80008000u);
 }
 
 template <class Mma, int TILE_W, int THREADS>
@@ -91,8 +118,7 @@ struct Int4Values {
   __device__ static void fragment(u32 (&a)[4], u32 smem, int row, int j, int lane, RowScales scales) {
     u32 word;
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(smem + (row / 16) * 4 * LINE + j * LINE + 4 * lane));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = dequantized_pair<Mma>(word, i, scales.twice[i & 1]);
+    dequantized_word<Mma>(a, word, scales.twice);
   }
 };
 
