@@ -90,13 +90,18 @@ struct Int4Values {
   static_assert(TILE_W % 64 == 0, "whole 16-byte chunks of scales");
 
   __device__ static void load(u32 smem, Source w, int n0, int k0, int K, int N, int k_end) {
-    for_chunks<TILE_W * 2, THREADS>([&](int i) {  // 16-byte chunks, 32 per 16 rows
-      const int rows16 = i >> 5, c = i & 31, tile_k = k0 / 32 + (c >> 3);
-      cp_async16(smem + i * 16, w.q + ((long long)(n0 / 16 + rows16) * (K / 32) + tile_k) * 32 + 4 * (c & 7),
-                 n0 + 16 * rows16 < N && tile_k < k_end / 32);
+    // 16-byte chunks, 32 per 16 rows. k0 is a whole number of stages: the chunk's line at K = 0
+    // (the same every stage: hoisted out of the stage loop) plus k0 words (k0 / 32 lines of 32)
+    for_chunks<TILE_W * 2, THREADS>([&](int i) {
+      const int rows16 = i >> 5, c = i & 31;
+      const u32* line = w.q + ((long long)(n0 / 16 + rows16) * (K / 32) + (c >> 3)) * 32 + 4 * (c & 7);
+      cp_async16(smem + i * 16, line + k0, n0 + 16 * rows16 < N && k0 + 32 * (c >> 3) < k_end);
     });
+    // (the two groups quantizers write, 128 and all of K, without an integer division: warp 0
+    // alone copies the scales, and every warp waits for it at the next stage's barrier)
+    const int group_row = w.group == 128 ? k0 >> 7 : k0 < w.group ? 0 : k0 / w.group;
     for_chunks<TILE_W / 8, THREADS>([&](int i) {
-      cp_async16(smem + Q_BYTES + i * 16, w.scales + (long long)(k0 / w.group) * w.scale_stride + n0 + 8 * i,
+      cp_async16(smem + Q_BYTES + i * 16, w.scales + (long long)group_row * w.scale_stride + n0 + 8 * i,
                  n0 + 8 * i < N && k0 < k_end);
     });
   }

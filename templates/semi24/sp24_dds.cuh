@@ -51,8 +51,8 @@ struct KeptValues {
   __device__ static void load(u32 smem, Source values, int n0, int k0, int K, int N, int k_end) {
     for_chunks<TILE_W * 8, THREADS>([&](int i) {
       const int row = i >> 3, c = i & 7;
-      cp_async16(swizzled(smem, row, c), values + (long long)(n0 + row) * (K / 2) + k0 / 2 + EPC * c,
-                 n0 + row < N && k0 + 2 * EPC * c < k_end);
+      const Elem* at = values + (long long)(n0 + row) * (K / 2) + EPC * c;  // (the same every stage)
+      cp_async16(swizzled(smem, row, c), at + k0 / 2, n0 + row < N && k0 + 2 * EPC * c < k_end);
     });
   }
 
@@ -102,19 +102,20 @@ struct Sp24Dds {
   // past k_end are skipped in compute().
   __device__ static void load(u32 smem, int k0, const Elem* x, typename Weights::Source values, const int* meta,
                               int m0, int n0, int M, int K, int N, int k_end) {
+    // (each chunk's address at K = 0 plus k0: the first part is the same every stage, hoisted)
     for_chunks<TILE_T * 16, THREADS>([&](int i) {
-      const int row = i >> 4, c = i & 15, k = k0 + EPC * c;
-      cp_async16(swizzled(smem + (c >> 3) * X_HALF, row, c & 7), x + (long long)(m0 + row) * K + k,
-                 m0 + row < M && k < k_end);
+      const int row = i >> 4, c = i & 15;
+      const Elem* at = x + (long long)(m0 + row) * K + EPC * c;
+      cp_async16(swizzled(smem + (c >> 3) * X_HALF, row, c & 7), at + k0, m0 + row < M && k0 + EPC * c < k_end);
     });
     const u32 w_smem = smem + X_BYTES;
     Weights::load(w_smem, values, n0, k0, K, N, k_end);
     const u32 m_smem = w_smem + W_BYTES;
     for_chunks<(TILE_W / 16) * META_TILES * 4, THREADS>([&](int i) {   // chunks of 4 words
-      const int group = i / (META_TILES * 4), c = i % (META_TILES * 4), tile_k = k0 / 32 + (c >> 2);
-      cp_async16(m_smem + group * META_GROUP_BYTES + c * 16,
-                 meta + ((long long)(n0 / 16 + group) * (K / 32) + tile_k) * 16 + 4 * (c & 3),
-                 n0 + 16 * group < N && tile_k < k_end / 32);
+      const int group = i / (META_TILES * 4), c = i % (META_TILES * 4);
+      const int* at = meta + ((long long)(n0 / 16 + group) * (K / 32) + (c >> 2)) * 16 + 4 * (c & 3);
+      cp_async16(m_smem + group * META_GROUP_BYTES + c * 16, at + k0 / 2,  // (k0 / 32 tiles of 16 words)
+                 n0 + 16 * group < N && k0 + 32 * (c >> 2) < k_end);
     });
   }
 
