@@ -352,7 +352,8 @@ def cold_rows(args, save) -> None:
             dense = timed("dense", trace=args.cold_trace)[0]
             for variant in args.cold:
                 # (without background builds: only where there is no kernels package to compare with)
-                more = {} if args.cold_kernels else dict(unwarmed_s=timed(variant, warm=False)[0])
+                unwarmed = not (args.cold_kernels or args.cold_warmed_only)
+                more = dict(unwarmed_s=timed(variant, warm=False)[0]) if unwarmed else {}
                 rows = [_cold_row(family, label, variant, dense, timed(variant, trace=args.cold_trace), **more)]
                 if args.cold_kernels:
                     rows.append(_cold_row(family, label, f"{variant}, kernels installed", dense,
@@ -467,6 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cold-rounds", type=int, default=3,
                         help="with --cold: fresh processes per cell, dense and each variant alike (the median counts)")
     parser.add_argument("--cold-calls", default="prefill,decode", help="with --cold: which first calls to time")
+    parser.add_argument("--cold-warmed-only", action="store_true",
+                        help="with --cold: no timing without background builds (SPARSEGEN_WARM=0)")
     parser.add_argument("--cold-trace", action="store_true",
                         help="with --cold: each sparse variant's timeline of NVRTC compiles and waits printed")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU")
