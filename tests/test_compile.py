@@ -13,6 +13,7 @@ from sparsegen.jit import cache, compiler, epilogues
 from sparsegen.jit.spec import DTYPES, KernelSpec, TileConfig, default_specs
 from sparsegen.bsr.specs import forward_spec
 from sparsegen.bell.specs import forward_spec as ell_forward_spec
+from sparsegen.semi24.specs import sp24_w4_spec
 
 DEFAULT_SPECS = default_specs(80) + default_specs(90) + default_specs(89, ["e4m3"])  # sm_89: native fp8 mma.sp
 
@@ -168,8 +169,12 @@ KWARPS_SPECS = [s for s in DEFAULT_SPECS if s.op == "sp24_w4" and s.param_values
 # sp24_w4's grouped launches (q, k and v of one X), each decode tile per arch, those KWARPS_SPECS lacks
 W4_GROUPED_SPECS = [s for s in DEFAULT_SPECS if s.op == "sp24_w4" and s.param_values["groups"] > 1
                     and s.dtype == "bf16" and s not in KWARPS_SPECS]
+# sp24_w4's 8-token decode tiles (one n8 step a W tile; tools/probe_int4.py's, no default takes them yet),
+# with and without k-warps, with an epilogue, on the mma.sp arches
+W4_EIGHT_TOKEN_SPECS = [sp24_w4_spec(d, arch, TileConfig(8, w, 1, stages), epilogue=e, kwarps=k) for arch in (80, 90)
+                        for d, w, stages, k, e in (("bf16", 4, 6, 1, "none"), ("fp16", 2, 8, 2, "swiglu"))]
 SASS_SPECS = largest_per_kind([s for s in DEFAULT_SPECS if s.rules.tensor_cores]) + ACC_SPECS + KWARPS_SPECS + \
-    W4_GROUPED_SPECS
+    W4_GROUPED_SPECS + W4_EIGHT_TOKEN_SPECS
 # How each instruction family moves a stage into shared memory, as SASS spells it.
 STAGE_LOAD = {"mma": "LDGSTS", "wgmma": "LDGSTS", "tma": "UTMALDG", "pingpong": "UTMALDG", "swap": "UTMALDG",
               "pairs": "UTMALDG"}

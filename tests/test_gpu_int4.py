@@ -36,7 +36,10 @@ def layer_of(k: int, n: int, dtype, group_size=128, bias=True) -> Int4Sparse24Li
     (2049, 768, 208, None, None, None), (45, 512, 272, None, TileConfig(64, 1, 2, 2), None),
     # k-warps: a stage's instruction steps shared by 2 warps (odd stage counts: 5, 7, 9), with and without splits
     (3, 640, 336, 2, TileConfig(16, 4, 1, 6), 2), (13, 1152, 464, None, TileConfig(16, 2, 1, 6), 2),
-    (29, 896, 272, 3, TileConfig(32, 4, 1, 4), 2), (60, 640, 400, None, TileConfig(64, 2, 2, 4), 2)])
+    (29, 896, 272, 3, TileConfig(32, 4, 1, 4), 2), (60, 640, 400, None, TileConfig(64, 2, 2, 4), 2),
+    # 8-token decode tiles (the probe's), with and without k-warps and splits
+    (1, 4096, 1024, None, TileConfig(8, 4, 1, 6), None), (7, 1152, 464, 3, TileConfig(8, 2, 1, 8), 2),
+    (5, 640, 336, None, TileConfig(8, 4, 1, 5), 2)])
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.parametrize("epilogue", ["none", "gelu_tanh", "swiglu"])
 def test_kernel_dequantizes_and_applies_bias_and_epilogue(dtype, m, k, n, splits, tile, kwarps, group_size, epilogue):

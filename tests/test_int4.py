@@ -221,3 +221,17 @@ def test_input_gradient_of_a_frozen_4_bit_layer(epilogue, mode):
     d_product, = torch.autograd.grad(epilogues.reference(product, epilogue), product, dy)
     assert relative_error(x.grad, d_product @ weight) < 2e-2
     assert not any(t.requires_grad for t in (layer.qweight, layer.scales, layer.bias))
+
+
+def test_8_token_tiles_are_sp24_w4s_alone():
+    """OpRules.tile_m_step: the 4-bit kernel's decode tiles may hold 8 tokens (one n8 step of
+    mma.sp a W tile); every other kernel keeps tile_m a multiple of 16, and says which op asked."""
+    from sparsegen.errors import SpecError
+    from sparsegen.jit.spec import TileConfig
+    from sparsegen.semi24.specs import sp24_spec, sp24_w4_spec
+
+    assert sp24_w4_spec("bf16", 90, TileConfig(8, 4, 1, 6)).tile.tile_m == 8
+    with pytest.raises(SpecError, match="tile_m a multiple of 8.* Got 12"):
+        sp24_w4_spec("bf16", 90, TileConfig(12, 4, 1, 6))
+    with pytest.raises(SpecError, match="tile_m a multiple of 16 for sp24_dds. Got 8"):
+        sp24_spec("bf16", 80, TileConfig(8, 4, 1, 6), instr="mma")

@@ -106,6 +106,9 @@ class OpRules:
     # Copies of the tile's warp grid a block runs, each taking its share of K (sp24_w4's kwarps):
     # the block's threads are the tile's times this
     k_warps: Callable[[Spec], int] = _one
+    # What tile_m (a block's tokens, or rows of X) must be a multiple of: 16 for the mma and wgmma
+    # kernels' row tiles; sp24_w4's decode tiles take 8 (one n8 step of mma.sp per W tile)
+    tile_m_step: int = 16
 
     def __post_init__(self):
         for param in self.params + self.run_params:

@@ -257,7 +257,8 @@ def _validate_tile(spec: KernelSpec) -> None:
     """What every kernel's tile must satisfy; its op's rules checked the rest first."""
     t = spec.tile
     check_choice("cluster", t.cluster, CLUSTER_SIZES)
-    expect(t.tile_m % 16 == 0, "tile_m a multiple of 16", t.tile_m, SpecError)
+    step = spec.rules.tile_m_step
+    expect(t.tile_m % step == 0, f"tile_m a multiple of {step} for {spec.op}", t.tile_m, SpecError)
     expect(t.stages >= 2, "at least 2 pipeline stages", t.stages, SpecError)
     expect(spec.threads <= 1024, "at most 1024 threads per block", spec.threads, SpecError)
     limit = SMEM_LIMIT[spec.arch]

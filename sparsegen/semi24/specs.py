@@ -355,7 +355,7 @@ registry.register(registry.Layout("semi24", (
                      epilogues=True, args=registry.ProductArgs(("x", "values", "metadata", "bias")),
                      params=(SCALES, QUANTIZED_X, GROUPS), float_output=lambda spec: spec.dtype != "int8" or _scales(spec) > 0),
     registry.OpRules("sp24_w4", "semi24/sp24_w4.cu.j2", _validate_w4, _w4_smem, context=_output_context,
-                     epilogues=True, params=(KWARPS, GROUPS), k_warps=_kwarps),
+                     epilogues=True, params=(KWARPS, GROUPS), k_warps=_kwarps, tile_m_step=8),
     registry.OpRules("sp24_w4_values", "semi24/sp24_w4_values.cu.j2", _validate_16bit, _no_smem, tensor_cores=False),
     registry.OpRules("sp24_compress", "semi24/sp24_compress.cu.j2", _validate, _no_smem, context=_prune_context,
                      tensor_cores=False),
