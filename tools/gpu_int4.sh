@@ -2,7 +2,8 @@
 # Issue 62's GPU work in one call: the 4-bit 2:4 GPU tests, the layer table (bench24.py --int4:
 # 1-64 and 2048 tokens) and the decode tile probe. Logs and results under $OUT.
 # Usage: SPARSEGEN_COMMIT=<hash> tools/gpu_int4.sh (INT4_TEST_TIMEOUT, INT4_BENCH_TIMEOUT, SKIP_TESTS,
-# INT4_TESTS (the test files: tests/test_gpu_int4.py), SKIP_BENCH, PROBE_ARGS, PROBE_TIMEOUT, SKIP_PROBE; NCU=1: Nsight Compute's view of the decode kernel on four shapes, M K N; MODELS=1: whole-model
+# INT4_TESTS (the test files: tests/test_gpu_int4.py), SKIP_BENCH, PROBE_ARGS, PROBE_TIMEOUT, SKIP_PROBE;
+# NCU=1: Nsight Compute's view of the decode kernel on four shapes, M K N; MODELS=1: whole-model
 # decode 8 / 32 in CUDA graphs at all 32 Llama-3-8B layers, and generate() with 4-bit 2:4; PROFILE=1: GPU time
 # by kernel kind of a 32-layer decode step (PROFILE_CASE, default llama8b32_decode8), compiled, dense / 2:4 / FP8 / 4-bit;
 # COMPILE=1: the 4-layer decode 8 / 32 under plain torch.compile, dense / FP8 2:4 / 4-bit 2:4)
