@@ -58,13 +58,14 @@ def _asked(layer: nn.Module, arch: int, sm_count: int) -> list:
 
 
 def warm_cublas(model: nn.Module, skip: set[str] = frozenset()) -> threading.Thread | None:
-    """Set up cuBLAS for the model's dense linear layers on CUDA - those not named in `skip`
+    """Set up cuBLAS for the model's dense linear layers on CUDA (nn.Linear and its subclasses,
+    nn.MultiheadAttention's out_proj say; sparsegen's layers are not ones) - those not named in `skip`
     (the ones patch replaces) - on a short thread: one small product per (device, dtype), with
     and without a bias (cuBLAS and cuBLASLt). None when there are none or warming is off. torch
     keeps a pool of cuBLAS handles per device: a thread's goes back to it when the thread ends,
     and the next thread to ask - the forward's - takes it set up, its workspace with it."""
     kinds = {(m.weight.device, m.weight.dtype) for name, m in model.named_modules()
-             if type(m) is nn.Linear and name not in skip and m.weight.is_cuda and m.weight.dtype.is_floating_point}
+             if isinstance(m, nn.Linear) and name not in skip and m.weight.is_cuda and m.weight.dtype.is_floating_point}
     if not kinds or not env.warm_kernels():
         return None
     thread = threading.Thread(target=_products, args=(sorted(kinds, key=str),), name="sparsegen-cublas", daemon=True)

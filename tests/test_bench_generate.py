@@ -72,3 +72,23 @@ def test_the_cold_script_is_python_with_each_of_its_views():
     for profile, trace in ((False, False), (True, False), (False, True)):
         compile(tool.COLD_SCRIPT.format(tools=str(TOOLS), family="phi3", variant="2:4", tokens=1, layers=2,
                                         profile=profile, trace=trace), "cold", "exec")
+
+
+def test_cold_warmed_only_times_each_variant_once_a_round_with_background_builds(monkeypatch):
+    """--cold-warmed-only: no second set of processes without background builds (SPARSEGEN_WARM=0)."""
+    tool = load("bench_generate")
+    calls = []
+
+    def cold_seconds(family, variant, tokens, layers, warm=True, **how):
+        calls.append((variant, warm))
+        return 0.5, 0.1, 3
+    monkeypatch.setattr(tool, "cold_seconds", cold_seconds)
+    saved = []
+    args = tool.argparse.Namespace(families=[tool.FAMILIES["llama"]], cold_calls="prefill", cold_rounds=3,
+                                   cold=["2:4"], cold_kernels=None, cold_warmed_only=True, cold_trace=False, layers=2)
+    tool.cold_rows(args, saved.extend)
+    assert calls.count(("2:4", True)) == 3 and ("2:4", False) not in calls
+    assert "unwarmed_s" not in saved[0]
+    args.cold_warmed_only, calls[:] = False, []
+    tool.cold_rows(args, saved.extend)
+    assert calls.count(("2:4", False)) == 3 and saved[-1]["unwarmed_s"] == 0.5

@@ -276,7 +276,8 @@ marks = []  # (the trace's view of the forward: when each decoder layer and the 
 if {trace}:
     for name, module in model.named_modules():
         if name == "lm_head" or name.rpartition(".")[0].endswith("layers"):
-            module.register_forward_pre_hook(lambda m, args, name=name: marks.append((name + " begins", time.perf_counter())))
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: marks.append((name + " begins", time.perf_counter())))
     def caught_up(m, args):  # (the trace alone: whether the GPU is behind the host when the head begins)
         torch.cuda.synchronize()
         marks.append(("the GPU caught up", time.perf_counter()))

@@ -42,13 +42,19 @@ struct Int4Bits<Bf16> : Int4Magic<true> {};
 template <>
 struct Int4Bits<Fp16> : Int4Magic<false> {};
 
+// A pair held as base + 8 + value in each half (or-ed into kBase's bits): the signed values
+// times their scale, each rounded once.
+template <class Mma>
+__device__ __forceinline__ u32 scaled_pair(u32 shifted, u32 scale2) {
+  using Bits = Int4Bits<Mma>;
+  return Bits::fma2(Bits::fma2(shifted, Bits::kOne, Bits::kMinusBase), scale2, 0x80008000u);
+}
+
 // Values i and i + 4 of a lane's word (nibbles i, i + 4: row g + 8(i % 2), kept columns
 // 8(i / 2) + 2q and + 1) dequantized by their row's scale, `scale2` holding it twice.
 template <class Mma>
 __device__ __forceinline__ u32 dequantized_pair(u32 word, int i, u32 scale2) {
-  using Bits = Int4Bits<Mma>;
-  const u32 shifted = ((word >> (4 * i)) & 0x000F000Fu) | Bits::kBase;
-  return Bits::fma2(Bits::fma2(shifted, Bits::kOne, Bits::kMinusBase), scale2, 0x80008000u);
+  return scaled_pair<Mma>(((word >> (4 * i)) & 0x000F000Fu) | Int4Bits<Mma>::kBase, scale2);
 }
 
 // All four pairs of a lane's word, a[i] = dequantized_pair(word, i, scale2[i % 2]) bit for bit,
@@ -73,8 +79,7 @@ __device__ __forceinline__ void dequantized_word(u32 (&a)[4], u32 word, const u3
   const u32 shifted[4] = {byte_permute<0x4240>(even, base_bytes), byte_permute<0x4240>(odd, base_bytes),
                           byte_permute<0x4341>(even, base_bytes), byte_permute<0x4341>(odd, base_bytes)};
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    a[i] = Bits::fma2(Bits::fma2(shifted[i], Bits::kOne, Bits::kMinusBase), scale2[i & 1], 0x80008000u);
+  for (int i = 0; i < 4; ++i) a[i] = scaled_pair<Mma>(shifted[i], scale2[i & 1]);
 }
 
 template <class Mma, int TILE_W, int THREADS>
