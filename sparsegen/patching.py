@@ -52,6 +52,7 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     """
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
     plan = _plan(model, rules)
+    warm.warm_packing(plan, FACES)
     _check_roles(plan, rules, strict)
     warm.warm_cublas(model, skip={name for name, _, _ in plan})
     gated = _gated_mlps(model, plan) if fuse else []

@@ -57,6 +57,28 @@ def _asked(layer: nn.Module, arch: int, sm_count: int) -> list:
         return []
 
 
+def warm_packing(plan: list[tuple[str, nn.Module, dict]], faces: dict) -> int:
+    """Start building the kernels patch's conversions will launch (each face's `packing`, for
+    the plan's (name, module, settings) rows), before anything else patch does: the first
+    layer's conversion then waits for what is left of their compile, not all of it. Returns
+    how many builds were started."""
+    if not env.warm_kernels():
+        return 0
+    specs = []
+    for _, module, settings in plan:
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_cuda:
+            specs += _packed_by(faces[settings.get("sparsity", "block")], settings, weight)
+    return cache.build_soon(list(dict.fromkeys(specs))) if specs else 0
+
+
+def _packed_by(face, settings: dict, weight: torch.Tensor) -> list:
+    try:
+        return list(face.packing(settings, weight))
+    except SparsegenError:  # (a head start only: the conversion meets any such error itself)
+        return []
+
+
 def warm_cublas(model: nn.Module, skip: set[str] = frozenset()) -> threading.Thread | None:
     """Set up cuBLAS for the model's dense linear layers on CUDA (nn.Linear and its subclasses,
     nn.MultiheadAttention's out_proj say; sparsegen's layers are not ones) - those not named in `skip`

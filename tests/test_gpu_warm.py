@@ -1,12 +1,15 @@
 """Kernels warmed by patch() on the GPU: once the background builds finish, a patched gated
 MLP and its one-byte, 4-bit, block-sparse and block-ELL twins run decode, small-batch and prefill forwards without compiling
 anything more, and compute what they computed before (pytest -m gpu)."""
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 import sparsegen
 from sparsegen.jit import cache, compiler
+from sparsegen.semi24 import dispatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,7 +32,13 @@ def test_after_patch_the_forwards_compile_nothing(settings, monkeypatch, tmp_pat
     cache.clear_memory()
     torch.manual_seed(0)
     model = MLP().to("cuda", torch.bfloat16)
+    real_compile, compiled_on = compiler.compile_cubin, []
+    monkeypatch.setattr(compiler, "compile_cubin", lambda *args: compiled_on.append(threading.current_thread().name)
+                        or real_compile(*args))
+    dispatch.prune_kernel.cache_clear()
     sparsegen.patch(model, {r"\w+_proj": settings})
+    # every kernel the conversion launched (pruning, packing) was built ahead, off the caller's thread
+    assert threading.main_thread().name not in compiled_on, compiled_on
     for pending in list(cache._pending.values()):
         pending.exception(timeout=300)  # (done, whatever it raised)
 

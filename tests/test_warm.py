@@ -277,3 +277,54 @@ def test_a_layer_whose_kernels_cannot_be_named_ahead_is_passed_over(monkeypatch)
             raise SpecError("no kernel for this block on this arch")
     good = sparsegen.linear(128, 256, sparsity="2:4").to(torch.float16)
     assert warm.likely_specs([Odd(), good], 90, 132) == list(dict.fromkeys(good.likely_specs(90, 132)))
+
+
+@pytest.mark.parametrize("settings, ops", [({"sparsity": "2:4"}, {"sp24_compress"}),
+                                           ({"sparsity": "2:4", "method": "transposable"}, {"sp24_compress", "sp24_mask"}),
+                                           ({"sparsity": "2:4", "training": {}}, {"sp24_compress", "sp24_mask"}),
+                                           ({"sparsity": "2:4", "weight_dtype": "e4m3"}, {"sp24_compress"}),
+                                           ({"sparsity": "2:4", "group_size": 128}, {"sp24_compress"})])
+def test_the_2_4_face_names_the_pruning_kernels_its_conversion_launches(settings, ops, monkeypatch):
+    """In the weight's dtype (bf16 for a float32 weight going to 4 bits: from_dense prunes it so),
+    on the weight's arch; nothing where the conversion runs in PyTorch ops."""
+    from sparsegen.launch import runtime
+    from sparsegen.semi24 import face, tensor
+
+    assert face.packing(settings, torch.zeros(32, 64)) == []  # (a CPU weight: PyTorch ops)
+    monkeypatch.setattr(tensor, "on_kernels", lambda w: w.dtype in (torch.float16, torch.bfloat16))
+    monkeypatch.setattr(runtime, "device_arch", lambda device: 90)
+    for dtype in (torch.float16, torch.float32):
+        specs = face.packing(settings, torch.zeros(32, 64, dtype=dtype))
+        converted = "group_size" in settings and dtype == torch.float32  # (4-bit weights)
+        want = "fp16" if dtype == torch.float16 else "bf16" if converted else None
+        assert {s.op for s in specs} == (ops if want else set()), dtype
+        assert all(s.dtype == want and s.arch == 90 for s in specs)
+
+
+def test_patch_starts_the_packing_builds_before_it_converts_a_layer(monkeypatch):
+    """warm_packing sees every planned layer (its rule's settings) before the first conversion."""
+    from sparsegen import patching
+
+    events = []
+    monkeypatch.setattr(warm, "warm_packing", lambda plan, faces: events.append(("warm", [n for n, _, _ in plan])))
+    real_build = patching._build
+    monkeypatch.setattr(patching, "_build", lambda module, settings, from_dense, name:
+                        events.append(("build", name)) or real_build(module, settings, from_dense, name))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).half()
+    sparsegen.patch(model, {r"0|2": {"sparsity": "2:4"}})
+    assert events == [("warm", ["0", "2"]), ("build", "0"), ("build", "2")]
+
+
+def test_warm_packing_passes_over_cpu_weights_and_a_face_that_cannot_say(monkeypatch):
+    from sparsegen.errors import InputError
+
+    started = []
+    monkeypatch.setattr(cache, "build_soon", lambda specs: started.append(specs) or len(specs))
+
+    class Face:
+        def packing(self, settings, weight):
+            raise InputError("no kernels for this")
+    assert warm.warm_packing([("0", nn.Linear(64, 32), {"sparsity": "x"})], {"x": Face()}) == 0
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert warm.warm_packing([("0", nn.Linear(64, 32), {"sparsity": "x"})], {"x": Face()}) == 0
+    assert started == []

@@ -173,6 +173,10 @@ class Face:
     check_rule: Callable[[str, dict], None] = lambda pattern, settings: None
     pairs: Callable[[dict], bool] = lambda settings: False
     tuning: Tuning | None = None                    # sparsegen tune's points (None: not tuned)
+    # The kernels patch's conversion of a dense weight launches under a rule's settings
+    # (`packing(settings, weight)` -> KernelSpecs; pruning, packing): patch starts building them
+    # first, so the first layer's conversion waits for less of its compile (warm.warm_packing)
+    packing: Callable[[dict, Any], list] = lambda settings, weight: []
     # For the shared tests (tests/test_arguments.py): each argument in `takes` with a value it
     # accepts for a 128 -> 256 layer and what that value makes of the layer, (name, value,
     # effect(layer) -> bool): every argument is shown used, in every layout alike.

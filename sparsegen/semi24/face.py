@@ -8,6 +8,10 @@ import torch
 
 from ..errors import expect
 from ..jit import registry
+from ..launch import runtime
+from . import int4, tensor
+from .dispatch import DTYPE_NAMES
+from .specs import sp24_compress_spec
 from .nn import Sparse24Linear
 from .int4_nn import Int4Sparse24Linear
 from .scaled import ScaledSparse24Linear
@@ -39,6 +43,20 @@ def patched(linear, settings: dict, from_dense: bool):
     return Sparse24Linear.from_dense(linear, settings.get("method", "magnitude"))
 
 
+def packing(settings: dict, weight: torch.Tensor) -> list:
+    """The pruning kernels patched() launches on `weight` (tensor.prune_and_compress): the
+    compressing one, and the transposable mask's where the rule's method is "transposable"."""
+    if _with_group_size(settings).get("weight_dtype") == "int4" and weight.dtype not in int4.SCALE_DTYPES:
+        weight = weight.new_empty(0, dtype=torch.bfloat16)  # (from_dense prunes it in bf16)
+    if not tensor.on_kernels(weight):
+        return []
+    training = settings.get("training")
+    method = settings.get("method", "magnitude") if training is None else training.get("method", "transposable")
+    ops = ("sp24_compress", "sp24_mask") if method == "transposable" else ("sp24_compress",)
+    arch = runtime.device_arch(weight.device)
+    return [sp24_compress_spec(DTYPE_NAMES[weight.dtype], arch, op) for op in ops]
+
+
 def _quantized(linear, given: dict, method: str):
     if given["weight_dtype"] == "int4":
         return Int4Sparse24Linear.from_dense(linear, given.get("group_size", 128), method)
@@ -67,6 +85,7 @@ def check_rule(pattern: str, settings: dict) -> None:
 FACES = (registry.Face("2:4", ("weight_dtype", "group_size", *TRAINING_OPTIONS), build,
                        rule=("method", "training", "weight_dtype", "group_size"),
                        patch=patched, check_rule=check_rule, pairs=lambda settings: "training" not in settings,
+                       packing=packing,
                        examples=(("weight_dtype", "int8", lambda layer: layer.values.dtype == torch.int8),
                                  ("group_size", -1, lambda layer: layer.qweight.dtype == torch.int32
                                   and tuple(layer.scales.shape) == (1, layer.out_features)),
