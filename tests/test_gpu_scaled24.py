@@ -50,6 +50,26 @@ def test_scaled_kernel_applies_scales_bias_and_epilogue(weight_dtype, m, k, n, s
     assert relative_error(out, want) < 5e-3
 
 
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, n", [(64, 16), (4160, 48), (17920, 32)])
+def test_from_dense_on_the_gpu_gives_the_cpu_conversions_bytes_and_scales(weight_dtype, dtype, k, n):
+    """The GPU's conversion (pruning kernel, then sp24_quantize on the kept values) against the
+    CPU's PyTorch ops on the same weight: the same kept bytes, scales and metadata; an all-zero
+    row and an outlier included."""
+    linear = nn.Linear(k, n, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.mul_(torch.rand(n, 1) * 10)
+        linear.weight[1] = 0.0
+        linear.weight[2, 5] = 300.0
+    on_cpu = sparsegen.ScaledSparse24Linear.from_dense(linear, weight_dtype)
+    torch.full((n, k), float("nan"), device="cuda")  # freed: the outputs' memory next
+    on_gpu = sparsegen.ScaledSparse24Linear.from_dense(linear.cuda(), weight_dtype)
+    assert torch.equal(on_gpu.values.view(torch.uint8).cpu(), on_cpu.values.view(torch.uint8))
+    assert torch.equal(on_gpu.weight_scale.cpu(), on_cpu.weight_scale)
+    assert torch.equal(on_gpu.metadata.cpu(), on_cpu.metadata)
+
+
 def gpu_layer(k, n, weight_dtype, dtype=torch.bfloat16, **kw):
     linear = nn.Linear(k, n, dtype=dtype, device="cuda")
     return sparsegen.ScaledSparse24Linear.from_dense(linear, weight_dtype, **kw)

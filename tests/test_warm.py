@@ -282,7 +282,8 @@ def test_a_layer_whose_kernels_cannot_be_named_ahead_is_passed_over(monkeypatch)
 @pytest.mark.parametrize("settings, ops", [({"sparsity": "2:4"}, {"sp24_compress"}),
                                            ({"sparsity": "2:4", "method": "transposable"}, {"sp24_compress", "sp24_mask"}),
                                            ({"sparsity": "2:4", "training": {}}, {"sp24_compress", "sp24_mask"}),
-                                           ({"sparsity": "2:4", "weight_dtype": "e4m3"}, {"sp24_compress"}),
+                                           ({"sparsity": "2:4", "weight_dtype": "e4m3"}, {"sp24_compress", "sp24_quantize"}),
+                                           ({"sparsity": "2:4", "weight_dtype": "int8"}, {"sp24_compress", "sp24_quantize"}),
                                            ({"sparsity": "2:4", "group_size": 128}, {"sp24_compress"})])
 def test_the_2_4_face_names_the_pruning_kernels_its_conversion_launches(settings, ops, monkeypatch):
     """In the weight's dtype (bf16 for a float32 weight going to 4 bits: from_dense prunes it so),
@@ -293,12 +294,15 @@ def test_the_2_4_face_names_the_pruning_kernels_its_conversion_launches(settings
     assert face.packing(settings, torch.zeros(32, 64)) == []  # (a CPU weight: PyTorch ops)
     monkeypatch.setattr(tensor, "on_kernels", lambda w: w.dtype in (torch.float16, torch.bfloat16))
     monkeypatch.setattr(runtime, "device_arch", lambda device: 90)
+    monkeypatch.setattr(face, "has_byte_kernels", lambda dtype, device: True)
     for dtype in (torch.float16, torch.float32):
         specs = face.packing(settings, torch.zeros(32, 64, dtype=dtype))
         converted = "group_size" in settings and dtype == torch.float32  # (4-bit weights)
         want = "fp16" if dtype == torch.float16 else "bf16" if converted else None
         assert {s.op for s in specs} == (ops if want else set()), dtype
-        assert all(s.dtype == want and s.arch == 90 for s in specs)
+        # (the quantizing kernel's dtype is the bytes'; it reads the weight's)
+        assert all(s.arch == 90 and s.dtype == (settings["weight_dtype"] if s.op == "sp24_quantize" else want)
+                   for s in specs)
 
 
 def test_patch_starts_the_packing_builds_before_it_converts_a_layer(monkeypatch):

@@ -11,10 +11,11 @@ from ..jit import registry
 from ..launch import runtime
 from . import int4, tensor
 from .dispatch import DTYPE_NAMES
-from .specs import sp24_compress_spec
+from .ops import has_byte_kernels
+from .specs import SCALED_CODES, sp24_compress_spec, sp24_quantize_spec
 from .nn import Sparse24Linear
 from .int4_nn import Int4Sparse24Linear
-from .scaled import ScaledSparse24Linear
+from .scaled import WEIGHT_DTYPES, ScaledSparse24Linear
 from .train import Sparse24TrainingLinear
 
 TRAINING_OPTIONS = ("method", "mask_interval", "dw_sparse", "soft_threshold")
@@ -54,7 +55,11 @@ def packing(settings: dict, weight: torch.Tensor) -> list:
     method = settings.get("method", "magnitude") if training is None else training.get("method", "transposable")
     ops = ("sp24_compress", "sp24_mask") if method == "transposable" else ("sp24_compress",)
     arch = runtime.device_arch(weight.device)
-    return [sp24_compress_spec(DTYPE_NAMES[weight.dtype], arch, op) for op in ops]
+    specs = [sp24_compress_spec(DTYPE_NAMES[weight.dtype], arch, op) for op in ops]
+    byte = WEIGHT_DTYPES.get(settings.get("weight_dtype"))
+    if byte is not None and has_byte_kernels(byte, weight.device):  # (scaled.quantized_rows)
+        specs.append(sp24_quantize_spec(DTYPE_NAMES[byte], arch, SCALED_CODES[weight.dtype]))
+    return specs
 
 
 def _quantized(linear, given: dict, method: str):

@@ -50,6 +50,14 @@ def runs_byte_kernels(t: torch.Tensor) -> bool:
     return True
 
 
+def has_byte_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `device` is a GPU with the one-byte kernels of `dtype` (runs_byte_kernels' test, no error)."""
+    if device.type != "cuda":
+        return False
+    arch = runtime.device_arch(device)
+    return arch >= MIN_ARCH.get(BYTE_DTYPE_NAMES[dtype], 80) and arch in ARCHS
+
+
 @functools.lru_cache(maxsize=None)  # once per device: the forward calls it every time
 def _check_byte_arch(dtype: torch.dtype, device_index: int) -> None:
     arch = runtime.device_arch(torch.device("cuda", device_index))

@@ -180,9 +180,10 @@ KWARPS = registry.Param("kwarps", 1, choices=(1, 2), named_at_default=False,
                         doc="warps sharing a tile's W rows and tokens, each a share of K (sums met in shared memory)")
 
 
-# The token counts sp24_w4_spec tells apart: decode (up to 16, up to 32), small batches (33-128),
-# prefill (more: on Hopper the 16-bit kernel's, int4_nn.prefill_on_16_bit)
-W4_ROWS = (16, 32, 128, None)
+# The token counts sp24_w4_spec tells apart: decode (up to 8, up to 16, up to 32), small batches
+# (33-128), prefill (more: on Hopper the 16-bit kernel's, int4_nn.prefill_on_16_bit)
+W4_ROWS = (8, 16, 32, 128, None)
+W4_NARROW_ROWS = (8, 16, 128)  # (the buckets whose tile a narrow weight changes: _w4_tile)
 
 
 def w4_rows_bucket(m: int) -> int | None:
@@ -200,7 +201,9 @@ def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: in
     without); at 16 tokens 4096x4096 1.3x on those against 0.8x on 16 x 256; 17-32 tokens take
     32 x 128 tiles with k-warps (28672x8192 1.7x, 4096x14336 1.4x against 0.9x on 32 x 256);
     33-128 tokens 64 x 128 with k-warps where narrow (4096x14336 at 64 tokens 1.0x against
-    0.6x), else 64 x 256 (28672x8192 0.9x)."""
+    0.6x), else 64 x 256 (28672x8192 0.9x). 1-8 tokens take 8-token tiles with k-warps (33bbbc9's sweep:
+    at one token 14336x4096 2.38x and 4096x14336 2.53x against 2.16x and 2.10x on 16-token tiles; at
+    8 tokens 2.30x and 2.37x against 2.01x and 2.02x, 28672x8192 2.78x against 2.44x)."""
     big_smem = SMEM_LIMIT[arch] > 160 * 1024
     if tile is None:
         tile, chosen_kwarps = _w4_tile(rows, narrow, big_smem, arch)
@@ -211,6 +214,8 @@ def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: in
 
 def _w4_tile(rows: int | None, narrow: bool, big_smem: bool, arch: int) -> tuple[TileConfig, int]:
     """(tile, k-warps) of sp24_w4_spec's rules for this token bucket."""
+    if rows is not None and rows <= 8:  # (one n8 mma.sp step a W tile, half the X bytes of a 16-token stage)
+        return (TileConfig(8, 2, 1, 8 if big_smem else 6), 2) if narrow else (TileConfig(8, 4, 1, 6 if big_smem else 5), 2)
     if rows is not None and rows <= 16:
         stages = 6 if big_smem else 5
         return (TileConfig(16, 2, 1, stages), 2) if narrow else (TileConfig(16, 4, 1, stages), 1)
@@ -342,10 +347,10 @@ def default_specs(arch: int, dtypes: tuple, blocks=None) -> list[KernelSpec]:
     # Int4Sparse24Linear's (W4A16), for bf16 and fp16 models, per batch-size bucket
     semi += [sp24_w4_spec(d, arch, rows=rows, epilogue=e, narrow=narrow) for d in dtypes if d in ("bf16", "fp16")
              for rows in W4_ROWS if rows is not None or arch < 90 for e in ("none", *epilogues.FUSED)
-             for narrow in ((False, True) if rows in (16, 128) else (False,))]
+             for narrow in ((False, True) if rows in W4_NARROW_ROWS else (False,))]
     # and a compiled decode step's q, k and v projections in one launch (int4_nn.w4_group_plan), per bucket
     semi += [sp24_w4_spec(d, arch, rows=rows, narrow=narrow, groups=MAX_GROUPS) for d in dtypes if d in ("bf16", "fp16")
-             for rows in (16, 32) for narrow in ((False, True) if rows == 16 else (False,))]
+             for rows in (8, 16, 32) for narrow in ((False, True) if rows in W4_NARROW_ROWS else (False,))]
     semi += [sp24_compress_spec(d, arch, "sp24_w4_values") for d in dtypes if d in ("bf16", "fp16")]
     return semi + fused
 
