@@ -54,8 +54,9 @@ def wanted_splits(splits: int | None, dtype: torch.dtype, scales: int = 0) -> in
 LIKELY_ROWS = (1, 64, 128, 2048)
 
 
+@functools.lru_cache(maxsize=256)  # (a model's layers repeat a few shapes: patch asks once a shape, not a layer)
 def likely_specs(dtype: torch.dtype, arch: int, sm_count: int, out_features: int, epilogue: str,
-                 activations: torch.dtype | None = None) -> list:
+                 activations: torch.dtype | None = None) -> tuple:
     """The forward kernels a layer of this weight dtype and epilogue takes at LIKELY_ROWS
     tokens on a GPU of `arch` and `sm_count` SMs; a one-byte weight's (scaled, its activations
     `activations`) with its quantizing decode kernel and sp24_quantize."""
@@ -67,7 +68,7 @@ def likely_specs(dtype: torch.dtype, arch: int, sm_count: int, out_features: int
         found.append(sp24_spec(name, arch, rows=rows_bucket(1), epilogue=epilogue, scales=code, quantize=1))
     if code:
         found.append(sp24_quantize_spec(name, arch, code))
-    return found
+    return tuple(found)
 
 
 def narrow_tiles(m: int, n: int, device_index: int) -> bool:

@@ -101,7 +101,7 @@ class Sparse24Linear(SparseLinearForward, lean.LeanLayer, epilogues.Fusable, che
         """The kernels this layer's forward likely takes (sparsegen.warm builds them ahead)."""
         if self.values.dtype not in (torch.float16, torch.bfloat16):
             return []
-        return dispatch.likely_specs(self.values.dtype, arch, sm_count, self.out_features, self.epilogue)
+        return list(dispatch.likely_specs(self.values.dtype, arch, sm_count, self.out_features, self.epilogue))
 
     def _lean_call(self, x: torch.Tensor, values: torch.Tensor, bias):
         calls.check_inputs(x, values, bias, self.in_features)

@@ -312,7 +312,8 @@ class ScaledSparse24Linear(lean.LeanLayer, WeightLike, epilogues.Fusable, checkp
         activations of the bias's dtype (bfloat16 without one, as most one-byte models run)."""
         activations = self.bias.dtype if self.bias is not None and self.bias.dtype in ops.SCALED_OUTPUT_CODES \
             else torch.bfloat16
-        return dispatch.likely_specs(self.values.dtype, arch, sm_count, self.out_features, self.epilogue, activations)
+        return list(dispatch.likely_specs(self.values.dtype, arch, sm_count, self.out_features, self.epilogue,
+                                          activations))
 
     def to_dense_weight(self) -> Tensor:
         """The dequantized 2:4 weight, float32 [out, in]."""
