@@ -71,7 +71,8 @@ def disable_disk_cache() -> bool:
 
 def compress_kernel() -> bool:
     """2:4 pruning and packing of CUDA 16-bit and one-byte weights runs on the generated sp24_compress
-    and sp24_mask kernels; SPARSEGEN_COMPRESS_KERNEL=0 falls back to PyTorch ops."""
+    and sp24_mask kernels (and a one-byte layer's kept values are quantized by sp24_quantize);
+    SPARSEGEN_COMPRESS_KERNEL=0 falls back to PyTorch ops."""
     return _switch("SPARSEGEN_COMPRESS_KERNEL", True)
 
 
