@@ -18,7 +18,7 @@ from sparsegen.semi24.int4_nn import Int4Sparse24Linear, sp24_w4  # noqa: E402
 # (tile, k-warps): a block's W rows are 64 x warps_m, its tokens tile_m, its warps warps_m x
 # warps_n x k-warps (k-warps of the same rows and tokens share each stage's instruction steps)
 CONFIGS = [(None, None), (TileConfig(8, 4, 1, 6), 1), (TileConfig(8, 4, 1, 5), 1), (TileConfig(8, 4, 1, 6), 2),
-           (TileConfig(8, 2, 1, 8), 2), (TileConfig(16, 4, 1, 6), 1), (TileConfig(16, 4, 1, 6), 2), (TileConfig(16, 4, 1, 4), 2),
+           (TileConfig(8, 2, 1, 8), 2), (TileConfig(8, 4, 1, 3), 2), (TileConfig(8, 4, 1, 4), 2), (TileConfig(8, 2, 1, 4), 2), (TileConfig(16, 4, 1, 6), 1), (TileConfig(16, 4, 1, 6), 2), (TileConfig(16, 4, 1, 4), 2),
            (TileConfig(16, 2, 1, 6), 2), (TileConfig(16, 2, 1, 8), 2), (TileConfig(16, 4, 1, 3), 1),
            (TileConfig(32, 4, 1, 5), 2), (TileConfig(32, 4, 1, 4), 2), (TileConfig(32, 2, 1, 6), 2),
            (TileConfig(64, 4, 2, 4), 1), (TileConfig(64, 2, 2, 4), 2)]
