@@ -291,6 +291,7 @@ def forward():
     torch.cuda.synchronize()
 
 
+memory = [torch.cuda.memory_stats()] if {trace} else []  # (the trace's: cudaMallocs in patch, in the forward)
 begin = time.perf_counter()
 if {profile}:  # where the cold call's time goes, by function (the clock then runs slower)
     print(bg.python_profile(patch, 25, "cumulative"))
@@ -298,6 +299,7 @@ if {profile}:  # where the cold call's time goes, by function (the clock then ru
 else:
     patch()
 patched = time.perf_counter()
+memory += [torch.cuda.memory_stats()] if {trace} else []
 forward()
 print("SECONDS", time.perf_counter() - begin, patched - begin, len(compiled))
 if {trace}:  # the timeline: each NVRTC compile and each wait of the caller over 1 ms, from the clock's start
@@ -308,6 +310,12 @@ if {trace}:  # the timeline: each NVRTC compile and each wait of the caller over
     for name, at in marks:
         print(f"TRACE forward  {{at - begin:7.3f}} s  {{name}}")
     print(f"TRACE patch ends {{patched - begin:.3f}} s")
+    # (each new segment of PyTorch's caching allocator is a cudaMalloc: what new tensors cost)
+    memory.append(torch.cuda.memory_stats())
+    for part, (was, now) in (("patch", memory[:2]), ("forward", memory[1:])):
+        segments = now.get("segment.all.allocated", 0) - was.get("segment.all.allocated", 0)
+        grown = (now.get("reserved_bytes.all.current", 0) - was.get("reserved_bytes.all.current", 0)) / 2**20
+        print(f"TRACE {{part}}: {{segments}} cudaMallocs, reserved memory {{grown:+.0f}} MB")
 """
 
 
