@@ -45,8 +45,9 @@ def patched(linear, settings: dict, from_dense: bool):
 
 
 def packing(settings: dict, weight: torch.Tensor) -> list:
-    """The pruning kernels patched() launches on `weight` (tensor.prune_and_compress): the
-    compressing one, and the transposable mask's where the rule's method is "transposable"."""
+    """The kernels patched() launches on `weight`: the compressing one (tensor.prune_and_compress),
+    the transposable mask's where the rule's method is "transposable", and for one-byte weights
+    the quantizing one (scaled.quantized_rows)."""
     if _with_group_size(settings).get("weight_dtype") == "int4" and weight.dtype not in int4.SCALE_DTYPES:
         weight = weight.new_empty(0, dtype=torch.bfloat16)  # (from_dense prunes it in bf16)
     if not tensor.on_kernels(weight):

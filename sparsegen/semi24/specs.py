@@ -201,9 +201,9 @@ def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: in
     without); at 16 tokens 4096x4096 1.3x on those against 0.8x on 16 x 256; 17-32 tokens take
     32 x 128 tiles with k-warps (28672x8192 1.7x, 4096x14336 1.4x against 0.9x on 32 x 256);
     33-128 tokens 64 x 128 with k-warps where narrow (4096x14336 at 64 tokens 1.0x against
-    0.6x), else 64 x 256 (28672x8192 0.9x). 1-8 tokens take 8-token tiles with k-warps (33bbbc9's sweep:
-    at one token 14336x4096 2.38x and 4096x14336 2.53x against 2.16x and 2.10x on 16-token tiles; at
-    8 tokens 2.30x and 2.37x against 2.01x and 2.02x, 28672x8192 2.78x against 2.44x)."""
+    0.6x), else 64 x 256 (28672x8192 0.9x). 1-8 tokens take 8-token tiles with k-warps, 8 x 128 where
+    narrow (33bbbc9's sweep: at one token 14336x4096 2.38x and 4096x14336 2.49x against 2.16x and 2.10x
+    on 16-token tiles; at 8 tokens 2.30x and 2.37x against 2.01x and 2.02x, 28672x8192 2.78x against 2.44x)."""
     big_smem = SMEM_LIMIT[arch] > 160 * 1024
     if tile is None:
         tile, chosen_kwarps = _w4_tile(rows, narrow, big_smem, arch)
@@ -215,7 +215,8 @@ def sp24_w4_spec(dtype: str, arch: int, tile: TileConfig | None = None, rows: in
 def _w4_tile(rows: int | None, narrow: bool, big_smem: bool, arch: int) -> tuple[TileConfig, int]:
     """(tile, k-warps) of sp24_w4_spec's rules for this token bucket."""
     if rows is not None and rows <= 8:  # (one n8 mma.sp step a W tile, half the X bytes of a 16-token stage)
-        return (TileConfig(8, 2, 1, 8 if big_smem else 6), 2) if narrow else (TileConfig(8, 4, 1, 6 if big_smem else 5), 2)
+        stages = (8 if big_smem else 6) if narrow else (6 if big_smem else 5)
+        return (TileConfig(8, 2, 1, stages), 2) if narrow else (TileConfig(8, 4, 1, stages), 2)
     if rows is not None and rows <= 16:
         stages = 6 if big_smem else 5
         return (TileConfig(16, 2, 1, stages), 2) if narrow else (TileConfig(16, 4, 1, stages), 1)
