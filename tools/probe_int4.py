@@ -46,8 +46,11 @@ def main(weights=((28672, 8192), (14336, 4096), (4096, 14336), (4096, 4096)), to
                     for tile, kwarps in CONFIGS if fits(tile, m) for splits in SPLITS]
             rows = sorted(r for r in rows if r)[::-1]
             auto = next((r for r, tag, s in rows if tag == "default" and s == "None"), 0.0)
+            with torch.no_grad():  # (the layer's own forward, as bench24.py --int4 times it, beside the raw op's)
+                layer = graph_ms([lambda q=q: q(x) for q in layers])
             print(f"{n}x{k} M {m}: dense {base * 1000:.1f} us; best " + "; ".join(
-                f"{tag} s{splits} {r:.2f}x" for r, tag, splits in rows[:6]) + f" | default auto {auto:.2f}x", flush=True)
+                f"{tag} s{splits} {r:.2f}x" for r, tag, splits in rows[:6]) + f" | default auto {auto:.2f}x"
+                f" | layer forward {base / layer if layer else 0.0:.2f}x", flush=True)
         del dense, layers
 
 
