@@ -52,7 +52,7 @@ def patch(model: nn.Module, rules: dict, from_dense: bool = True, fuse: bool = T
     """
     expect(isinstance(rules, dict) and rules, "rules as a non-empty {pattern: settings} dict", rules)
     plan = _plan(model, rules)
-    warm.warm_packing(plan, FACES)
+    warm.warm_packing([(_face_of(settings), settings, _dense_weight(module)) for _, module, settings in plan])
     _check_roles(plan, rules, strict)
     warm.warm_cublas(model, skip={name for name, _, _ in plan})
     gated = _gated_mlps(model, plan) if fuse else []
@@ -292,7 +292,7 @@ def _fusable_gate(mlp: nn.Module, form: GatedForm, settings: dict) -> bool:
         return False
     (gate, up), biases = form.gate_and_up(mlp)
     return (gate.shape == up.shape and _pair_fits(mlp, form, gate.shape[0], biases)
-            and FACES[settings.get("sparsity", "block")].pairs(settings))
+            and _face_of(settings).pairs(settings))
 
 
 def _plan(model: nn.Module, rules: dict) -> list[tuple[str, nn.Module, dict]]:
@@ -394,6 +394,11 @@ def _checked(pattern: str, settings) -> dict:
     return dict(settings)
 
 
+def _face_of(settings: dict):
+    """The face a checked rule's settings name (block-sparse where they name none)."""
+    return FACES[settings.get("sparsity", "block")]
+
+
 def _dense_weight(module: nn.Module) -> torch.Tensor | None:
     """[out, in] weight of an nn.Linear, or of a transformers Conv1D (stored [in, out])."""
     if type(module) is nn.Linear:  # not subclasses: MultiheadAttention reads out_proj.weight itself
@@ -411,7 +416,7 @@ def _build(module: nn.Module, settings: dict, from_dense: bool, name: str) -> nn
                        device="meta")
     linear.weight, linear.bias = nn.Parameter(weight.detach()), module.bias
     try:
-        layer = FACES[settings.get("sparsity", "block")].make_patched(linear, settings, from_dense)
+        layer = _face_of(settings).make_patched(linear, settings, from_dense)
     except InputError as error:
         raise InputError(f"{name}: {error}") from None
     if type(module) is not nn.Linear:  # (a Conv1D: its weight is stored [in, out])

@@ -57,18 +57,15 @@ def _asked(layer: nn.Module, arch: int, sm_count: int) -> list:
         return []
 
 
-def warm_packing(plan: list[tuple[str, nn.Module, dict]], faces: dict) -> int:
-    """Start building the kernels patch's conversions will launch (each face's `packing`, for
-    the plan's (name, module, settings) rows), before anything else patch does: the first
-    layer's conversion then waits for what is left of their compile, not all of it. Returns
-    how many builds were started."""
+def warm_packing(conversions: list[tuple]) -> int:
+    """Start building the kernels patch's conversions will launch - each (face, rule settings,
+    dense weight)'s `face.packing` - before anything else patch does: the first layer's
+    conversion then waits for what is left of their compile, not all of it. Returns how many
+    builds were started."""
     if not env.warm_kernels():
         return 0
-    specs = []
-    for _, module, settings in plan:
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_cuda:
-            specs += _packed_by(faces[settings.get("sparsity", "block")], settings, weight)
+    specs = [spec for face, settings, weight in conversions if weight.is_cuda
+             for spec in _packed_by(face, settings, weight)]
     return cache.build_soon(list(dict.fromkeys(specs))) if specs else 0
 
 

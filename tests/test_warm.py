@@ -306,29 +306,39 @@ def test_the_2_4_face_names_the_pruning_kernels_its_conversion_launches(settings
 
 
 def test_patch_starts_the_packing_builds_before_it_converts_a_layer(monkeypatch):
-    """warm_packing sees every planned layer (its rule's settings) before the first conversion."""
+    """warm_packing sees every planned layer (its face and dense weight) before the first conversion."""
     from sparsegen import patching
 
     events = []
-    monkeypatch.setattr(warm, "warm_packing", lambda plan, faces: events.append(("warm", [n for n, _, _ in plan])))
+    monkeypatch.setattr(warm, "warm_packing", lambda conversions: events.append(
+        ("warm", [(face.sparsity, weight.shape) for face, _, weight in conversions])))
     real_build = patching._build
     monkeypatch.setattr(patching, "_build", lambda module, settings, from_dense, name:
                         events.append(("build", name)) or real_build(module, settings, from_dense, name))
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).half()
     sparsegen.patch(model, {r"0|2": {"sparsity": "2:4"}})
-    assert events == [("warm", ["0", "2"]), ("build", "0"), ("build", "2")]
+    assert events == [("warm", [("2:4", (128, 64)), ("2:4", (64, 128))]), ("build", "0"), ("build", "2")]
 
 
 def test_warm_packing_passes_over_cpu_weights_and_a_face_that_cannot_say(monkeypatch):
     from sparsegen.errors import InputError
+    from sparsegen.semi24.specs import sp24_compress_spec
 
     started = []
     monkeypatch.setattr(cache, "build_soon", lambda specs: started.append(specs) or len(specs))
+    spec = sp24_compress_spec("bf16", 90)
 
     class Face:
+        def __init__(self, fails):
+            self.fails = fails
+
         def packing(self, settings, weight):
-            raise InputError("no kernels for this")
-    assert warm.warm_packing([("0", nn.Linear(64, 32), {"sparsity": "x"})], {"x": Face()}) == 0
+            if self.fails:
+                raise InputError("no kernels for this")
+            return [spec]
+    weight = torch.zeros(32, 64)
+    assert warm.warm_packing([(Face(False), {}, weight)]) == 0 and started == []  # (a CPU weight: nothing asked)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert warm.warm_packing([("0", nn.Linear(64, 32), {"sparsity": "x"})], {"x": Face()}) == 0
-    assert started == []
+    assert warm.warm_packing([(Face(True), {}, weight)]) == 0 and started == []
+    assert warm.warm_packing([(Face(False), {}, weight), (Face(False), {}, weight)]) == 1  # (deduplicated)
+    assert started == [[spec]]

@@ -48,8 +48,8 @@ def packing(settings: dict, weight: torch.Tensor) -> list:
     """The kernels patched() launches on `weight`: the compressing one (tensor.prune_and_compress),
     the transposable mask's where the rule's method is "transposable", and for one-byte weights
     the quantizing one (scaled.quantized_rows)."""
-    if _with_group_size(settings).get("weight_dtype") == "int4" and weight.dtype not in int4.SCALE_DTYPES:
-        weight = weight.new_empty(0, dtype=torch.bfloat16)  # (from_dense prunes it in bf16)
+    if _with_group_size(settings).get("weight_dtype") == "int4":  # (from_dense prunes it in its scale dtype)
+        weight = weight.new_empty(0, dtype=int4.scale_dtype_for(weight.dtype))
     if not tensor.on_kernels(weight):
         return []
     training = settings.get("training")

@@ -26,6 +26,12 @@ OFFSET = 8     # a stored nibble is q + 8
 SCALE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def scale_dtype_for(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight of `weight_dtype` is pruned and scaled in: its own where it is a scale
+    dtype, else bfloat16 (a float32 linear's)."""
+    return weight_dtype if weight_dtype in SCALE_DTYPES else torch.bfloat16
+
+
 def group_of(group_size: int | None, in_features: int) -> int:
     """The columns one scale covers: group_size (a positive multiple of 128), or all of them
     for -1 or None (a scale per output channel, GPTQ's -1)."""

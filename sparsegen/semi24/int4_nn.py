@@ -269,7 +269,7 @@ class Int4Sparse24Linear(lean.LeanLayer, epilogues.Fusable, checkpoint.CheckedLo
         expect(isinstance(linear, nn.Linear), "an nn.Linear", type(linear).__name__)
         w = linear.weight.detach()
         semi24.check_shape(tuple(w.shape))
-        dtype = dtype or (w.dtype if w.dtype in int4.SCALE_DTYPES else torch.bfloat16)
+        dtype = dtype or int4.scale_dtype_for(w.dtype)
         kept, metadata = tensor.prune_and_compress(w.to(dtype), method, mask)
         group = int4.group_of(group_size, w.shape[1])
         q, scales = int4.quantize(kept, group, dtype)

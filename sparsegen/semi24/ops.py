@@ -60,10 +60,9 @@ def has_byte_kernels(dtype: torch.dtype, device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)  # once per device: the forward calls it every time
 def _check_byte_arch(dtype: torch.dtype, device_index: int) -> None:
-    arch = runtime.device_arch(torch.device("cuda", device_index))
-    least = MIN_ARCH.get(BYTE_DTYPE_NAMES[dtype], 80)
-    expect(arch >= least and arch in ARCHS, f"a GPU of sm_{least} or later with sparsegen kernels for "
-           f"{dtype} 2:4 products (or the tensors on the CPU)", f"sm_{arch}")
+    device = torch.device("cuda", device_index)
+    expect(has_byte_kernels(dtype, device), f"a GPU of sm_{MIN_ARCH.get(BYTE_DTYPE_NAMES[dtype], 80)} or later with "
+           f"sparsegen kernels for {dtype} 2:4 products (or the tensors on the CPU)", f"sm_{runtime.device_arch(device)}")
 
 
 def runs_prune_kernels(t: torch.Tensor) -> bool:
